@@ -1,0 +1,170 @@
+"""Frozen, hashable configs: the model's (read from a Hugging Face config.json) and the LoRA limits.
+
+They are hashable so that jit can take them as static arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+# The projections a LoRA adapter may target, in the order the model applies them.
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or config is one multilora does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (rope_type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: biases on q, k and v
+    architecture: str = "LlamaForCausalLM"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def module_dims(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of a projection, as a LoRA adapter must match them."""
+        d, f = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (d, self.q_dim),
+            "k_proj": (d, self.kv_dim),
+            "v_proj": (d, self.kv_dim),
+            "o_proj": (self.q_dim, d),
+            "gate_proj": (d, f),
+            "up_proj": (d, f),
+            "down_proj": (f, d),
+        }[module]
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type", "")
+        arch = archs[0] if archs else ""
+        if arch not in SUPPORTED_ARCHITECTURES and model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {arch or model_type!r}; multilora supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_type {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        if not arch:
+            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                    "qwen2": "Qwen2ForCausalLM"}[model_type]
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+        if cfg.get("mlp_bias"):
+            raise UnsupportedModelError("mlp_bias=true is not supported (Llama-family MLPs have no bias)")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        num_kv = int(cfg.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv:
+            raise UnsupportedModelError(
+                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}")
+        rope_scaling = _parse_rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters"))
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
+            rope_theta = cfg["rope_parameters"].get("rope_theta")
+        attention_bias = bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        sliding = None
+        if cfg.get("use_sliding_window", model_type == "mistral") and cfg.get("sliding_window"):
+            sliding = int(cfg["sliding_window"])
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            architecture=arch,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=sliding,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {str(path)!r}")
+        return cls.from_hf_dict(json.loads(p.read_text()))
+
+
+def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise UnsupportedModelError(
+            f"unsupported rope_scaling type {kind!r}; supported: 'llama3' (or none)")
+    return RopeScaling(
+        factor=float(rs["factor"]),
+        low_freq_factor=float(rs["low_freq_factor"]),
+        high_freq_factor=float(rs["high_freq_factor"]),
+        original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Device-side LoRA limits: how many adapters one batch may use and the padded rank."""
+
+    max_loras_per_batch: int = 8
+    max_lora_rank: int = 64
+    target_modules: tuple[str, ...] = LORA_MODULES
+
+    @property
+    def num_slots(self) -> int:
+        """Slot 0 is "no adapter" (all zeros), so there is one more slot than adapters."""
+        return self.max_loras_per_batch + 1

@@ -1,0 +1,179 @@
+"""Read and validate a PEFT LoRA adapter folder -> host arrays per module, stacked over layers.
+
+Each module's per-layer scaling (alpha / r, or alpha / sqrt(r) with rsLoRA; rank_pattern and
+alpha_pattern respected) is split as: the adapter's default scaling, applied per slot by the
+backend, times a per-module ratio folded into B here (1.0 unless a pattern changes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from multilora.config import LORA_MODULES, ModelConfig
+
+_KEY_RE = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.(?:[\w-]+\.)?weight$")
+_ALL_LINEAR = "all-linear"
+
+
+class AdapterError(ValueError):
+    """An adapter folder that cannot be served; the message names the adapter and the reason."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"LoRA adapter {name!r}: {reason}")
+        self.adapter_name = name
+        self.reason = reason
+
+
+@dataclasses.dataclass
+class LoRAAdapter:
+    """Host copy of one adapter. a_LRI / b_LOR are zero for layers the adapter does not touch."""
+
+    name: str
+    path: str
+    rank: int                      # the largest rank over its modules
+    scaling: float                 # default scaling, applied per slot
+    modules: dict[str, tuple[np.ndarray, np.ndarray]]  # module -> (a_LRI, b_LOR)
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        return tuple(m for m in LORA_MODULES if m in self.modules)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.modules.values())
+
+
+def _pattern_value(patterns: dict, key: str, default):
+    # PEFT's get_pattern_key: a pattern matches a trailing, dot-separated part of the module name.
+    for pat, val in patterns.items():
+        if re.match(rf"(.*\.)?({pat})$", key):
+            return val
+    return default
+
+
+def _read_config(name: str, folder: Path) -> dict:
+    cfg_path = folder / "adapter_config.json"
+    if not folder.is_dir():
+        raise AdapterError(name, f"adapter folder {str(folder)!r} does not exist")
+    if not cfg_path.is_file():
+        raise AdapterError(name, f"no adapter_config.json in {str(folder)!r}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(name, f"adapter_config.json is not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(name, "adapter_config.json must hold a JSON object")
+    return cfg
+
+
+def _check_config(name: str, cfg: dict) -> None:
+    peft_type = str(cfg.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise AdapterError(name, f"peft_type {peft_type!r} is not supported; only LORA adapters are")
+    if cfg.get("use_dora"):
+        raise AdapterError(name, "use_dora=true (DoRA) is not supported; only plain LoRA is")
+    if cfg.get("modules_to_save"):
+        raise AdapterError(name, f"modules_to_save={cfg['modules_to_save']} is not supported: it replaces "
+                                 "base weights per adapter; only LoRA deltas on "
+                                 f"{', '.join(LORA_MODULES)} are")
+    if cfg.get("bias", "none") != "none":
+        raise AdapterError(name, f"bias={cfg['bias']!r} is not supported; only bias='none' is")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        bad = [t for t in targets if t.split(".")[-1] not in LORA_MODULES and t != _ALL_LINEAR]
+        if bad:
+            raise AdapterError(name, f"target_modules {bad} are outside the supported set "
+                                     f"{', '.join(LORA_MODULES)}")
+    for key in ("r", "lora_alpha"):
+        if key in cfg and not isinstance(cfg[key], (int, float)):
+            raise AdapterError(name, f"{key} must be a number, got {cfg[key]!r}")
+
+
+def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
+    """Read, validate and lay out one adapter. Raises AdapterError; touches no shared state."""
+    folder = Path(path)
+    cfg = _read_config(name, folder)
+    _check_config(name, cfg)
+    weights_file = folder / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        other = " (adapter_model.bin is not read: convert it to safetensors)" if (folder / "adapter_model.bin").exists() else ""
+        raise AdapterError(name, f"no adapter_model.safetensors in {str(folder)!r}{other}")
+    try:
+        with safe_open(weights_file, "numpy") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
+
+    r_default = int(cfg.get("r", 8))
+    alpha_default = float(cfg.get("lora_alpha", 8))
+    rslora = bool(cfg.get("use_rslora", False))
+    rank_pattern = cfg.get("rank_pattern") or {}
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+
+    def scaling_of(alpha: float, r: int) -> float:
+        return alpha / math.sqrt(r) if rslora else alpha / r
+
+    default_scaling = scaling_of(alpha_default, r_default)
+    found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for key, arr in tensors.items():
+        m = _KEY_RE.search(key)
+        if m is None:
+            raise AdapterError(name, f"tensor {key!r} is not a LoRA A/B weight of "
+                                     f"{', '.join(LORA_MODULES)} (embedding, lm_head and other "
+                                     "targets are not supported)")
+        layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
+        if module not in LORA_MODULES:
+            raise AdapterError(name, f"target module {module!r} is outside the supported set "
+                                     f"{', '.join(LORA_MODULES)}")
+        if layer >= model_cfg.num_layers:
+            raise AdapterError(name, f"tensor {key!r} names layer {layer}, but the base model has "
+                                     f"{model_cfg.num_layers} layers (an adapter for another model?)")
+        if not np.all(np.isfinite(arr.astype(np.float32))):
+            raise AdapterError(name, f"tensor {key!r} holds NaN or Inf values")
+        found.setdefault((layer, module), {})[ab] = arr
+    if not found:
+        raise AdapterError(name, "adapter_model.safetensors holds no LoRA weights")
+
+    per_module: dict[str, dict[int, tuple[np.ndarray, np.ndarray, float]]] = {}
+    max_rank = 0
+    for (layer, module), ab in sorted(found.items()):
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(name, f"layer {layer} {module} has lora_{''.join(ab)} but not its pair")
+        a, b = ab["A"].astype(np.float32), ab["B"].astype(np.float32)
+        d_in, d_out = model_cfg.module_dims(module)
+        r = a.shape[0]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != d_in or b.shape != (d_out, r):
+            raise AdapterError(name, f"layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} "
+                                     f"do not fit the base model's {module} ({d_in} -> {d_out}); "
+                                     "an adapter for another model?")
+        if r > max_lora_rank:
+            raise AdapterError(name, f"rank {r} ({module}) exceeds max_lora_rank={max_lora_rank}")
+        module_key = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
+        alpha = float(_pattern_value(alpha_pattern, module_key, alpha_default))
+        r_cfg = int(_pattern_value(rank_pattern, module_key, r_default))
+        if r_cfg != r:
+            raise AdapterError(name, f"layer {layer} {module}: weights have rank {r} but the config "
+                                     f"says {r_cfg}")
+        ratio = scaling_of(alpha, r) / default_scaling
+        per_module.setdefault(module, {})[layer] = (a, b, ratio)
+        max_rank = max(max_rank, r)
+
+    modules = {}
+    for module, layers in per_module.items():
+        d_in, d_out = model_cfg.module_dims(module)
+        r_mod = max(a.shape[0] for a, _, _ in layers.values())
+        a_LRI = np.zeros((model_cfg.num_layers, r_mod, d_in), np.float32)
+        b_LOR = np.zeros((model_cfg.num_layers, d_out, r_mod), np.float32)
+        for layer, (a, b, ratio) in layers.items():
+            r = a.shape[0]
+            a_LRI[layer, :r] = a
+            b_LOR[layer, :, :r] = b * ratio if ratio != 1.0 else b
+        modules[module] = (a_LRI, b_LOR)
+    return LoRAAdapter(name=name, path=str(folder), rank=max_rank, scaling=default_scaling, modules=modules)

@@ -1,0 +1,27 @@
+"""BGMV: each token gathers its own adapter's A and B (the decode path).
+
+Work and bytes grow with the tokens in the batch, not with the number of slots (sglang-jax's
+one-hot einsum reads every slot for every token). Slot 0 holds zeros, so base rows add nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from multilora.lora.backend.base import BaseLoRABackend, add_base, token_scaling_T1
+from multilora.lora.batch import LoRABatchInfo
+
+
+class BgmvLoRABackend(BaseLoRABackend):
+    name = "bgmv"
+
+    def run_lora_a_gemm(self, x_TD, lora_a_SRD, info: LoRABatchInfo):
+        a_TRD = jnp.take(lora_a_SRD, info.slot_T, axis=0)
+        h_TR = jnp.einsum("td,trd->tr", x_TD, a_TRD.astype(x_TD.dtype))
+        return h_TR * token_scaling_T1(info, h_TR.dtype)
+
+    def run_lora_b_gemm(self, h_TR, lora_b_SOR, info: LoRABatchInfo, base_output_TO=None):
+        b_TOR = jnp.take(lora_b_SOR, info.slot_T, axis=0)
+        y_TO = jnp.einsum("tr,tor->to", h_TR, b_TOR.astype(h_TR.dtype))
+        return add_base(y_TO, base_output_TO)

@@ -1,0 +1,57 @@
+"""SGMV: tokens grouped by adapter into tiles of M rows, one small batched matmul over tiles.
+
+`jax.lax.ragged_dot` would be the natural grouped matmul, but on the CPU it lowers to a masked
+dense emulation (a copy of x per group); fixed-size tiles sorted by slot keep every shape static
+and the work proportional to the tokens. Base-model tokens are in no tile and get zeros.
+Legend: G tiles, M rows per tile (see multilora.lora.batch).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from multilora.lora.backend.base import BaseLoRABackend, add_base
+from multilora.lora.batch import LoRABatchInfo
+
+
+def _to_tiles(x_TX: jax.Array, info: LoRABatchInfo) -> jax.Array:
+    x_pad = jnp.concatenate([x_TX, jnp.zeros((1, x_TX.shape[1]), x_TX.dtype)], axis=0)
+    return jnp.take(x_pad, info.tile_rows_GM, axis=0)  # (G, M, X)
+
+
+def _from_tiles(y_GMX: jax.Array, info: LoRABatchInfo) -> jax.Array:
+    g, m, x = y_GMX.shape
+    y_pad = jnp.concatenate([y_GMX.reshape(g * m, x), jnp.zeros((1, x), y_GMX.dtype)], axis=0)
+    return jnp.take(y_pad, info.token_pos_T, axis=0)
+
+
+def shrink_tiles(x_TD, lora_a_SRD, info: LoRABatchInfo) -> jax.Array:
+    x_GMD = _to_tiles(x_TD, info)
+    a_GRD = jnp.take(lora_a_SRD, info.tile_slot_G, axis=0).astype(x_TD.dtype)
+    h_GMR = jnp.einsum("gmd,grd->gmr", x_GMD, a_GRD)
+    scale_G11 = jnp.take(info.scalings_S, info.tile_slot_G)[:, None, None].astype(h_GMR.dtype)
+    return h_GMR * scale_G11
+
+
+def expand_tiles(h_GMR, lora_b_SOR, info: LoRABatchInfo) -> jax.Array:
+    b_GOR = jnp.take(lora_b_SOR, info.tile_slot_G, axis=0).astype(h_GMR.dtype)
+    y_GMO = jnp.einsum("gmr,gor->gmo", h_GMR, b_GOR)
+    return _from_tiles(y_GMO, info)
+
+
+class SgmvLoRABackend(BaseLoRABackend):
+    name = "sgmv"
+
+    def run_lora_a_gemm(self, x_TD, lora_a_SRD, info: LoRABatchInfo):
+        return _from_tiles(shrink_tiles(x_TD, lora_a_SRD, info), info)
+
+    def run_lora_b_gemm(self, h_TR, lora_b_SOR, info: LoRABatchInfo, base_output_TO=None):
+        return add_base(expand_tiles(_to_tiles(h_TR, info), lora_b_SOR, info), base_output_TO)
+
+    def _stacked(self, x_TD, a_SRD, lora_b, info):
+        # Stay in tile space between the shrink and the expands: one regroup, not one per output.
+        h_GMR = shrink_tiles(x_TD, a_SRD, info)
+        r = a_SRD.shape[1] // len(lora_b)
+        return tuple(expand_tiles(h_GMR[..., i * r:(i + 1) * r], b_SOR, info)
+                     for i, b_SOR in enumerate(lora_b))

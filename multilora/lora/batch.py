@@ -1,0 +1,105 @@
+"""Per-batch LoRA metadata: which adapter slot each token uses, and the grouping a segmented
+(SGMV) backend needs. Built once per batch on the host, shared by every layer.
+
+Slot NO_ADAPTER (0) means "base model only": its buffers are all zeros and both backends skip it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import numpy as np
+
+NO_ADAPTER = 0
+
+
+class LoRAType(enum.Enum):
+    A = "A"  # shrink: in_features -> rank
+    B = "B"  # expand: rank -> out_features
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoRABatchInfo:
+    """Device arrays describing one batch's adapters.
+
+    slot_T:       adapter slot of each token (NO_ADAPTER for base rows and padding).
+    scalings_S:   per-slot scaling (alpha / r, or alpha / sqrt(r) with rsLoRA).
+    ranks_S:      per-slot rank (0 for empty slots); buffers are zero past it.
+    tile_slot_G:  SGMV: the slot of each tile of rows.
+    tile_rows_GM: SGMV: token index of each row of each tile (T = padding, reads a zero row).
+    token_pos_T:  SGMV: where token t sits in the flattened tiles (G*M = "no adapter", zero row).
+    """
+
+    slot_T: jax.Array
+    scalings_S: jax.Array
+    ranks_S: jax.Array
+    tile_slot_G: jax.Array
+    tile_rows_GM: jax.Array
+    token_pos_T: jax.Array
+
+
+def sgmv_tile_rows(num_tokens: int) -> int:
+    """Rows per SGMV tile, a static function of the padded token count."""
+    if num_tokens <= 64:
+        return 8
+    if num_tokens <= 512:
+        return 32
+    return 64
+
+
+def sgmv_num_tiles(num_tokens: int, num_slots: int) -> int:
+    """Upper bound of tiles: full tiles plus one partial tile per adapter in the batch."""
+    m = sgmv_tile_rows(num_tokens)
+    return -(-num_tokens // m) + min(num_slots - 1, num_tokens)
+
+
+def group_tokens_by_slot(slot_T: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sort tokens by slot into tiles of M rows: (tile_slot_G, tile_rows_GM, token_pos_T).
+
+    Tokens in NO_ADAPTER are left out of every tile; unused tiles use slot NO_ADAPTER and
+    padding rows, so their products are zeros that nothing reads.
+    """
+    t = int(slot_T.shape[0])
+    m = sgmv_tile_rows(t)
+    g = sgmv_num_tiles(t, num_slots)
+    tile_slot = np.full((g,), NO_ADAPTER, np.int32)
+    tile_rows = np.full((g, m), t, np.int32)
+    token_pos = np.full((t,), g * m, np.int32)
+    order = np.argsort(slot_T, kind="stable")
+    sorted_slots = slot_T[order]
+    tile = 0
+    starts = np.flatnonzero(np.r_[True, sorted_slots[1:] != sorted_slots[:-1]])
+    ends = np.r_[starts[1:], t]
+    for s0, s1 in zip(starts, ends):
+        slot = int(sorted_slots[s0])
+        if slot == NO_ADAPTER:
+            continue
+        toks = order[s0:s1]
+        for c0 in range(0, len(toks), m):
+            chunk = toks[c0:c0 + m]
+            tile_slot[tile] = slot
+            tile_rows[tile, :len(chunk)] = chunk
+            token_pos[chunk] = tile * m + np.arange(len(chunk))
+            tile += 1
+    assert tile <= g, (tile, g)
+    return tile_slot, tile_rows, token_pos
+
+
+def make_lora_batch_info(slot_T: np.ndarray, scalings_S: np.ndarray, ranks_S: np.ndarray) -> LoRABatchInfo:
+    """Host arrays -> LoRABatchInfo (numpy; jit moves them to the device)."""
+    slot_T = np.asarray(slot_T, np.int32)
+    num_slots = int(scalings_S.shape[0])
+    if slot_T.size and (slot_T.min() < 0 or slot_T.max() >= num_slots):
+        raise ValueError(f"adapter slot out of range: slots must be in [0, {num_slots})")
+    tile_slot, tile_rows, token_pos = group_tokens_by_slot(slot_T, num_slots)
+    return LoRABatchInfo(
+        slot_T=slot_T,
+        scalings_S=np.asarray(scalings_S, np.float32),
+        ranks_S=np.asarray(ranks_S, np.int32),
+        tile_slot_G=tile_slot,
+        tile_rows_GM=tile_rows,
+        token_pos_T=token_pos,
+    )

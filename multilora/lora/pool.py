@@ -1,0 +1,127 @@
+"""Device slots for adapters: stacked A/B buffers padded to max_lora_rank, one slot per adapter
+in a batch plus slot 0 ("no adapter", all zeros).
+
+Putting an adapter into a slot rewrites buffer contents in place (a jitted update with the
+buffers donated, the slot index traced), so shapes never change and nothing recompiles.
+Which adapter lives in which slot, and what to evict, is decided in multilora.lora.registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from multilora.config import LoRAConfig, ModelConfig
+from multilora.lora.adapter import LoRAAdapter
+from multilora.lora.batch import NO_ADAPTER
+from multilora.model.llama import LoRAWeights
+from multilora.model.sharding import LORA_AXES, dataclass_shardings, rules_for
+
+
+def lora_buffer_shapes(cfg: ModelConfig, num_slots: int, max_rank: int) -> dict[str, tuple[int, ...]]:
+    L, S, R, D, F = cfg.num_layers, num_slots, max_rank, cfg.hidden_size, cfg.intermediate_size
+    qo, kvo = cfg.q_dim, cfg.kv_dim
+    return {
+        "qkv_a_LSRD": (L, S, 3 * R, D),
+        "q_b_LSOR": (L, S, qo, R),
+        "k_b_LSOR": (L, S, kvo, R),
+        "v_b_LSOR": (L, S, kvo, R),
+        "o_a_LSRO": (L, S, R, qo),
+        "o_b_LSDR": (L, S, D, R),
+        "gate_up_a_LSRD": (L, S, 2 * R, D),
+        "gate_b_LSFR": (L, S, F, R),
+        "up_b_LSFR": (L, S, F, R),
+        "down_a_LSRF": (L, S, R, F),
+        "down_b_LSDR": (L, S, D, R),
+    }
+
+
+def init_lora_weights(cfg: ModelConfig, lora_cfg: LoRAConfig, dtype, mesh) -> LoRAWeights:
+    shapes = lora_buffer_shapes(cfg, lora_cfg.num_slots, lora_cfg.max_lora_rank)
+    host = LoRAWeights(**{k: np.zeros((), np.float32) for k in shapes})
+    shardings = dataclass_shardings(host, LORA_AXES, mesh, rules_for(cfg, mesh))
+    return LoRAWeights(**{
+        k: jax.device_put(jnp.zeros(shape, dtype), getattr(shardings, k)) for k, shape in shapes.items()
+    })
+
+
+def adapter_slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, max_rank: int) -> LoRAWeights:
+    """One slot's contents (host float32, no S axis), laid out like LoRAWeights: A rows past a
+    module's rank and every untargeted module stay zero."""
+    shapes = {k: s[:1] + s[2:] for k, s in lora_buffer_shapes(cfg, 1, max_rank).items()}
+    out = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    if adapter is None:
+        return LoRAWeights(**out)
+    R = max_rank
+    mods = adapter.modules
+
+    def put_a(field, module, block=0):
+        if module in mods:
+            a_LRI = mods[module][0]
+            out[field][:, block * R:block * R + a_LRI.shape[1]] = a_LRI
+
+    def put_b(field, module):
+        if module in mods:
+            b_LOR = mods[module][1]
+            out[field][:, :, :b_LOR.shape[2]] = b_LOR
+
+    for i, m in enumerate(("q_proj", "k_proj", "v_proj")):
+        put_a("qkv_a_LSRD", m, i)
+    for i, m in enumerate(("gate_proj", "up_proj")):
+        put_a("gate_up_a_LSRD", m, i)
+    put_a("o_a_LSRO", "o_proj")
+    put_a("down_a_LSRF", "down_proj")
+    for field, m in (("q_b_LSOR", "q_proj"), ("k_b_LSOR", "k_proj"), ("v_b_LSOR", "v_proj"),
+                     ("o_b_LSDR", "o_proj"), ("gate_b_LSFR", "gate_proj"), ("up_b_LSFR", "up_proj"),
+                     ("down_b_LSDR", "down_proj")):
+        put_b(field, m)
+    return LoRAWeights(**out)
+
+
+def write_slot(lora: LoRAWeights, slot: jax.Array, new: LoRAWeights) -> LoRAWeights:
+    """Pure: lora with slot `slot` replaced by `new` (jitted with donation in the runner)."""
+    return jax.tree.map(
+        lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), slot, axis=1),
+        lora, new)
+
+
+_jit_write_slot = jax.jit(write_slot, donate_argnums=0)
+
+
+class LoRASlots:
+    """The device buffers plus each slot's scaling and rank (host arrays fed to every batch)."""
+
+    def __init__(self, cfg: ModelConfig, lora_cfg: LoRAConfig, dtype, mesh):
+        self.cfg, self.lora_cfg = cfg, lora_cfg
+        self.weights = init_lora_weights(cfg, lora_cfg, dtype, mesh)
+        self.scalings_S = np.zeros((lora_cfg.num_slots,), np.float32)
+        self.ranks_S = np.zeros((lora_cfg.num_slots,), np.int32)
+
+    @property
+    def num_slots(self) -> int:
+        return self.lora_cfg.num_slots
+
+    def _check(self, slot: int):
+        if not (NO_ADAPTER < slot < self.num_slots):
+            raise ValueError(f"slot {slot} out of range: adapter slots are 1..{self.num_slots - 1} "
+                             f"(slot {NO_ADAPTER} is the base model)")
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        self._check(slot)
+        if adapter.rank > self.lora_cfg.max_lora_rank:
+            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank "
+                             f"{self.lora_cfg.max_lora_rank}")
+        new = adapter_slot_arrays(adapter, self.cfg, self.lora_cfg.max_lora_rank)
+        self.weights = _jit_write_slot(self.weights, jnp.int32(slot), new)
+        self.scalings_S[slot] = adapter.scaling
+        self.ranks_S[slot] = adapter.rank
+
+    def clear(self, slot: int) -> None:
+        self._check(slot)
+        new = adapter_slot_arrays(None, self.cfg, self.lora_cfg.max_lora_rank)
+        self.weights = _jit_write_slot(self.weights, jnp.int32(slot), new)
+        self.scalings_S[slot] = 0.0
+        self.ranks_S[slot] = 0

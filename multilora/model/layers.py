@@ -1,0 +1,58 @@
+"""Pure building blocks of a Llama-family layer: RMSNorm, rotary embeddings, SwiGLU.
+
+Legend: T tokens, D model dim, N heads, H head dim, F ffn dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from multilora.config import ModelConfig
+
+
+def rms_norm(x_TD: jax.Array, w_D: jax.Array, eps: float) -> jax.Array:
+    x32 = x_TD.astype(jnp.float32)
+    var_T1 = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    return (x32 * jax.lax.rsqrt(var_T1 + eps)).astype(x_TD.dtype) * w_D
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies (H/2,), with Llama-3 scaling when the config asks for it."""
+    h = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv.astype(np.float32)
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions_T: jax.Array, inv_freq_h: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    freqs_Th = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq_h)[None, :]
+    emb_TH = jnp.concatenate([freqs_Th, freqs_Th], axis=-1)
+    return jnp.cos(emb_TH), jnp.sin(emb_TH)
+
+
+def apply_rope(x_TNH: jax.Array, cos_TH: jax.Array, sin_TH: jax.Array) -> jax.Array:
+    """Hugging Face's rotate-half convention (not the interleaved one)."""
+    half = x_TNH.shape[-1] // 2
+    x1, x2 = x_TNH[..., :half], x_TNH[..., half:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    cos, sin = cos_TH[:, None, :], sin_TH[:, None, :]
+    out = x_TNH.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
+    return out.astype(x_TNH.dtype)
+
+
+def swiglu(gate_TF: jax.Array, up_TF: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate_TF) * up_TF

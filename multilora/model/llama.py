@@ -1,0 +1,178 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) as a pure function of pytrees.
+
+    forward(weights, lora, kv, batch, cfg, backend) -> (logits, kv)
+
+Layers are stacked along a leading L axis and run under lax.scan; the KV cache rides in the scan
+carry and is updated in place (the runner donates it). Every projection adds its per-token LoRA
+delta through the backend; slot 0 adds nothing.
+
+Legend: L layers, T tokens, B sequences, D model dim, N/K query/kv heads, H head dim, F ffn dim,
+V vocab, P pages, p page size, C pages per sequence, S adapter slots, R rank, O out features.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from multilora.config import ModelConfig
+from multilora.lora.backend import get_backend
+from multilora.lora.batch import LoRABatchInfo
+from multilora.model.attention import decode_attention, prefill_attention, write_kv
+from multilora.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerWeights:
+    """One entry per layer, stacked along L. Projections are stored (in, out)."""
+
+    attn_norm_LD: jax.Array
+    wq_LDO: jax.Array
+    wk_LDO: jax.Array
+    wv_LDO: jax.Array
+    wo_LOD: jax.Array
+    mlp_norm_LD: jax.Array
+    w_gate_LDF: jax.Array
+    w_up_LDF: jax.Array
+    w_down_LFD: jax.Array
+    bq_LO: Optional[jax.Array] = None
+    bk_LO: Optional[jax.Array] = None
+    bv_LO: Optional[jax.Array] = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Weights:
+    embed_VD: jax.Array
+    layers: LayerWeights
+    final_norm_D: jax.Array
+    lm_head_DV: Optional[jax.Array] = None  # None: tied to embed_VD
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoRAWeights:
+    """Device slots of every adapter projection, stacked along L, in PEFT layout (A: R x in,
+    B: out x R), padded to max_lora_rank with zeros. q/k/v and gate/up A are stacked along R."""
+
+    qkv_a_LSRD: jax.Array  # R = 3 * max_rank
+    q_b_LSOR: jax.Array
+    k_b_LSOR: jax.Array
+    v_b_LSOR: jax.Array
+    o_a_LSRO: jax.Array
+    o_b_LSDR: jax.Array
+    gate_up_a_LSRD: jax.Array  # R = 2 * max_rank
+    gate_b_LSFR: jax.Array
+    up_b_LSFR: jax.Array
+    down_a_LSRF: jax.Array
+    down_b_LSDR: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    k_LPpKH: jax.Array
+    v_LPpKH: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.k_LPpKH.shape[2]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Batch:
+    """One step's packed tokens. Padding tokens write to page 0 (reserved) and use slot 0.
+
+    token_ids_T, positions_T: the tokens and their positions in their sequences.
+    seq_idx_T:       which of the step's B sequences a token belongs to (B for padding).
+    slot_mapping_T:  where each token's K/V is written (page * page_size + offset).
+    block_tables_BC: each sequence's pages (0 for unused entries).
+    context_lens_B:  tokens in each sequence's cache after this step's writes.
+    logits_idx_Q:    which token rows produce logits (each sequence's last token).
+    lora:            the adapters' per-token metadata.
+    mode:            "prefill" or "decode" (static; decode has T == B, one token per sequence).
+    """
+
+    token_ids_T: jax.Array
+    positions_T: jax.Array
+    seq_idx_T: jax.Array
+    slot_mapping_T: jax.Array
+    block_tables_BC: jax.Array
+    context_lens_B: jax.Array
+    logits_idx_Q: jax.Array
+    lora: Optional[LoRABatchInfo]
+    mode: str = dataclasses.field(default="prefill", metadata=dict(static=True))
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
+    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def _proj(x, w, b=None):
+    y = jnp.einsum("td,do->to", x, w)
+    return y if b is None else y + b
+
+
+def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: Batch,
+            cfg: ModelConfig, backend: str = "bgmv") -> tuple[jax.Array, KVCache]:
+    """Logits (Q, V) in float32 for the rows batch.logits_idx_Q, and the updated cache."""
+    be = get_backend(backend) if lora is not None else None
+    info = batch.lora
+    n, kvh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    t = batch.token_ids_T.shape[0]
+    cos_TH, sin_TH = rope_cos_sin(batch.positions_T, rope_inv_freq(cfg))
+    x_TD = jnp.take(weights.embed_VD, batch.token_ids_T, axis=0)
+
+    def layer(carry, xs):
+        x_TD, k_cache, v_cache = carry
+        lw, ll, idx = xs
+        hid = rms_norm(x_TD, lw.attn_norm_LD, cfg.rms_norm_eps)
+        q = _proj(hid, lw.wq_LDO, lw.bq_LO)
+        k = _proj(hid, lw.wk_LDO, lw.bk_LO)
+        v = _proj(hid, lw.wv_LDO, lw.bv_LO)
+        if be is not None:
+            dq, dk, dv = be.run_qkv_lora(hid, ll.qkv_a_LSRD, (ll.q_b_LSOR, ll.k_b_LSOR, ll.v_b_LSOR), info)
+            q, k, v = q + dq.astype(q.dtype), k + dk.astype(k.dtype), v + dv.astype(v.dtype)
+        q_TNH = apply_rope(q.reshape(t, n, h), cos_TH, sin_TH)
+        k_TKH = apply_rope(k.reshape(t, kvh, h), cos_TH, sin_TH)
+        k_cache = write_kv(k_cache, idx, batch.slot_mapping_T, k_TKH)
+        v_cache = write_kv(v_cache, idx, batch.slot_mapping_T, v.reshape(t, kvh, h))
+        if batch.mode == "decode":
+            attn = decode_attention(q_TNH, k_cache, v_cache, idx, batch.block_tables_BC,
+                                    batch.context_lens_B, cfg.sliding_window)
+        else:
+            attn = prefill_attention(q_TNH, k_cache, v_cache, idx, batch.block_tables_BC,
+                                     batch.seq_idx_T, batch.positions_T, batch.context_lens_B,
+                                     cfg.sliding_window)
+        attn_TO = attn.reshape(t, n * h)
+        o = _proj(attn_TO, lw.wo_LOD)
+        if be is not None:
+            o = be.run_lora_b_gemm(be.run_lora_a_gemm(attn_TO, ll.o_a_LSRO, info), ll.o_b_LSDR, info, o)
+        x_TD = x_TD + o
+        hid = rms_norm(x_TD, lw.mlp_norm_LD, cfg.rms_norm_eps)
+        gate, up = _proj(hid, lw.w_gate_LDF), _proj(hid, lw.w_up_LDF)
+        if be is not None:
+            dg, du = be.run_gate_up_lora(hid, ll.gate_up_a_LSRD, (ll.gate_b_LSFR, ll.up_b_LSFR), info)
+            gate, up = gate + dg.astype(gate.dtype), up + du.astype(up.dtype)
+        act_TF = swiglu(gate, up)
+        down = _proj(act_TF, lw.w_down_LFD)
+        if be is not None:
+            down = be.run_lora_b_gemm(be.run_lora_a_gemm(act_TF, ll.down_a_LSRF, info), ll.down_b_LSDR, info, down)
+        return (x_TD + down, k_cache, v_cache), None
+
+    layer_ids = jnp.arange(cfg.num_layers)
+    (x_TD, k_cache, v_cache), _ = jax.lax.scan(
+        layer, (x_TD, kv.k_LPpKH, kv.v_LPpKH), (weights.layers, lora, layer_ids))
+    x_QD = jnp.take(x_TD, batch.logits_idx_Q, axis=0)
+    x_QD = rms_norm(x_QD, weights.final_norm_D, cfg.rms_norm_eps)
+    if weights.lm_head_DV is None:
+        logits = jnp.einsum("qd,vd->qv", x_QD, weights.embed_VD, preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("qd,dv->qv", x_QD, weights.lm_head_DV, preferred_element_type=jnp.float32)
+    return logits.astype(jnp.float32), KVCache(k_cache, v_cache)

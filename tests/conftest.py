@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny random HF checkpoints and PEFT adapters built with transformers + PEFT
+(the references), saved as real folders."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch threads spin on a busy 2-core box
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+from tests import reference  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """name -> folder, for a tiny Llama, a Qwen2 with q/k/v biases and a tied-embedding Llama."""
+    root = tmp_path_factory.mktemp("models")
+    return {name: reference.make_tiny_model(root / name, name) for name in reference.TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_models, tmp_path_factory):
+    """(model name, adapter name) -> folder of a PEFT adapter for that model."""
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for model_name, model_dir in tiny_models.items():
+        for ad_name, spec in reference.ADAPTER_SPECS.items():
+            out[(model_name, ad_name)] = reference.make_adapter(
+                model_dir, root / model_name / ad_name, seed=hash(ad_name) % 1000, **spec)
+    return out
