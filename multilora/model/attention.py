@@ -34,25 +34,36 @@ def _window_ok(key_pos, query_pos, sliding_window):
     return key_pos > query_pos - sliding_window
 
 
-def prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, block_tables_BC, seq_idx_T, positions_T,
-                      context_lens_B, sliding_window: int | None = None):
+def prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, seq_idx_T,
+                      positions_T, sliding_window: int | None = None):
+    """Packed tokens against the flat list of the step's pages (X pages, each tagged with its
+    sequence); a token sees the keys of its own sequence at positions <= its own."""
     t, n, h = q_TNH.shape
-    kvh = k_LPpKH.shape[3]
-    b, c = block_tables_BC.shape
-    p = k_LPpKH.shape[2]
-    k_XKH = k_LPpKH[layer, block_tables_BC].reshape(b * c * p, kvh, h)  # X = B*C*p keys
-    v_XKH = v_LPpKH[layer, block_tables_BC].reshape(b * c * p, kvh, h)
-    key_seq_X = jnp.repeat(jnp.arange(b), c * p)
-    key_pos_X = jnp.tile(jnp.arange(c * p), b)
-    visible_TX = ((key_seq_X[None, :] == seq_idx_T[:, None])
-                  & (key_pos_X[None, :] <= positions_T[:, None])
-                  & (key_pos_X[None, :] < context_lens_B[key_seq_X][None, :])
-                  & _window_ok(key_pos_X[None, :], positions_T[:, None], sliding_window))
+    kvh, p = k_LPpKH.shape[3], k_LPpKH.shape[2]
+    x = kv_pages_X.shape[0]
+    k_YKH = k_LPpKH[layer, kv_pages_X].reshape(x * p, kvh, h)  # Y = X*p keys
+    v_YKH = v_LPpKH[layer, kv_pages_X].reshape(x * p, kvh, h)
+    key_seq_Y = jnp.repeat(kv_page_seq_X, p)
+    key_pos_Y = kv_page_pos_of(kv_page_seq_X, p)
+    visible_TY = ((key_seq_Y[None, :] == seq_idx_T[:, None])
+                  & (key_pos_Y[None, :] <= positions_T[:, None])
+                  & _window_ok(key_pos_Y[None, :], positions_T[:, None], sliding_window))
     q_TKGH = q_TNH.reshape(t, kvh, n // kvh, h)
-    scores = jnp.einsum("tkgh,xkh->tkgx", q_TKGH, k_XKH, preferred_element_type=jnp.float32)
-    scores = jnp.where(visible_TX[:, None, None, :], scores * h ** -0.5, MASKED)
-    out = _softmax_attend(scores, v_XKH, "tkgx,xkh->tkgh", 1.0)
+    scores = jnp.einsum("tkgh,ykh->tkgy", q_TKGH, k_YKH, preferred_element_type=jnp.float32)
+    scores = jnp.where(visible_TY[:, None, None, :], scores * h ** -0.5, MASKED)
+    out = _softmax_attend(scores, v_YKH, "tkgy,ykh->tkgh", 1.0)
     return out.reshape(t, n, h)
+
+
+def kv_page_pos_of(kv_page_seq_X, page_size):
+    """Position of every key slot: pages of one sequence are listed consecutively and in order,
+    so a page's index within its sequence's run gives its first position."""
+    x = kv_page_seq_X.shape[0]
+    idx_X = jnp.arange(x)
+    new_run = jnp.concatenate([jnp.array([True]), kv_page_seq_X[1:] != kv_page_seq_X[:-1]])
+    run_start_X = jax.lax.cummax(jnp.where(new_run, idx_X, 0), axis=0)
+    page_in_seq_X = idx_X - run_start_X
+    return (page_in_seq_X[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(-1)
 
 
 def decode_attention(q_BNH, k_LPpKH, v_LPpKH, layer, block_tables_BC, context_lens_B,

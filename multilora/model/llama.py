@@ -91,8 +91,12 @@ class Batch:
     token_ids_T, positions_T: the tokens and their positions in their sequences.
     seq_idx_T:       which of the step's B sequences a token belongs to (B for padding).
     slot_mapping_T:  where each token's K/V is written (page * page_size + offset).
+    Decode reads:
     block_tables_BC: each sequence's pages (0 for unused entries).
     context_lens_B:  tokens in each sequence's cache after this step's writes.
+    Prefill reads:
+    kv_pages_X:      the pages of all the step's sequences, each sequence's run in order.
+    kv_page_seq_X:   the sequence each of those pages belongs to (B for padding).
     logits_idx_Q:    which token rows produce logits (each sequence's last token).
     lora:            the adapters' per-token metadata.
     mode:            "prefill" or "decode" (static; decode has T == B, one token per sequence).
@@ -104,6 +108,8 @@ class Batch:
     slot_mapping_T: jax.Array
     block_tables_BC: jax.Array
     context_lens_B: jax.Array
+    kv_pages_X: jax.Array
+    kv_page_seq_X: jax.Array
     logits_idx_Q: jax.Array
     lora: Optional[LoRABatchInfo]
     mode: str = dataclasses.field(default="prefill", metadata=dict(static=True))
@@ -147,8 +153,8 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
             attn = decode_attention(q_TNH, k_cache, v_cache, idx, batch.block_tables_BC,
                                     batch.context_lens_B, cfg.sliding_window)
         else:
-            attn = prefill_attention(q_TNH, k_cache, v_cache, idx, batch.block_tables_BC,
-                                     batch.seq_idx_T, batch.positions_T, batch.context_lens_B,
+            attn = prefill_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X,
+                                     batch.kv_page_seq_X, batch.seq_idx_T, batch.positions_T,
                                      cfg.sliding_window)
         attn_TO = attn.reshape(t, n * h)
         o = _proj(attn_TO, lw.wo_LOD)
