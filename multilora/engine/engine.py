@@ -1,0 +1,454 @@
+"""Engine: the Python API. add_request / step / generate / stream, and adapter management.
+
+    engine = Engine(model="path/to/hf_checkpoint", lora_modules={"name": "path/to/adapter"})
+    outs = engine.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0.0), lora="name")
+
+One step: the scheduler picks the chunks, the registry makes their adapters resident in device
+slots (writing the missing ones), the runner computes and samples, then tokens are appended,
+stop conditions checked and finished requests give back their pages and adapter references.
+The engine is single-threaded; the server drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import math
+import os
+import zlib
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from multilora.config import LoRAConfig, ModelConfig
+from multilora.engine.batching import SeqChunk
+from multilora.engine.kv_pages import PagePool
+from multilora.engine.request import Request, RequestStatus, SamplingParams
+from multilora.engine.runner import Buckets, ModelRunner, SampleRow
+from multilora.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from multilora.engine.tokenizer import Detokenizer, load_tokenizer
+from multilora.lora.adapter import AdapterError, load_adapter
+from multilora.lora.registry import AdapterRegistry
+
+log = logging.getLogger("multilora.engine")
+
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclasses.dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: Optional[str] = None   # "stop" | "length" | "abort" | "error"
+    stop_reason: Optional[object] = None
+    lora: Optional[str] = None
+    logprobs: Optional[list[Logprob]] = None
+    error: Optional[str] = None
+
+
+@dataclasses.dataclass
+class StreamDelta:
+    """What one step added to a request: for streaming."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: Optional[str] = None
+    logprobs: Optional[list[Logprob]] = None
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+@dataclasses.dataclass
+class _Tracked:
+    request: Request
+    detok: Optional[Detokenizer]
+    text: str = ""
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_logprobs: int = 0
+    error: Optional[str] = None
+
+
+class Engine:
+    def __init__(self, model: Optional[str] = None, lora_modules: Optional[dict[str, str]] = None, *,
+                 max_loras_per_batch: int = 8, max_lora_rank: int = 64,
+                 max_loaded_loras: Optional[int] = None, lora_backend: str = "auto",
+                 dtype: str = "float32", max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 max_prefill_seqs: int = 16, page_size: int = 16, num_pages: Optional[int] = None,
+                 kv_cache_memory_gb: float = 2.0, max_model_len: Optional[int] = None,
+                 tensor_parallel_size: int = 1, seed: int = 0, warmup: bool = True,
+                 progress: bool = False, compilation_cache_dir: Optional[str] = None):
+        import jax
+        import jax.numpy as jnp
+
+        from multilora.lora.backend import BACKEND_CHOICES
+        from multilora.lora.pool import LoRASlots
+        from multilora.model.llama import init_kv_cache
+        from multilora.model.loader import load_weights, resolve_dtype
+        from multilora.model.sharding import make_mesh
+
+        if lora_backend not in BACKEND_CHOICES:
+            raise ValueError(f"unknown lora_backend {lora_backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
+        for name, val in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                          ("max_prefill_seqs", max_prefill_seqs), ("page_size", page_size),
+                          ("max_lora_rank", max_lora_rank)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        if max_loras_per_batch < 0:
+            raise ValueError(f"max_loras_per_batch must be >= 0, got {max_loras_per_batch}")
+        _enable_compilation_cache(compilation_cache_dir)
+        if model is None:
+            from multilora.model.gguf_default import default_model_dir
+            model = str(default_model_dir())
+        self.model_path = str(model)
+        self.model_name = Path(model).name
+        self.cfg = ModelConfig.from_dir(model)
+        self.dtype = resolve_dtype(dtype)
+        self.mesh = make_mesh(tensor_parallel_size)
+        _, weights = load_weights(model, self.cfg, dtype, self.mesh, progress=progress)
+        self.tokenizer = load_tokenizer(model)
+        self.eos_token_ids = set(self.cfg.eos_token_ids) | _generation_eos(model)
+
+        self.max_model_len = int(max_model_len or self.cfg.max_position_embeddings)
+        if self.max_model_len > self.cfg.max_position_embeddings:
+            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
+                        self.max_model_len, self.cfg.max_position_embeddings)
+        max_num_batched_tokens = max(max_num_batched_tokens, 16)
+        max_prefill_seqs = min(max_prefill_seqs, max_num_seqs)
+        max_pages_seq = -(-self.max_model_len // page_size)
+        if num_pages is None:
+            bytes_per_page = (2 * self.cfg.num_layers * page_size * self.cfg.num_kv_heads
+                              * self.cfg.head_dim * jnp.dtype(self.dtype).itemsize)
+            by_memory = int(kv_cache_memory_gb * 2**30 // bytes_per_page)
+            num_pages = max(min(by_memory, max_num_seqs * max_pages_seq + 1), max_pages_seq + 1)
+        if num_pages < max_pages_seq + 1:
+            raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_model_len="
+                             f"{self.max_model_len} ({max_pages_seq} pages of {page_size} + 1 reserved)")
+        self.pages = PagePool(num_pages, page_size)
+        kv = init_kv_cache(self.cfg, num_pages, page_size, self.dtype)
+        from multilora.model.sharding import KV_AXES, rules_for, sharding
+        kv_sharding = sharding(self.mesh, rules_for(self.cfg, self.mesh), KV_AXES)
+        kv = jax.tree.map(lambda a: jax.device_put(a, kv_sharding), kv)
+
+        self.lora_cfg = LoRAConfig(max_loras_per_batch=max_loras_per_batch, max_lora_rank=max_lora_rank)
+        self.slots = (LoRASlots(self.cfg, self.lora_cfg, self.dtype, self.mesh)
+                      if max_loras_per_batch > 0 else None)
+        self.registry = AdapterRegistry(
+            max(max_loras_per_batch, 1), max_loaded_loras,
+            lambda name, path: load_adapter(name, path, self.cfg, max_lora_rank))
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                            max_prefill_seqs=max_prefill_seqs),
+            self.pages, self.registry.fits)
+        self.buckets = Buckets.make(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                    max_prefill_seqs=max_prefill_seqs, max_model_len=self.max_model_len,
+                                    page_size=page_size)
+        self.runner = ModelRunner(self.cfg, weights, kv, self.slots, self.buckets, lora_backend)
+        self._requests: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self._arrival = itertools.count()
+        self.seed = seed
+        self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "preemptions": 0,
+                      "prompt_tokens": 0, "generated_tokens": 0}
+        for name, path in (lora_modules or {}).items():
+            self.load_lora_adapter(name, path)
+        if warmup:
+            secs = self.runner.warmup(progress=progress)
+            log.info("compiled %d step shapes in %.1fs", len(self.runner._steps), secs)
+
+    # ---- adapters ----------------------------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        """Read and validate now; raises AdapterError (nothing changes) on a bad adapter."""
+        if self.slots is None:
+            raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
+        entry = self.registry.register(name, str(path), pinned=pinned)
+        if pinned:
+            self._write_slots({name})
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """New requests for it are refused at once; running ones finish, then it is removed."""
+        for slot in self.registry.unregister(name):
+            self.slots.clear(slot)
+
+    def list_lora_adapters(self) -> list[dict]:
+        return [dict(name=e.name, path=e.path, id=e.id, pinned=e.pinned, rank=e.rank,
+                     active_requests=e.refcount, unloading=e.unloading, slot=e.slot)
+                for e in self.registry.entries.values()]
+
+    def _write_slots(self, needed: set[str]) -> None:
+        in_use = self.scheduler.running_adapters() | self.registry.pinned_names()
+        for slot, entry in self.registry.assign_slots(needed, in_use):
+            self.slots.load(slot, self.registry.host_copy(entry))
+
+    # ---- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model folder {self.model_path!r} has no tokenizer.json: "
+                                 "pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if any(not isinstance(t, (int, np.integer)) or not (0 <= t < self.cfg.vocab_size) for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.cfg.vocab_size})")
+        return [int(t) for t in ids]
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                    lora: Optional[str] = None, request_id: Optional[str] = None) -> str:
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {len(ids)} tokens; the context holds "
+                                     f"{self.max_model_len} (max_model_len), leaving no room to generate")
+        if lora is not None and self.slots is None:
+            raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if lora is not None:
+            self.registry.acquire(lora)  # raises for unknown or unloading adapters
+        req = Request(request_id=request_id, prompt_token_ids=ids, params=params,
+                      arrival=next(self._arrival), adapter=lora)
+        req.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        seed = params.seed if params.seed is not None else zlib.crc32(f"{self.seed}:{request_id}".encode())
+        req.sample_seed = seed
+        detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self._requests[request_id] = _Tracked(req, detok)
+        self.scheduler.add(req)
+        self.stats["prompt_tokens"] += len(ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        tr = self._requests.get(request_id)
+        if tr is None or tr.request.finished:
+            return False
+        self._finish(tr, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def _finish(self, tr: _Tracked, reason: str, stop_reason=None) -> None:
+        req = tr.request
+        self.scheduler.remove(req)
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        if req.adapter is not None:
+            for slot in self.registry.release(req.adapter):
+                self.slots.clear(slot)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[StreamDelta]:
+        """One scheduler step; returns what it added to each touched request (and finished ones)."""
+        out = self.scheduler.schedule()
+        self.stats["preemptions"] += len(out.preempted)
+        if out.kind == "idle":
+            return []
+        needed = {c.request.adapter for c in out.chunks if c.request.adapter is not None}
+        if needed:
+            self._write_slots_or_fail(needed, out)
+            out.chunks = [c for c in out.chunks if not c.request.finished]
+            if not out.chunks:
+                return self._collect(set())
+        chunks = [SeqChunk(c.request.all_token_ids[c.start:c.start + c.num_tokens], c.start,
+                           c.request.block_table, self.registry.slot_of(c.request.adapter))
+                  for c in out.chunks]
+        rows = [SampleRow(temperature=c.request.params.temperature, top_k=c.request.params.top_k,
+                          top_p=c.request.params.top_p, seed=c.request.sample_seed,
+                          step=len(c.request.output_token_ids),
+                          logprobs=c.request.params.logprobs is not None) for c in out.chunks]
+        result = self.runner.execute(out.kind, chunks, rows)
+        self.scheduler.commit(out)
+        self.stats["steps"] += 1
+        self.stats[f"{out.kind}_steps"] += 1
+        touched = set()
+        for i, c in enumerate(out.chunks):
+            req = c.request
+            if not c.completes_prefill:
+                continue
+            token = int(result.tokens[i])
+            req.output_token_ids.append(token)
+            if result.logprobs is not None and req.params.logprobs is not None:
+                chosen, top_ids, top_vals = result.logprobs
+                n = req.params.logprobs
+                req.output_logprobs.append(Logprob(token, float(chosen[i]),
+                                                   list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))))
+            self.stats["generated_tokens"] += 1
+            touched.add(req.request_id)
+            self._check_stop(self._requests[req.request_id])
+        return self._collect(touched)
+
+    def _write_slots_or_fail(self, needed: set[str], out: SchedulerOutput) -> None:
+        try:
+            self._write_slots(needed)
+        except AdapterError as e:  # an evicted host copy whose folder went bad: fail its requests
+            bad = e.adapter_name
+            for c in out.chunks:
+                if c.request.adapter == bad:
+                    tr = self._requests[c.request.request_id]
+                    tr.error = str(e)
+                    self._finish(tr, "error")
+            self._write_slots(needed - {bad})
+
+    def _check_stop(self, tr: _Tracked) -> None:
+        req, p = tr.request, tr.request.params
+        token = req.output_token_ids[-1]
+        if tr.detok is not None:
+            tr.text = tr.detok.decode(req.output_token_ids)
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return self._finish(tr, "stop", None)
+        if token in p.stop_token_ids:
+            return self._finish(tr, "stop", token)
+        if p.stop and tr.detok is not None:
+            for s in p.stop:
+                k = tr.text.find(s, max(0, tr.sent_text - len(s)))
+                if k >= 0:
+                    tr.text = tr.text[:k]
+                    return self._finish(tr, "stop", s)
+        if len(req.output_token_ids) >= req.max_tokens:
+            return self._finish(tr, "length")
+
+    def _collect(self, touched: set[str]) -> list[StreamDelta]:
+        deltas = []
+        for rid, tr in list(self._requests.items()):
+            req = tr.request
+            if rid not in touched and not req.finished:
+                continue
+            text = tr.text
+            if not req.finished and tr.detok is not None:
+                text = tr.detok.stable_prefix(text)  # hold back a partial character / stop string
+                hold = max((len(s) - 1 for s in req.params.stop), default=0)
+                text = text[:max(tr.sent_text, len(text) - hold)]
+            d = StreamDelta(rid, req.output_token_ids[tr.sent_tokens:], text[tr.sent_text:],
+                            req.finished, req.finish_reason,
+                            req.output_logprobs[tr.sent_logprobs:] if req.params.logprobs is not None else None)
+            tr.sent_tokens = len(req.output_token_ids)
+            tr.sent_text = max(tr.sent_text, len(text))
+            tr.sent_logprobs = len(req.output_logprobs)
+            if d.token_ids or d.text or d.finished:
+                deltas.append(d)
+        return deltas
+
+    def pop_output(self, request_id: str) -> RequestOutput:
+        """The final output of a finished request (and forget it)."""
+        tr = self._requests.pop(request_id)
+        req = tr.request
+        return RequestOutput(request_id, req.prompt_token_ids, list(req.output_token_ids), tr.text,
+                             req.finished, req.finish_reason, req.stop_reason, req.adapter,
+                             list(req.output_logprobs) if req.params.logprobs is not None else None,
+                             tr.error)
+
+    def release_finished(self, request_id: str) -> None:
+        tr = self._requests.get(request_id)
+        if tr is not None and tr.request.finished:
+            del self._requests[request_id]
+
+    # ---- offline -----------------------------------------------------------------------------
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 lora: Union[str, None, Sequence[Optional[str]]] = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in the order of the prompts. Every prompt is
+        checked before any is queued, so a bad one leaves the engine untouched."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        n = len(prompts)
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * n
+        lora_list = list(lora) if isinstance(lora, (list, tuple)) else [lora] * n
+        if len(params_list) != n or len(lora_list) != n:
+            raise ValueError(f"got {n} prompts but {len(params_list)} sampling params and "
+                             f"{len(lora_list)} adapter names")
+        for name in set(lora_list) - {None}:
+            self.registry.resolve(name)
+        for p in prompts:
+            ids = self.tokenize(p)
+            if not ids or len(ids) >= self.max_model_len:
+                raise PromptTooLongError(f"a prompt has {len(ids)} tokens; prompts need 1 to "
+                                         f"{self.max_model_len - 1} tokens (max_model_len={self.max_model_len})")
+        ids = [self.add_request(p, sp, l) for p, sp, l in zip(prompts, params_list, lora_list)]
+        pending = set(ids)
+        bar = _Bar(n, "generating", progress)
+        while pending:
+            self.step()
+            done = {rid for rid in pending if self._requests[rid].request.finished}
+            if done:
+                bar.update(len(done))
+                pending -= done
+        return [self.pop_output(rid) for rid in ids]
+
+    def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+               lora: Optional[str] = None) -> Iterator[StreamDelta]:
+        """Drive the engine and yield this request's increments (single-threaded use)."""
+        rid = self.add_request(prompt, params, lora)
+        try:
+            while True:
+                for d in self.step():
+                    if d.request_id == rid:
+                        yield d
+                        if d.finished:
+                            return
+        finally:
+            self.abort_request(rid)
+            self.release_finished(rid)
+
+
+class _Bar:
+    def __init__(self, total: int, desc: str, enabled: bool):
+        from multilora.model.loader import Progress
+        self._p = Progress(total, desc, enabled)
+
+    def update(self, k: int):
+        self._p.update(k)
+
+
+def _generation_eos(model_dir: str) -> set[int]:
+    p = Path(model_dir) / "generation_config.json"
+    if not p.is_file():
+        return set()
+    try:
+        eos = json.loads(p.read_text()).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        return set()
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
+def _enable_compilation_cache(path: Optional[str]) -> None:
+    import jax
+    path = path or os.environ.get("MULTILORA_COMPILATION_CACHE")
+    if path is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        path = os.path.join(base, "multilora", "jax_cache")
+    if path in ("", "off", "0"):
+        return
+    try:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    except Exception as e:  # never fatal: it only saves time
+        log.info("no persistent compilation cache: %s", e)

@@ -1,0 +1,97 @@
+"""Requests, their sampling parameters and their state. Plain Python, no jax."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """What to generate. temperature 0 is greedy; top_k <= 0 and top_p == 1 switch those off."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: Optional[int] = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < -1):
+            raise ValueError(f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int                       # monotonic admission order: first come, first served
+    adapter: Optional[str] = None      # adapter name, None for the base model
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0       # tokens whose K/V are in the cache
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: Optional[str] = None  # "stop", "length", "abort"
+    stop_reason: Optional[object] = None
+    num_preemptions: int = 0
+    skipped_steps: int = 0             # times a later request was admitted ahead of it
+    max_tokens: int = 0                # params.max_tokens, bounded by the context
+    sample_seed: int = 0               # params.seed, or one derived from the engine seed and id
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one known token lacks K/V: a new, chunked or preempted request. With exactly
+        one (the last sampled token, or a one-token prompt) a decode step serves it."""
+        return self.num_uncomputed > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

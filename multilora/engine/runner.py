@@ -1,0 +1,230 @@
+"""The one place that jits: the model step and the sampler, over a fixed set of shape buckets
+compiled at start-up. An adapter swap changes buffer contents, never shapes, so nothing compiles
+after warm-up whatever the prompts or the adapter mix (a compile after warm-up logs a warning).
+
+Buckets: decode steps are (B sequences, C pages per sequence); prefill steps are (T tokens,
+X pages in all), with Q = max_prefill_seqs logits rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from multilora.config import ModelConfig
+from multilora.engine.batching import SeqChunk, build_batch
+from multilora.engine.sampler import sample
+from multilora.lora.backend import choose_backend
+from multilora.lora.pool import LoRASlots
+from multilora.model.llama import KVCache, Weights, forward
+
+log = logging.getLogger("multilora.runner")
+
+
+def _pow2_range(lo: int, hi: int) -> tuple[int, ...]:
+    out, v = [], 1
+    while v < lo:
+        v *= 2
+    while v < hi:
+        out.append(v)
+        v *= 2
+    out.append(hi if not out or out[-1] < hi else out[-1])
+    return tuple(sorted(set(out)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    decode_seqs: tuple[int, ...]
+    decode_pages: tuple[int, ...]
+    prefill_tokens: tuple[int, ...]
+    prefill_pages: tuple[int, ...]
+    prefill_seqs: int
+
+    @classmethod
+    def make(cls, *, max_num_seqs: int, max_num_batched_tokens: int, max_prefill_seqs: int,
+             max_model_len: int, page_size: int) -> "Buckets":
+        max_pages_seq = -(-max_model_len // page_size)
+        # Worst prefill step: every sequence's pages plus the chunk's; bounded by what exists.
+        max_prefill_pages = min(max_prefill_seqs * max_pages_seq,
+                                max_prefill_seqs + -(-max_num_batched_tokens // page_size)
+                                + max_pages_seq)
+        decode_pages = tuple(sorted({min(4 ** i, max_pages_seq) for i in range(12)
+                                     if 4 ** (i - 1) < max_pages_seq}))
+        return cls(
+            decode_seqs=_pow2_range(1, max_num_seqs),
+            decode_pages=decode_pages,
+            prefill_tokens=_pow2_range(min(16, max_num_batched_tokens), max_num_batched_tokens),
+            prefill_pages=_pow2_range(4, max_prefill_pages),
+            prefill_seqs=max_prefill_seqs,
+        )
+
+    def pick(self, options: Sequence[int], need: int, what: str) -> int:
+        for v in options:
+            if v >= need:
+                return v
+        raise ValueError(f"{what}={need} exceeds the largest bucket {options[-1]}")
+
+    def all_shapes(self):
+        for b in self.decode_seqs:
+            for c in self.decode_pages:
+                yield ("decode", b, b, c)
+        for t in self.prefill_tokens:
+            for x in self.prefill_pages:
+                yield ("prefill", t, self.prefill_seqs, x)
+
+
+@dataclasses.dataclass
+class SampleRow:
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int = 0
+    step: int = 0
+    logprobs: bool = False
+
+
+@dataclasses.dataclass
+class StepResult:
+    tokens: np.ndarray                  # one per chunk
+    logprobs: Optional[tuple] = None    # (chosen, top_ids, top_vals) per chunk, numpy
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, weights: Weights, kv: KVCache, lora: Optional[LoRASlots],
+                 buckets: Buckets, lora_backend: str = "auto"):
+        self.cfg, self.weights, self.kv, self.lora = cfg, weights, kv, lora
+        self.buckets = buckets
+        self.lora_backend = lora_backend
+        self.page_size = kv.page_size
+        self._steps: dict[tuple, object] = {}
+        self._samplers: dict[tuple, object] = {}
+        self._fwd = jax.jit(forward, static_argnames=("cfg", "backend"), donate_argnames=("kv",))
+        self._sample = jax.jit(sample, static_argnames=("mode", "logprobs"))
+        self.warm = False
+        self.compiles_after_warmup = 0
+
+    # ---- compilation -----------------------------------------------------------------------
+    def _scalings_ranks(self):
+        if self.lora is None:
+            return np.zeros((1,), np.float32), np.zeros((1,), np.int32)
+        return self.lora.scalings_S, self.lora.ranks_S
+
+    def _dummy_batch(self, mode, t, b, x):
+        s, r = self._scalings_ranks()
+        return build_batch([], mode=mode, num_tokens=t, num_seqs=b, num_pages=x,
+                           page_size=self.page_size, scalings_S=s, ranks_S=r)
+
+    def _lower_step(self, key):
+        mode, t, b, x = key
+        backend = choose_backend(self.lora_backend, t, mode == "decode")
+        lora_w = self.lora.weights if self.lora is not None else None
+        batch = self._dummy_batch(mode, t, b, x)
+        if self.lora is None:
+            batch.lora = None
+        return self._fwd.lower(self.weights, lora_w, self.kv, batch, cfg=self.cfg, backend=backend)
+
+    def _compiled_step(self, key):
+        fn = self._steps.get(key)
+        if fn is None:
+            if self.warm:
+                self.compiles_after_warmup += 1
+                log.warning("compiling step shape %s after warm-up (a missing bucket)", key)
+            fn = self._steps[key] = self._lower_step(key).compile()
+        return fn
+
+    def _lower_sampler(self, key):
+        rows, mode, logprobs = key
+        z = np.zeros(rows, np.float32)
+        zi = np.zeros(rows, np.int32)
+        return self._sample.lower(jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32),
+                                  z, zi, z, zi.astype(np.uint32), zi, mode=mode, logprobs=logprobs)
+
+    def _compiled_sampler(self, rows: int, mode: str, logprobs: bool):
+        key = (rows, mode, logprobs)
+        fn = self._samplers.get(key)
+        if fn is None:
+            if self.warm:
+                self.compiles_after_warmup += 1
+                log.warning("compiling sampler shape %s after warm-up", key)
+            fn = self._samplers[key] = self._lower_sampler(key).compile()
+        return fn
+
+    def warmup(self, progress: bool = False, threads: int = 2) -> float:
+        """Compile every bucket now (and run none): no compile happens after this. XLA compiles
+        release the GIL, so two threads keep both cores of a small machine busy."""
+        from concurrent.futures import ThreadPoolExecutor
+        t0 = time.time()
+        shapes = list(self.buckets.all_shapes())
+        rows = sorted(set(self.buckets.decode_seqs) | {self.buckets.prefill_seqs})
+        samplers = [(r, m, lp) for r in rows for m in ("greedy", "sample") for lp in (False, True)]
+        jobs = [(self._lower_step, k) for k in shapes] + [(self._lower_sampler, k) for k in samplers]
+        done = 0
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            for (kind, key), fn in zip(jobs, pool.map(lambda j: j[0](j[1]).compile(), jobs)):
+                (self._steps if kind == self._lower_step else self._samplers)[key] = fn
+                done += 1
+                if progress:
+                    _progress("compiling", done, len(jobs), t0)
+        self.warm = True
+        return time.time() - t0
+
+    # ---- a step ------------------------------------------------------------------------------
+    def bucket_for(self, mode: str, chunks: Sequence[SeqChunk]) -> tuple:
+        bk = self.buckets
+        if mode == "decode":
+            b = bk.pick(bk.decode_seqs, len(chunks), "running sequences")
+            pages = max(-(-(c.start_pos + 1) // self.page_size) for c in chunks)
+            return ("decode", b, b, bk.pick(bk.decode_pages, pages, "pages per sequence"))
+        tokens = sum(len(c.token_ids) for c in chunks)
+        pages = sum(-(-(c.start_pos + len(c.token_ids)) // self.page_size) for c in chunks)
+        if len(chunks) > bk.prefill_seqs:
+            raise ValueError(f"{len(chunks)} sequences exceed max_prefill_seqs={bk.prefill_seqs}")
+        return ("prefill", bk.pick(bk.prefill_tokens, tokens, "prefill tokens"), bk.prefill_seqs,
+                bk.pick(bk.prefill_pages, pages, "prefill pages"))
+
+    def execute(self, mode: str, chunks: Sequence[SeqChunk], rows: Sequence[SampleRow]) -> StepResult:
+        """Run one step; sample one token per chunk (callers ignore those of unfinished prefill
+        chunks)."""
+        key = self.bucket_for(mode, chunks)
+        fn = self._compiled_step(key)
+        _, t, b, x = key
+        s, r = self._scalings_ranks()
+        batch = build_batch(chunks, mode=mode, num_tokens=t, num_seqs=b, num_pages=x,
+                            page_size=self.page_size, scalings_S=s, ranks_S=r)
+        if self.lora is None:
+            batch.lora = None
+        lora_w = self.lora.weights if self.lora is not None else None
+        logits, self.kv = fn(self.weights, lora_w, self.kv, batch)
+        n = len(chunks)
+        greedy = all(row.temperature == 0.0 for row in rows)
+        want_lp = any(row.logprobs for row in rows)
+        q = logits.shape[0]
+        temp = np.zeros(q, np.float32)
+        top_k = np.full(q, -1, np.int32)
+        top_p = np.ones(q, np.float32)
+        seed = np.zeros(q, np.uint32)
+        step = np.zeros(q, np.int32)
+        for i, row in enumerate(rows):
+            temp[i], top_k[i], top_p[i] = row.temperature, row.top_k, row.top_p
+            seed[i], step[i] = np.uint32(row.seed & 0xFFFFFFFF), row.step
+        sampler = self._compiled_sampler(q, "greedy" if greedy else "sample", want_lp)
+        tokens, lp = sampler(logits, temp, top_k, top_p, seed, step)
+        tokens = np.asarray(tokens)[:n]
+        if lp is not None:
+            lp = tuple(np.asarray(a)[:n] for a in lp)
+        return StepResult(tokens, lp)
+
+
+def _progress(desc: str, i: int, total: int, t0: float) -> None:
+    import sys
+    frac = i / max(total, 1)
+    sys.stderr.write(f"\r{desc}: [{'#' * int(frac * 30):<30}] {i}/{total} {time.time() - t0:5.1f}s")
+    if i >= total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()

@@ -1,0 +1,207 @@
+"""Adapter lifecycle: name -> unique id, refcounts, load and unload at run time, and the two
+tiers below the registry: host copies (LRU, bounded by max_loaded_loras) and device slots (LRU,
+never evicting a slot that a running sequence uses, never evicting a pinned adapter).
+
+Plain Python, no jax: the engine applies the slot writes this module decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import OrderedDict
+from typing import Callable, Iterable, Optional
+
+from multilora.lora.adapter import LoRAAdapter
+from multilora.lora.batch import NO_ADAPTER
+
+
+class UnknownAdapterError(KeyError):
+    def __init__(self, name: str, known: Iterable[str]):
+        known = sorted(known)
+        super().__init__(f"unknown LoRA adapter {name!r}; loaded adapters: "
+                         f"{', '.join(known) if known else '(none)'}")
+        self.adapter_name = name
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class AdapterUnloadingError(RuntimeError):
+    def __init__(self, name: str):
+        super().__init__(f"LoRA adapter {name!r} is being unloaded and takes no new requests")
+        self.adapter_name = name
+
+
+class AdapterConflictError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(eq=False)
+class AdapterEntry:
+    name: str
+    path: str
+    id: int
+    pinned: bool = False
+    refcount: int = 0          # requests (waiting or running) that use it
+    unloading: bool = False
+    slot: Optional[int] = None
+    rank: int = 0
+
+
+@dataclasses.dataclass
+class TierStats:
+    slot_hits: int = 0
+    slot_misses: int = 0
+    slot_evictions: int = 0
+    host_hits: int = 0
+    host_misses: int = 0
+    host_evictions: int = 0
+
+
+class AdapterRegistry:
+    def __init__(self, num_slots: int, max_loaded_loras: Optional[int],
+                 read_adapter: Callable[[str, str], LoRAAdapter]):
+        """num_slots: device slots for adapters (slot 0, the base model, not counted)."""
+        if max_loaded_loras is not None and max_loaded_loras < 1:
+            raise ValueError(f"max_loaded_loras must be >= 1 or None, got {max_loaded_loras}")
+        self.num_slots = num_slots
+        self.max_loaded_loras = max_loaded_loras
+        self._read = read_adapter
+        self._ids = itertools.count(1)
+        self.entries: dict[str, AdapterEntry] = {}
+        self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # LRU: oldest first
+        self._slot_of: dict[int, AdapterEntry] = {}
+        self._slot_lru: OrderedDict[int, None] = OrderedDict()     # slot -> (), oldest first
+        self.stats = TierStats()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def register(self, name: str, path: str, pinned: bool = False) -> AdapterEntry:
+        """Read and validate the adapter now; on any error nothing changes."""
+        if not name or not isinstance(name, str):
+            raise ValueError("adapter name must be a non-empty string")
+        if name in self.entries:
+            raise AdapterConflictError(f"LoRA adapter {name!r} is already loaded; unload it first")
+        if pinned and sum(e.pinned for e in self.entries.values()) + 1 >= self.num_slots:
+            raise AdapterConflictError(
+                f"cannot pin {name!r}: pinned adapters would fill all {self.num_slots} device slots "
+                "and leave none for the others")
+        adapter = self._read(name, path)
+        entry = AdapterEntry(name=name, path=str(path), id=next(self._ids), pinned=pinned, rank=adapter.rank)
+        self.entries[name] = entry
+        self._put_host(name, adapter)
+        return entry
+
+    def unregister(self, name: str) -> list[int]:
+        """Refuse new requests for `name`; remove it once its requests finish. Returns slots that
+        were freed now (the engine zeroes them)."""
+        entry = self.resolve(name, allow_unloading=True)
+        entry.unloading = True
+        return self._maybe_remove(entry)
+
+    def resolve(self, name: str, allow_unloading: bool = False) -> AdapterEntry:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise UnknownAdapterError(name, self.entries)
+        if entry.unloading and not allow_unloading:
+            raise AdapterUnloadingError(name)
+        return entry
+
+    def acquire(self, name: str) -> AdapterEntry:
+        entry = self.resolve(name)
+        entry.refcount += 1
+        return entry
+
+    def release(self, name: str) -> list[int]:
+        entry = self.entries.get(name)
+        if entry is None:
+            return []
+        entry.refcount -= 1
+        assert entry.refcount >= 0, name
+        return self._maybe_remove(entry)
+
+    def _maybe_remove(self, entry: AdapterEntry) -> list[int]:
+        if not entry.unloading or entry.refcount > 0:
+            return []
+        del self.entries[entry.name]
+        self._host.pop(entry.name, None)
+        freed = []
+        if entry.slot is not None:
+            freed.append(entry.slot)
+            self._slot_of.pop(entry.slot)
+            self._slot_lru.pop(entry.slot, None)
+            entry.slot = None
+        return freed
+
+    # ---- host tier -------------------------------------------------------------------------
+    def _put_host(self, name: str, adapter: LoRAAdapter) -> None:
+        self._host[name] = adapter
+        self._host.move_to_end(name)
+        while self.max_loaded_loras is not None and len(self._host) > self.max_loaded_loras:
+            self._host.popitem(last=False)
+            self.stats.host_evictions += 1
+
+    def host_copy(self, entry: AdapterEntry) -> LoRAAdapter:
+        adapter = self._host.get(entry.name)
+        if adapter is None:
+            self.stats.host_misses += 1
+            adapter = self._read(entry.name, entry.path)  # evicted: read its folder again
+            self._put_host(entry.name, adapter)
+        else:
+            self.stats.host_hits += 1
+            self._host.move_to_end(entry.name)
+        return adapter
+
+    @property
+    def num_host_copies(self) -> int:
+        return len(self._host)
+
+    # ---- device slots ----------------------------------------------------------------------
+    def fits(self, names: set[str]) -> bool:
+        """Can these adapters be resident at once, beside the pinned ones?"""
+        pinned = {e.name for e in self.entries.values() if e.pinned}
+        return len(pinned | set(names)) <= self.num_slots
+
+    def assign_slots(self, needed: set[str], in_use: set[str]) -> list[tuple[int, AdapterEntry]]:
+        """Give every adapter in `needed` a slot. Returns the (slot, entry) pairs whose contents
+        must be written. Evicts least recently used slots outside needed | in_use, never pinned."""
+        writes = []
+        for name in sorted(needed, key=lambda n: self.entries[n].id):
+            entry = self.entries[name]
+            if entry.slot is not None:
+                self.stats.slot_hits += 1
+                self._slot_lru.move_to_end(entry.slot)
+                continue
+            self.stats.slot_misses += 1
+            slot = self._free_slot(needed | in_use)
+            entry.slot = slot
+            self._slot_of[slot] = entry
+            self._slot_lru[slot] = None
+            writes.append((slot, entry))
+        return writes
+
+    def _free_slot(self, keep: set[str]) -> int:
+        for slot in range(NO_ADAPTER + 1, self.num_slots + 1):
+            if slot not in self._slot_of:
+                return slot
+        for slot in self._slot_lru:
+            victim = self._slot_of[slot]
+            if victim.pinned or victim.name in keep:
+                continue
+            victim.slot = None
+            del self._slot_of[slot]
+            del self._slot_lru[slot]
+            self.stats.slot_evictions += 1
+            return slot
+        raise RuntimeError(f"no device slot can be freed: {self.num_slots} slots are all in use "
+                           "by running sequences or pinned adapters")
+
+    def pinned_names(self) -> set[str]:
+        return {e.name for e in self.entries.values() if e.pinned}
+
+    def slot_of(self, name: Optional[str]) -> int:
+        if name is None:
+            return NO_ADAPTER
+        slot = self.entries[name].slot
+        assert slot is not None, f"adapter {name!r} has no slot"
+        return slot
