@@ -1,3 +1,17 @@
 """multilora: serve many LoRA adapters over one base language model, in JAX."""
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy: `import multilora` stays light (no jax) until the engine is asked for.
+    if name == "Engine":
+        from multilora.engine.engine import Engine
+        return Engine
+    if name == "SamplingParams":
+        from multilora.engine.request import SamplingParams
+        return SamplingParams
+    raise AttributeError(name)
+
+
+__all__ = ["Engine", "SamplingParams"]

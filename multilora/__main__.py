@@ -1,0 +1,5 @@
+import sys
+
+from multilora.cli import main
+
+sys.exit(main())
