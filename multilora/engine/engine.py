@@ -94,7 +94,8 @@ class Engine:
                  max_prefill_seqs: int = 16, page_size: int = 16, num_pages: Optional[int] = None,
                  kv_cache_memory_gb: float = 2.0, max_model_len: Optional[int] = None,
                  tensor_parallel_size: int = 1, seed: int = 0, warmup: bool = True,
-                 progress: bool = False, compilation_cache_dir: Optional[str] = None):
+                 progress: bool = False, compilation_cache_dir: Optional[str] = None,
+                 buckets: Optional[Buckets] = None):
         import jax
         import jax.numpy as jnp
 
@@ -157,9 +158,11 @@ class Engine:
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_prefill_seqs=max_prefill_seqs),
             self.pages, self.registry.fits)
-        self.buckets = Buckets.make(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                    max_prefill_seqs=max_prefill_seqs, max_model_len=self.max_model_len,
-                                    page_size=page_size)
+        # `buckets` overrides the compiled shapes (e.g. a benchmark of a known workload); a step
+        # outside them compiles on demand with a warning.
+        self.buckets = buckets or Buckets.make(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_prefill_seqs=max_prefill_seqs, max_model_len=self.max_model_len, page_size=page_size)
         self.runner = ModelRunner(self.cfg, weights, kv, self.slots, self.buckets, lora_backend)
         self._requests: dict[str, _Tracked] = {}
         self._ids = itertools.count()

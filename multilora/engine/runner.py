@@ -68,7 +68,7 @@ class Buckets:
         for v in options:
             if v >= need:
                 return v
-        raise ValueError(f"{what}={need} exceeds the largest bucket {options[-1]}")
+        raise ValueError(f"{what}={need} exceeds the largest compiled bucket {options[-1]}")
 
     def all_shapes(self):
         for b in self.decode_seqs:

@@ -1,0 +1,140 @@
+"""Generated tokens per second: 64 requests (prompt ~48 tokens, 64 new tokens, greedy,
+ignore_eos) on a random-weight model of SmolLM2-135M's shape, over 0 / 1 / 8 / 64 adapters
+(rank 16, all seven projections), through multilora's Engine and through transformers + PEFT's
+mixed-batch generate(..., adapter_names=...). Ratios come from one run.
+
+    python benchmarks/engine_throughput.py [--adapters 0 1 8 64] [--peft] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from benchmarks.common import (fixed_prompts, machine_info, make_random_adapters,  # noqa: E402
+                               make_random_model, save_json)
+
+
+def workload_buckets(n_requests: int, max_tokens_step: int = 512):
+    """The shapes this workload uses (64 prompts of ~48 tokens, 64 new): a benchmark on a slow
+    compiler (GPU) compiles just these instead of the full default set."""
+    from multilora.engine.runner import Buckets
+    seqs = tuple(b for b in (8, 16, 32, 64, 128) if b < n_requests) + (n_requests,)
+    return Buckets(decode_seqs=seqs, decode_pages=(8,), prefill_tokens=(64, 128, 256, max_tokens_step),
+                   prefill_pages=(64,), prefill_seqs=16)
+
+
+def run_multilora(model_dir, adapters, prompts, new_tokens, backend, max_loras, dtype="float32",
+                  fixed_buckets=False):
+    from multilora import Engine, SamplingParams
+    k = len(adapters)
+    mods = {f"a{i}": str(p) for i, p in enumerate(adapters)}
+    t0 = time.time()
+    eng = Engine(str(model_dir), mods, max_loras_per_batch=max(1, min(k, max_loras)) if k else 0,
+                 max_lora_rank=16, lora_backend=backend, max_num_seqs=64, max_num_batched_tokens=512,
+                 max_model_len=128, page_size=16, dtype=dtype,
+                 buckets=workload_buckets(len(prompts)) if fixed_buckets else None)
+    init_s = time.time() - t0
+    names = [f"a{i % k}" if k else None for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    eng.generate(prompts[:4], params, lora=names[:4])  # touch the path once (no compile: warm)
+    t0 = time.time()
+    outs = eng.generate(prompts, params, lora=names)
+    secs = time.time() - t0
+    toks = sum(len(o.token_ids) for o in outs)
+    res = dict(system="multilora", adapters=k, backend=backend, dtype=dtype, tokens=toks, seconds=secs,
+               tok_per_s=toks / secs, init_s=init_s, steps=dict(eng.stats),
+               compiles_after_warmup=eng.runner.compiles_after_warmup)
+    del eng
+    gc.collect()
+    return res
+
+
+def run_peft(model_dir, adapters, prompts, new_tokens, batch, device="cpu"):
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    k = len(adapters)
+    if k:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, adapters[0], adapter_name="a0")
+        for i, p in enumerate(adapters[1:], start=1):
+            model.load_adapter(p, adapter_name=f"a{i}")
+    model.eval().to(device)
+    names = [f"a{i % k}" for i in range(len(prompts))] if k else None
+    toks = 0
+    t0 = time.time()
+    for s in range(0, len(prompts), batch):
+        chunk = prompts[s:s + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+        kw = dict(adapter_names=names[s:s + batch]) if k else {}
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kw)
+        toks += (out.shape[1] - width) * len(chunk)
+    secs = time.time() - t0
+    import peft
+    import transformers
+    return dict(system="transformers+peft", adapters=k, batch=batch, device=device, tokens=toks, seconds=secs,
+                tok_per_s=toks / secs, versions=dict(torch=torch.__version__,
+                                                     transformers=transformers.__version__,
+                                                     peft=peft.__version__))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--adapters", type=int, nargs="*", default=[0, 1, 8, 64])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=48)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--max-loras-per-batch", type=int, default=64)
+    ap.add_argument("--peft", action="store_true", help="also run transformers + PEFT")
+    ap.add_argument("--peft-batch", type=int, default=16)
+    ap.add_argument("--peft-device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--fixed-buckets", action="store_true",
+                    help="compile only this workload's shapes (for slow compilers, e.g. GPU)")
+    ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/multilora/bench"))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    work = Path(args.workdir)
+    model_dir = make_random_model(work / "smollm2-135m-random")
+    adapters = make_random_adapters(model_dir, work / "adapters", max(args.adapters))
+    prompts = fixed_prompts(args.requests, args.prompt_len, 49152)
+    results = []
+    for k in args.adapters:
+        r = run_multilora(model_dir, adapters[:k], prompts, args.new_tokens, args.backend,
+                          args.max_loras_per_batch, args.dtype, args.fixed_buckets)
+        print(f"multilora  adapters={k:3d}: {r['tok_per_s']:7.1f} tok/s ({r['seconds']:.1f}s)", flush=True)
+        results.append(r)
+        if args.peft:
+            r = run_peft(model_dir, adapters[:k], prompts, args.new_tokens, args.peft_batch,
+                         args.peft_device)
+            print(f"peft       adapters={k:3d}: {r['tok_per_s']:7.1f} tok/s ({r['seconds']:.1f}s)", flush=True)
+            results.append(r)
+    base = next((r["tok_per_s"] for r in results if r["system"] == "multilora" and r["adapters"] == 0), None)
+    print("\n| adapters | multilora tok/s | vs no-adapter | PEFT tok/s | multilora / PEFT |")
+    print("|---:|---:|---:|---:|---:|")
+    for k in args.adapters:
+        m = next(r for r in results if r["system"] == "multilora" and r["adapters"] == k)
+        p = next((r for r in results if r["system"] != "multilora" and r["adapters"] == k), None)
+        print(f"| {k} | {m['tok_per_s']:.1f} | {m['tok_per_s'] / base:.2f}x | "
+              + (f"{p['tok_per_s']:.1f} | {m['tok_per_s'] / p['tok_per_s']:.1f}x |" if p else "- | - |")
+              if base else "")
+    if args.json:
+        save_json(args.json, dict(machine=machine_info(), args=vars(args), results=results))
+
+
+if __name__ == "__main__":
+    main()
