@@ -20,6 +20,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # The projections a LoRA adapter may target, in the order the model applies them.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+# The adapter slot meaning "base model only" (its buffers are zeros). Defined here, in a module
+# without jax, so that the host bookkeeping (lora/registry.py) can use it without importing jax.
+NO_ADAPTER = 0
+
 
 class UnsupportedModelError(ValueError):
     """The checkpoint's architecture or config is one multilora does not implement."""

@@ -12,7 +12,7 @@ import enum
 import jax
 import numpy as np
 
-NO_ADAPTER = 0
+from multilora.config import NO_ADAPTER  # noqa: F401  (defined in config, which has no jax)
 
 
 class LoRAType(enum.Enum):

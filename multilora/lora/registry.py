@@ -12,8 +12,8 @@ import itertools
 from collections import OrderedDict
 from typing import Callable, Iterable, Optional
 
+from multilora.config import NO_ADAPTER
 from multilora.lora.adapter import LoRAAdapter
-from multilora.lora.batch import NO_ADAPTER
 
 
 class UnknownAdapterError(KeyError):
