@@ -84,6 +84,7 @@ class _Tracked:
     sent_text: int = 0
     sent_logprobs: int = 0
     error: Optional[str] = None
+    finish_sent: bool = False   # its finished delta went out: report it once, not every step
 
 
 class Engine:
@@ -197,8 +198,16 @@ class Engine:
 
     def _write_slots(self, needed: set[str]) -> None:
         in_use = self.scheduler.running_adapters() | self.registry.pinned_names()
-        for slot, entry in self.registry.assign_slots(needed, in_use):
-            self.slots.load(slot, self.registry.host_copy(entry))
+        writes = self.registry.assign_slots(needed, in_use)
+        for i, (slot, entry) in enumerate(writes):
+            try:
+                self.slots.load(slot, self.registry.host_copy(entry))
+            except BaseException:
+                # The registry already counts these as resident, but their slots were never
+                # written: forget them, or a later batch would run on the slots' old contents.
+                for _, e in writes[i:]:
+                    self.registry.drop_slot(e.name)
+                raise
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -307,16 +316,17 @@ class Engine:
         return self._collect(touched)
 
     def _write_slots_or_fail(self, needed: set[str], out: SchedulerOutput) -> None:
-        try:
-            self._write_slots(needed)
-        except AdapterError as e:  # an evicted host copy whose folder went bad: fail its requests
-            bad = e.adapter_name
-            for c in out.chunks:
-                if c.request.adapter == bad:
-                    tr = self._requests[c.request.request_id]
-                    tr.error = str(e)
-                    self._finish(tr, "error")
-            self._write_slots(needed - {bad})
+        while needed:  # each failure takes one adapter out, so this ends
+            try:
+                return self._write_slots(needed)
+            except AdapterError as e:  # an evicted host copy whose folder went bad: fail its requests
+                bad = e.adapter_name
+                for c in out.chunks:
+                    if c.request.adapter == bad and not c.request.finished:
+                        tr = self._requests[c.request.request_id]
+                        tr.error = str(e)
+                        self._finish(tr, "error")
+                needed = needed - {bad}
 
     def _check_stop(self, tr: _Tracked) -> None:
         req, p = tr.request, tr.request.params
@@ -340,7 +350,7 @@ class Engine:
         deltas = []
         for rid, tr in list(self._requests.items()):
             req = tr.request
-            if rid not in touched and not req.finished:
+            if rid not in touched and (not req.finished or tr.finish_sent):
                 continue
             text = tr.text
             if not req.finished and tr.detok is not None:
@@ -353,6 +363,7 @@ class Engine:
             tr.sent_tokens = len(req.output_token_ids)
             tr.sent_text = max(tr.sent_text, len(text))
             tr.sent_logprobs = len(req.output_logprobs)
+            tr.finish_sent = req.finished
             if d.token_ids or d.text or d.finished:
                 deltas.append(d)
         return deltas

@@ -180,6 +180,16 @@ class AdapterRegistry:
             writes.append((slot, entry))
         return writes
 
+    def drop_slot(self, name: str) -> None:
+        """Forget that `name` is resident (its slot write failed): the next assign_slots gives it
+        a slot again and has it written."""
+        entry = self.entries.get(name)
+        if entry is None or entry.slot is None:
+            return
+        self._slot_of.pop(entry.slot, None)
+        self._slot_lru.pop(entry.slot, None)
+        entry.slot = None
+
     def _free_slot(self, keep: set[str]) -> int:
         for slot in range(NO_ADAPTER + 1, self.num_slots + 1):
             if slot not in self._slot_of:

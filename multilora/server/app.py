@@ -1,0 +1,750 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine, errors as OpenAI error
+JSON, API-key and body-size guards, and `run_serve(args)` for `multilora serve`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models,
+POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter (vLLM's), GET /health, GET /metrics.
+A request picks an adapter by naming it in `model` (vLLM's convention); the base model answers to
+its folder name or its path. See docs/server.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from multilora.engine.request import SamplingParams
+from multilora.lora.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
+from multilora.server import protocol as P
+from multilora.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
+from multilora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+
+log = logging.getLogger("multilora.server")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+MAX_ADAPTER_NAME = 256
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_response(status: int, message: str, param: Optional[str] = None,
+                   code: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
+    return JSONResponse(P.error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+# ---- guards: API key and body size (a plain ASGI middleware, so that it sees the raw stream) -----
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _Guard:
+    def __init__(self, app, api_key: Optional[str], max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.api_key and scope["path"].rstrip("/") != "/health":
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                resp = error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return await resp(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.strip().isdigit():
+                return await error_response(400, "Content-Length is not a number")(scope, receive, send)
+            if int(length) > self.max_body_bytes:
+                return await self._too_large(scope, receive, send)
+        received = 0
+        started = False
+
+        async def limited_receive():
+            nonlocal received
+            msg = await receive()
+            if msg["type"] == "http.request":
+                received += len(msg.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise _BodyTooLarge()
+            return msg
+
+        async def tracking_send(msg):
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if started:
+                raise
+            await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope, receive, send):
+        resp = error_response(413, f"the request body exceeds {self.max_body_bytes} bytes (max_body_bytes)",
+                              code="request_too_large", headers={"Connection": "close"})
+        await resp(scope, receive, send)
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def _describe_validation(e: ValidationError) -> tuple[str, Optional[str]]:
+    errs = e.errors()
+    if errs and errs[0]["type"] == "json_invalid":
+        return f"the body is not valid JSON: {errs[0].get('ctx', {}).get('error', errs[0]['msg'])}", None
+    parts, param = [], None
+    seen = set()
+    for err in errs:
+        loc = [str(x) for x in err["loc"] if not (isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool")))]
+        where = ".".join(loc)
+        if err["type"] == "model_type" and not loc:
+            return "the body must be a JSON object", None
+        if param is None and loc:
+            param = loc[0]
+        if where in seen:
+            continue
+        seen.add(where)
+        parts.append(f"{where or 'body'}: {err['msg']}")
+    return "invalid request: " + "; ".join(parts[:4]), param
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    body = await request.body()
+    if not body.strip():
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        msg, param = _describe_validation(e)
+        raise APIError(400, msg, param)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """(prompt index, delta) from several streams as they come."""
+    if len(streams) == 1:
+        async for d in streams[0]:
+            yield 0, d
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream):
+        try:
+            async for d in s:
+                q.put_nowait((i, d))
+        finally:
+            q.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, d = await q.get()
+            if d is None:
+                remaining -= 1
+                continue
+            yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class _SSEResponse(StreamingResponse):
+    """A server-sent-event stream that watches for the client leaving whatever the ASGI server's
+    spec version, and always aborts its requests when it ends (a no-op for finished ones), even
+    when the body generator never started."""
+
+    def __init__(self, body: AsyncIterator[str], streams: Sequence[RequestStream]):
+        super().__init__(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send):
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.create_task(watch())
+        streaming = asyncio.create_task(self.stream_response(send))
+        try:
+            done, _ = await asyncio.wait({watcher, streaming}, return_when=asyncio.FIRST_COMPLETED)
+            if streaming in done:
+                with contextlib.suppress(OSError):  # the client went away while we wrote
+                    streaming.result()
+        finally:
+            for task in (watcher, streaming):
+                task.cancel()
+            await asyncio.gather(watcher, streaming, return_exceptions=True)
+            for st in self._streams:
+                st.abort()
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+
+
+def _sse(obj: BaseModel | dict) -> str:
+    data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+class _Server:
+    """The routes' shared state: the engine, its names and the adapter path policy."""
+
+    def __init__(self, aengine: AsyncEngine, lora_root: Optional[str], allow_any_lora_path: bool):
+        self.aengine = aengine
+        eng = aengine.engine
+        self.engine = eng
+        self.base_name = eng.model_name
+        self.base_names = {eng.model_name, str(eng.model_path)}
+        with contextlib.suppress(OSError):
+            self.base_names.add(str(Path(eng.model_path).resolve()))
+        self.lora_root = Path(lora_root).resolve() if lora_root else None
+        self.allow_any_lora_path = allow_any_lora_path
+
+    # ---- request building ------------------------------------------------------------------
+    def resolve_model(self, name: str) -> Optional[str]:
+        """None for the base model, else the adapter name (the engine checks it exists)."""
+        if not name:
+            raise APIError(400, "model is required: the base model's name or a LoRA adapter's", "model")
+        return None if name in self.base_names else name
+
+    def tokenize(self, prompt) -> list[int]:
+        try:
+            ids = self.engine.tokenize(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt")
+        if not ids:
+            raise APIError(400, "the prompt is empty: it must hold at least one token", "prompt")
+        return ids
+
+    def max_tokens_for(self, requested: Optional[int], prompt_len: int, param: str) -> int:
+        ctx = self.engine.max_model_len
+        if requested is not None and requested < 1:
+            raise APIError(400, f"{param} must be at least 1, got {requested}", param)
+        if prompt_len >= ctx:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context holds {ctx} "
+                                "tokens (max_model_len), leaving no room to generate", "prompt",
+                           "context_length_exceeded")
+        if requested is None:
+            return ctx - prompt_len
+        if prompt_len + requested > ctx:
+            raise APIError(400, f"this model's maximum context length is {ctx} tokens; you requested "
+                                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
+                                f"for the completion): reduce the prompt or {param}", param,
+                           "context_length_exceeded")
+        return requested
+
+    @staticmethod
+    def sampling(req: P._SamplingFields, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+        if req.n not in (None, 1):
+            raise APIError(400, f"n must be 1 (multilora returns one choice per prompt), got {req.n}", "n")
+        for field in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, field) not in (None, 0, 0.0):
+                raise APIError(400, f"{field} is not supported (only 0)", field)
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k is None else req.top_k,
+                seed=req.seed, stop=req.stop or (), stop_token_ids=req.stop_token_ids or (),
+                ignore_eos=bool(req.ignore_eos), logprobs=logprobs)
+        except ValueError as e:
+            msg = str(e)
+            raise APIError(400, msg, msg.split(" ", 1)[0])
+
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, lora: Optional[str],
+                     model: str) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for ids in prompts:
+                streams.append(await self.aengine.submit(ids, params, lora))
+        except BaseException as e:
+            for s in streams:
+                s.abort()
+            if isinstance(e, QueueFullError):
+                raise APIError(503, str(e), code="queue_full")
+            if isinstance(e, EngineStoppedError):
+                raise APIError(503, str(e), code="unavailable")
+            if isinstance(e, (UnknownAdapterError, AdapterUnloadingError)):
+                raise APIError(404, f"the model {model!r} does not exist: it is neither the base model "
+                                    f"{self.base_name!r} nor a loaded LoRA adapter ({_err_text(e)})",
+                               "model", "model_not_found")
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e))
+            raise
+        return streams
+
+    async def collect(self, request: Request, streams: list[RequestStream]) -> Optional[list[dict]]:
+        """Run streams to the end (non-streaming); None if the client went away (all aborted)."""
+        async def one(s: RequestStream) -> dict:
+            text, ids, lps, reason = [], [], [], None
+            async for d in s:
+                text.append(d.text)
+                ids.extend(d.token_ids)
+                if d.logprobs:
+                    lps.extend(d.logprobs)
+                if d.finished:
+                    reason = d.finish_reason
+            if reason == "error":
+                raise APIError(500, f"the request failed: {s.error or 'engine error'}", code="engine_error")
+            return dict(text="".join(text), token_ids=ids, logprobs=lps, finish_reason=reason,
+                        prompt_tokens=len(s.prompt_token_ids))
+
+        watcher = asyncio.create_task(_wait_disconnect(request))
+        work = asyncio.ensure_future(asyncio.gather(*(one(s) for s in streams)))
+        try:
+            done, _ = await asyncio.wait({watcher, work}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            return None
+        finally:
+            watcher.cancel()
+            if not work.done():
+                work.cancel()
+            for s in streams:
+                s.abort()
+
+    # ---- logprobs ----------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        tok = self.engine.tokenizer
+        if tok is None:
+            return f"token_id:{token_id}"
+        return tok.decode([token_id], skip_special_tokens=False)
+
+    def completion_logprobs(self, lps: list, offset: int) -> P.CompletionLogprobs:
+        out = P.CompletionLogprobs()
+        for lp in lps:
+            t = self.token_text(lp.token_id)
+            out.tokens.append(t)
+            out.token_logprobs.append(float(lp.logprob))
+            out.top_logprobs.append({self.token_text(i): float(v) for i, v in lp.top})
+            out.text_offset.append(offset)
+            offset += len(t)
+        return out
+
+    def chat_logprobs(self, lps: list) -> P.ChatLogprobs:
+        content = []
+        for lp in lps:
+            t = self.token_text(lp.token_id)
+            tops = [P.TopLogprob(token=self.token_text(i), logprob=float(v),
+                                 bytes=list(self.token_text(i).encode())) for i, v in lp.top]
+            content.append(P.TokenLogprob(token=t, logprob=float(lp.logprob), bytes=list(t.encode()),
+                                          top_logprobs=tops))
+        return P.ChatLogprobs(content=content)
+
+    # ---- adapter paths -----------------------------------------------------------------------
+    def check_lora_path(self, raw: str) -> str:
+        if not raw or "\x00" in raw:
+            raise APIError(400, "lora_path must be a non-empty path", "lora_path")
+        if self.lora_root is None:
+            if not self.allow_any_lora_path:
+                raise APIError(403, "loading adapters at run time is disabled: start the server with "
+                                    "--lora-root DIR (adapters under DIR may be loaded) or "
+                                    "--allow-any-lora-path", "lora_path", "lora_path_forbidden")
+            return str(Path(raw).expanduser().resolve())
+        p = Path(raw)
+        if not p.is_absolute():
+            p = self.lora_root / p
+        resolved = p.resolve()  # follows symlinks and '..': the real place is what is checked
+        if resolved != self.lora_root and self.lora_root not in resolved.parents:
+            raise APIError(403, f"lora_path must lie inside the server's --lora-root; {raw!r} does not",
+                           "lora_path", "lora_path_forbidden")
+        return str(resolved)
+
+
+def _err_text(e: BaseException) -> str:
+    return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+
+
+def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_root: Optional[str] = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allow_any_lora_path: bool = False,
+              drain_timeout: float = 30.0) -> FastAPI:
+    """The FastAPI app. Its lifespan starts the engine thread and, at shutdown, lets running
+    requests finish (up to drain_timeout seconds) before stopping it."""
+    srv = _Server(async_engine, lora_root, allow_any_lora_path)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        async_engine.start()
+        yield
+        await async_engine.shutdown(drain_timeout)
+
+    app = FastAPI(title="multilora", version="0.1.0", lifespan=lifespan)
+    app.state.server = srv
+    app.state.async_engine = async_engine
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return error_response(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        return error_response(400, f"invalid request: {'.'.join(loc) or 'body'}: {first.get('msg', '')}",
+                              loc[0] if loc else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request, e: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, f"internal server error: {type(e).__name__}")
+
+    # ---- generation ----------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req: P.CompletionRequest = await _parse(request, P.CompletionRequest)
+        lora = srv.resolve_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if req.best_of not in (None, 1):
+            raise APIError(400, "best_of must be 1", "best_of")
+        raw = req.prompt
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            raw = [raw]
+        if not raw:
+            raise APIError(400, "the prompt is empty", "prompt")
+        prompts = await asyncio.to_thread(lambda: [srv.tokenize(p) for p in raw])  # long prompts: off the loop
+        for ids in prompts:
+            srv.max_tokens_for(req.max_tokens, len(ids), "max_tokens")
+        # max_tokens null: up to the context, which the engine bounds per prompt
+        max_tokens = req.max_tokens if req.max_tokens is not None else srv.engine.max_model_len
+        params = srv.sampling(req, max_tokens, req.logprobs)
+        streams = await srv.submit(prompts, params, lora, req.model)
+        rid, created = P.random_id("cmpl"), P.now()
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _SSEResponse(_completion_stream(srv, streams, req.model, rid, created, include_usage), streams)
+        results = await srv.collect(request, streams)
+        if results is None:
+            return Response(status_code=499)
+        choices = [P.CompletionChoice(index=i, text=r["text"], finish_reason=r["finish_reason"],
+                                      logprobs=srv.completion_logprobs(r["logprobs"], 0)
+                                      if req.logprobs is not None else None)
+                   for i, r in enumerate(results)]
+        return P.CompletionResponse(id=rid, created=created, model=req.model, choices=choices,
+                                    usage=_usage(results))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req: P.ChatCompletionRequest = await _parse(request, P.ChatCompletionRequest)
+        lora = srv.resolve_model(req.model)
+        if not req.messages:
+            raise APIError(400, "messages must hold at least one message", "messages")
+        if req.tools:
+            raise APIError(400, "tools are not supported", "tools")
+        tok = srv.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                if any(part.type != "text" for part in content):
+                    raise APIError(400, f"messages[{i}]: only text content parts are supported", "messages")
+                content = "".join(part.text or "" for part in content)
+            msg = {"role": m.role, "content": content or ""}
+            if m.name:
+                msg["name"] = m.name
+            messages.append(msg)
+        try:
+            ids = await asyncio.to_thread(tok.encode_chat, messages, req.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages")
+        except Exception as e:  # jinja2 template errors (raise_exception in the template, bad roles)
+            raise APIError(400, f"the chat template failed on these messages: {e}", "messages")
+        if not ids:
+            raise APIError(400, "the rendered chat prompt is empty", "messages")
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = srv.max_tokens_for(requested, len(ids), param)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = srv.sampling(req, max_tokens, logprobs)
+        streams = await srv.submit([ids], params, lora, req.model)
+        rid, created = P.random_id("chatcmpl"), P.now()
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _SSEResponse(_chat_stream(srv, streams[0], req.model, rid, created, include_usage,
+                                             bool(req.logprobs)), streams)
+        results = await srv.collect(request, streams)
+        if results is None:
+            return Response(status_code=499)
+        r = results[0]
+        choice = P.ChatChoice(index=0, message=P.ChatResponseMessage(content=r["text"]),
+                              finish_reason=r["finish_reason"],
+                              logprobs=srv.chat_logprobs(r["logprobs"]) if req.logprobs else None)
+        return P.ChatCompletionResponse(id=rid, created=created, model=req.model, choices=[choice],
+                                        usage=_usage(results))
+
+    # ---- models and adapters -------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models():
+        adapters = await _call(async_engine.list_lora_adapters())
+        cards = [P.ModelCard(id=srv.base_name, root=str(srv.engine.model_path),
+                             max_model_len=srv.engine.max_model_len)]
+        cards += [P.ModelCard(id=a["name"], root=a["path"], parent=srv.base_name,
+                              max_model_len=srv.engine.max_model_len)
+                  for a in adapters if not a.get("unloading")]
+        return P.ModelList(data=cards)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        req: P.LoadLoRAAdapterRequest = await _parse(request, P.LoadLoRAAdapterRequest)
+        name = req.lora_name
+        if not name or len(name) > MAX_ADAPTER_NAME or any(ord(c) < 32 for c in name):
+            raise APIError(400, f"lora_name must be 1 to {MAX_ADAPTER_NAME} printable characters", "lora_name")
+        if name in srv.base_names:
+            raise APIError(409, f"lora_name {name!r} is the base model's name; choose another", "lora_name",
+                           "adapter_conflict")
+        path = srv.check_lora_path(req.lora_path)
+        try:
+            await _call(async_engine.load_lora_adapter(name, path, pinned=req.pinned))
+        except AdapterConflictError as e:
+            raise APIError(409, str(e), "lora_name", "adapter_conflict")
+        except ValueError as e:  # AdapterError: the folder is not a servable adapter
+            raise APIError(400, str(e), "lora_path", "invalid_adapter")
+        log.info("loaded LoRA adapter %r from %s", name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        req: P.UnloadLoRAAdapterRequest = await _parse(request, P.UnloadLoRAAdapterRequest)
+        name = req.lora_name
+        if name in srv.base_names:
+            raise APIError(400, "the base model cannot be unloaded", "lora_name")
+        try:
+            await _call(async_engine.unload_lora_adapter(name))
+        except KeyError as e:
+            raise APIError(404, _err_text(e), "lora_name", "adapter_not_found")
+        log.info("unloading LoRA adapter %r", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    # ---- operations ----------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_alive:
+            return error_response(503, "the engine is not running", code="unavailable")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(async_engine.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    return app
+
+
+async def _call(coro):
+    try:
+        return await coro
+    except EngineStoppedError as e:
+        raise APIError(503, str(e), code="unavailable")
+
+
+def _usage(results: list[dict]) -> P.UsageInfo:
+    prompt = sum(r["prompt_tokens"] for r in results)
+    completion = sum(len(r["token_ids"]) for r in results)
+    return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _error_event(message: str) -> str:
+    return _sse(P.error_body(500, message, code="engine_error"))
+
+
+async def _completion_stream(srv: _Server, streams: list[RequestStream], model: str, rid: str, created: int,
+                             include_usage: bool) -> AsyncIterator[str]:
+    completion_tokens = 0
+    offsets = [0] * len(streams)
+    try:
+        async for i, d in _merge(streams):
+            completion_tokens += len(d.token_ids)
+            if d.finished and d.finish_reason == "error":
+                yield _error_event(f"the request failed: {streams[i].error or 'engine error'}")
+                continue
+            if not (d.text or d.finished or d.logprobs):
+                continue
+            lp = None
+            if d.logprobs is not None:
+                lp = srv.completion_logprobs(d.logprobs, offsets[i])
+            offsets[i] += len(d.text)
+            chunk = P.CompletionChunk(id=rid, created=created, model=model, choices=[
+                P.CompletionChoice(index=i, text=d.text, logprobs=lp,
+                                   finish_reason=d.finish_reason if d.finished else None)])
+            yield _sse(chunk)
+        if include_usage:
+            prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+            yield _sse(P.CompletionChunk(id=rid, created=created, model=model, choices=[], usage=P.UsageInfo(
+                prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens)))
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away (or we are done): free what is still running
+        for s in streams:
+            s.abort()
+
+
+async def _chat_stream(srv: _Server, stream: RequestStream, model: str, rid: str, created: int,
+                       include_usage: bool, logprobs: bool) -> AsyncIterator[str]:
+    completion_tokens = 0
+    try:
+        yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+            P.ChatStreamChoice(index=0, delta=P.DeltaMessage(role="assistant", content=""))]))
+        async for d in stream:
+            completion_tokens += len(d.token_ids)
+            if d.finished and d.finish_reason == "error":
+                yield _error_event(f"the request failed: {stream.error or 'engine error'}")
+                continue
+            if not (d.text or d.finished or d.logprobs):
+                continue
+            lp = srv.chat_logprobs(d.logprobs) if (logprobs and d.logprobs is not None) else None
+            yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+                P.ChatStreamChoice(index=0, delta=P.DeltaMessage(content=d.text if d.text else None),
+                                   logprobs=lp, finish_reason=d.finish_reason if d.finished else None)]))
+        if include_usage:
+            n = len(stream.prompt_token_ids)
+            yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=P.UsageInfo(
+                prompt_tokens=n, completion_tokens=completion_tokens, total_tokens=n + completion_tokens)))
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.abort()
+
+
+# ---- the command line ----------------------------------------------------------------------------
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of `multilora serve`: engine budgets, then the server's own."""
+    g = parser.add_argument_group("model and adapters")
+    g.add_argument("--model", default=None,
+                   help="HF checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                   help="adapters to load at start-up")
+    g = parser.add_argument_group("engine budgets")
+    g.add_argument("--max-loras-per-batch", type=int, default=8, help="device adapter slots")
+    g.add_argument("--max-lora-rank", type=int, default=64)
+    g.add_argument("--max-loaded-loras", type=int, default=None, help="host copies kept (LRU); default all")
+    g.add_argument("--lora-backend", default="auto", choices=["auto", "bgmv", "sgmv", "reference"])
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-prefill-seqs", type=int, default=16)
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--num-pages", type=int, default=None)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", type=int, default=1)
+    g.add_argument("--seed", type=int, default=0)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $MULTILORA_API_KEY, else no key)")
+    g.add_argument("--lora-root", default=None,
+                   help="folder under which /v1/load_lora_adapter may load adapters")
+    g.add_argument("--allow-any-lora-path", action="store_true",
+                   help="without --lora-root, let /v1/load_lora_adapter load from any path (trusted clients only)")
+    g.add_argument("--max-queue", type=int, default=512,
+                   help="requests that may wait for a place in the batch; more get 503")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for running requests before aborting them")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _parse_lora_modules(items) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora-modules expects NAME=PATH, got {item!r}")
+        out[name] = path
+    return out
+
+
+def engine_from_args(args):
+    from multilora.engine.engine import Engine
+    return Engine(
+        model=args.model, lora_modules=_parse_lora_modules(args.lora_modules),
+        max_loras_per_batch=args.max_loras_per_batch, max_lora_rank=args.max_lora_rank,
+        max_loaded_loras=args.max_loaded_loras, lora_backend=args.lora_backend, dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_seqs=getattr(args, "max_prefill_seqs", 16), page_size=args.page_size,
+        num_pages=args.num_pages, kv_cache_memory_gb=getattr(args, "kv_cache_memory_gb", 2.0),
+        max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+        seed=getattr(args, "seed", 0), progress=True)
+
+
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
+          log_level: str = "info") -> None:
+    """Run uvicorn until SIGTERM/SIGINT; then running requests finish (up to drain_timeout)."""
+    import uvicorn
+
+    class _UvicornServer(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started and self.servers:
+                h, p = self.servers[0].sockets[0].getsockname()[:2]
+                h = f"[{h}]" if ":" in h else h
+                print(f"multilora: serving on http://{h}:{p}/v1", flush=True)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=drain_timeout, access_log=False)
+    _UvicornServer(config).run()
+
+
+def run_serve(args) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.lora_root and not Path(args.lora_root).is_dir():
+        raise SystemExit(f"--lora-root {args.lora_root!r} is not a folder")
+    if args.max_queue < 0:
+        raise SystemExit("--max-queue must be >= 0")
+    api_key = args.api_key or os.environ.get("MULTILORA_API_KEY") or None
+    engine = engine_from_args(args)
+    aengine = AsyncEngine(engine, max_queue=args.max_queue)
+    app = build_app(aengine, api_key=api_key, lora_root=args.lora_root, max_body_bytes=args.max_body_bytes,
+                    allow_any_lora_path=args.allow_any_lora_path, drain_timeout=args.drain_timeout)
+    serve(app, args.host, args.port, args.drain_timeout, args.log_level)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = add_serve_args(argparse.ArgumentParser(prog="multilora-serve"))
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,399 @@
+"""AsyncEngine: one thread owns the (single-threaded) Engine and runs its step loop; asyncio code
+talks to it through commands that the thread applies between steps.
+
+    aengine = AsyncEngine(engine, max_queue=512)
+    aengine.start()
+    stream = await aengine.submit(prompt_ids, SamplingParams(...), lora="name")  # errors raise here
+    async for delta in stream:          # StreamDelta, the last one has finished=True
+        ...
+    await aengine.load_lora_adapter("x", "/adapters/x")                         # between steps
+    await aengine.shutdown(timeout=30)  # stop taking requests, let running ones finish
+
+Nothing but the engine thread touches the Engine's mutable state (the tokenizer, read-only, is
+shared). Deltas reach each stream's event loop with call_soon_threadsafe. A stream that is left
+early (client gone) aborts its request, which frees its KV pages at once. The queue is bounded:
+when `max_queue` requests already wait for a place in the batch, submit raises QueueFullError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Callable, Optional, Sequence, Union
+
+from multilora.engine.engine import StreamDelta
+from multilora.engine.request import SamplingParams
+from multilora.server.metrics import Metrics
+
+log = logging.getLogger("multilora.server")
+
+Prompt = Union[str, Sequence[int]]
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests wait already: try again later (HTTP 503)."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is shutting down or its thread has died (HTTP 503)."""
+
+
+@dataclasses.dataclass(eq=False)
+class _StreamState:
+    request_id: str
+    lora: Optional[str]
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float
+    prompt_len: int
+    first_token_at: Optional[float] = None
+    last_token_at: Optional[float] = None
+    num_tokens: int = 0
+    done: bool = False          # the engine thread's view: its final delta is on the way
+    error: Optional[str] = None
+
+
+class RequestStream:
+    """Async iterator over one request's StreamDeltas. Leaving it before the end (break, an
+    exception, a cancelled task) should go through `abort()`; `async with` does that for you."""
+
+    def __init__(self, owner: "AsyncEngine", state: _StreamState, prompt_token_ids: list[int]):
+        self._owner, self._state = owner, state
+        self.request_id = state.request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.finished = False
+        self.finish_reason: Optional[str] = None
+
+    @property
+    def error(self) -> Optional[str]:
+        """Why the request ended with finish_reason "error" (an adapter that went bad, a failed step)."""
+        return self._state.error
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        delta: StreamDelta = await self._state.queue.get()
+        if delta.finished:
+            self.finished = True
+            self.finish_reason = delta.finish_reason
+        return delta
+
+    def abort(self) -> None:
+        """Stop generating (idempotent, thread-safe, never blocks); its KV pages are freed."""
+        if not self.finished:
+            self.finished = True
+            self.finish_reason = "abort"
+            self._owner._post(("abort", self.request_id))
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.abort()
+
+
+def _set_future(fut: asyncio.Future, result: Any = None, exc: Optional[BaseException] = None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class AsyncEngine:
+    def __init__(self, engine, max_queue: int = 512, metrics: Optional[Metrics] = None):
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics(engine.model_name)
+        self._lock = threading.Lock()
+        self._commands: list[tuple] = []
+        self._wake = threading.Event()
+        self._streams: dict[str, _StreamState] = {}        # engine thread only
+        self._pending_adds = 0                              # under _lock
+        self._engine_waiting = 0                            # under _lock: engine.num_waiting
+        self._inflight = 0                                  # under _lock: submitted, not yet ended
+        self._accepting = True
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        self._dead: Optional[str] = None
+        self.snapshot: dict[str, float] = {}
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "AsyncEngine":
+        if self._thread is None:
+            self._publish()
+            self._thread = threading.Thread(target=self._run, name="multilora-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def num_inflight(self) -> int:
+        with self._lock:
+            return self._inflight
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Refuse new requests, let running ones finish (up to `timeout` seconds), abort the
+        rest, then stop the engine thread."""
+        self._accepting = False
+        deadline = time.monotonic() + max(0.0, timeout)
+        while self.num_inflight and time.monotonic() < deadline and self.is_alive:
+            await asyncio.sleep(0.02)
+        if self.num_inflight:
+            log.warning("shutdown: aborting %d unfinished requests", self.num_inflight)
+        await asyncio.get_running_loop().run_in_executor(None, self.stop)
+
+    def stop(self) -> None:
+        """Abort whatever runs and stop the thread now (blocking; safe from any thread)."""
+        self._accepting = False
+        self._post(("abort_all",))
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+    # ---- the asyncio side ------------------------------------------------------------------
+    def _post(self, cmd: tuple) -> None:
+        with self._lock:
+            self._commands.append(cmd)
+        self._wake.set()
+
+    def _check_running(self) -> None:
+        if not self._accepting or self._stop:
+            raise EngineStoppedError("the server is shutting down and takes no new requests")
+        if not self.is_alive:
+            raise EngineStoppedError(f"the engine is not running{': ' + self._dead if self._dead else ''}")
+
+    async def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                     lora: Optional[str] = None, request_id: Optional[str] = None) -> RequestStream:
+        """Queue a request. Raises (before anything streams) what Engine.add_request raises
+        (ValueError, UnknownAdapterError, AdapterUnloadingError), QueueFullError or
+        EngineStoppedError."""
+        try:
+            self._check_running()
+        except EngineStoppedError:
+            self.metrics.request_rejected("unavailable")
+            raise
+        prompt_ids = self.engine.tokenize(prompt)   # the tokenizer is read-only: safe off-thread
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        loop = asyncio.get_running_loop()
+        state = _StreamState(request_id, lora, loop, asyncio.Queue(), time.monotonic(), len(prompt_ids))
+        with self._lock:
+            if self._pending_adds + self._engine_waiting >= self.max_queue:
+                full = True
+            else:
+                full = False
+                self._pending_adds += 1
+                self._inflight += 1
+        if full:
+            self.metrics.request_rejected("queue_full")
+            raise QueueFullError(f"the server is overloaded: {self.max_queue} requests are already "
+                                 "waiting (max_queue); retry later")
+        fut = loop.create_future()
+        self._post(("add", state, prompt_ids, params, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self._post(("abort", request_id))   # commands run in order: after its add
+            raise
+        self.metrics.request_accepted(lora, len(prompt_ids))
+        return RequestStream(self, state, prompt_ids)
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(engine) on the engine thread between two steps; its result or its exception."""
+        if not self.is_alive:
+            raise EngineStoppedError("the engine is not running")
+        fut = asyncio.get_running_loop().create_future()
+        self._post(("call", fn, fut))
+        return await fut
+
+    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        await self.call(lambda e: e.load_lora_adapter(name, path, pinned=pinned))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self.call(lambda e: e.unload_lora_adapter(name))
+
+    async def list_lora_adapters(self) -> list[dict]:
+        return await self.call(lambda e: e.list_lora_adapters())
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._loop_once():
+                pass
+        except BaseException as e:  # noqa: BLE001 - the thread must not die silently
+            log.exception("the engine thread died")
+            self._dead = f"{type(e).__name__}: {e}"
+            self._fail_all(f"the engine thread died: {self._dead}")
+        finally:
+            self._accepting = False
+            with self._lock:
+                cmds, self._commands = self._commands, []
+            for cmd in cmds:  # nobody will run these now: answer their callers
+                if cmd[0] == "add":
+                    with self._lock:
+                        self._pending_adds -= 1
+                        self._inflight -= 1
+                    self._to_loop(cmd[1].loop, _set_future, cmd[4], None,
+                                  EngineStoppedError("the engine has stopped"))
+                elif cmd[0] == "call":
+                    self._to_loop(cmd[2].get_loop(), _set_future, cmd[2], None,
+                                  EngineStoppedError("the engine has stopped"))
+            self._fail_all("the engine has stopped")
+
+    def _loop_once(self) -> bool:
+        """One turn: apply queued commands, then one step (or wait for work). True: stop."""
+        eng = self.engine
+        self._wake.clear()
+        with self._lock:
+            cmds, self._commands = self._commands, []
+        for cmd in cmds:
+            self._apply(cmd)
+        if cmds:
+            self._publish()
+        if self._stop:
+            with self._lock:
+                return not self._commands
+        if not eng.has_unfinished():
+            self._wake.wait(1.0)
+            return False
+        try:
+            deltas = eng.step()
+        except Exception as e:  # a bug: fail the requests in flight, keep serving the next ones
+            log.exception("engine step failed")
+            self._fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
+            return False
+        self._dispatch(deltas)
+        self._publish()
+        if not deltas and eng.num_running == 0:
+            self._wake.wait(0.01)  # nothing could be scheduled: don't spin
+        return False
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        eng = self.engine
+        if kind == "add":
+            _, st, prompt_ids, params, fut = cmd
+            with self._lock:
+                self._pending_adds -= 1
+            try:
+                if self._stop:
+                    raise EngineStoppedError("the server is shutting down")
+                eng.add_request(prompt_ids, params, lora=st.lora, request_id=st.request_id)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                with self._lock:
+                    self._inflight -= 1
+                self._to_loop(st.loop, _set_future, fut, None, e)
+                return
+            self._streams[st.request_id] = st
+            with self._lock:
+                self._engine_waiting = eng.num_waiting
+            self._to_loop(st.loop, _set_future, fut, st.request_id, None)
+        elif kind == "abort":
+            self._abort(cmd[1], "abort")
+        elif kind == "abort_all":
+            for rid in list(self._streams):
+                self._abort(rid, "abort")
+        elif kind == "call":
+            _, fn, fut = cmd
+            try:
+                result, exc = fn(eng), None
+            except BaseException as e:  # noqa: BLE001
+                result, exc = None, e
+            self._to_loop(fut.get_loop(), _set_future, fut, result, exc)
+
+    def _abort(self, rid: str, reason: str, error: Optional[str] = None) -> None:
+        try:
+            self.engine.abort_request(rid)
+            self.engine.release_finished(rid)
+        except Exception:  # never let one request's cleanup stop the loop
+            log.exception("aborting %s failed", rid)
+        st = self._streams.pop(rid, None)
+        if st is not None:
+            st.error = error
+            self._end(st, StreamDelta(rid, [], "", True, reason))
+
+    def _end(self, st: _StreamState, final: StreamDelta) -> None:
+        st.done = True
+        with self._lock:
+            self._inflight -= 1
+        self.metrics.request_finished(st.lora, final.finish_reason, time.monotonic() - st.arrival)
+        self._to_loop(st.loop, st.queue.put_nowait, final)
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self._streams):
+            self._abort(rid, "error", message)
+
+    def _dispatch(self, deltas: list[StreamDelta]) -> None:
+        now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for d in deltas:
+            st = self._streams.get(d.request_id)
+            if st is None:  # not ours (aborted already, or added straight to the engine)
+                if d.finished:
+                    self.engine.release_finished(d.request_id)
+                continue
+            n = len(d.token_ids)
+            if n:
+                ttft = itl = None
+                if st.first_token_at is None:
+                    st.first_token_at = now
+                    ttft = now - st.arrival
+                else:
+                    itl = (now - st.last_token_at) / n
+                st.last_token_at = now
+                st.num_tokens += n
+                self.metrics.tokens_generated(st.lora, n, ttft, itl)
+            if d.finished:
+                out = self.engine.pop_output(d.request_id)
+                st.error = out.error
+                del self._streams[d.request_id]
+                st.done = True
+                with self._lock:
+                    self._inflight -= 1
+                self.metrics.request_finished(st.lora, d.finish_reason, now - st.arrival)
+            by_loop.setdefault(st.loop, []).append((st.queue, d))
+        for loop, items in by_loop.items():
+            self._to_loop(loop, _deliver, items)
+
+    def _to_loop(self, loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: its consumers are gone
+            pass
+
+    def _publish(self) -> None:
+        eng = self.engine
+        with self._lock:
+            self._engine_waiting = eng.num_waiting
+            pending = self._pending_adds
+        pages = eng.pages
+        snap = {
+            "multilora_num_requests_waiting": eng.num_waiting + pending,
+            "multilora_num_requests_running": eng.num_running,
+            "multilora_kv_pages_used": pages.num_used,
+            "multilora_kv_pages_total": pages.capacity,
+            "multilora_kv_cache_usage_ratio": pages.num_used / max(pages.capacity, 1),
+            "multilora_loaded_adapters": len(eng.registry.entries),
+        }
+        self.snapshot = snap
+        self.metrics.set_snapshot(snap, dataclasses.asdict(eng.registry.stats))
+
+
+def _deliver(items: list) -> None:
+    for queue, delta in items:
+        queue.put_nowait(delta)

@@ -1,0 +1,161 @@
+"""Prometheus metrics, written by hand in the text exposition format (version 0.0.4): no client
+library needed. Counters and histograms are updated by the engine thread and the HTTP handlers
+(under one lock); gauges come from a snapshot the engine thread takes after every step, so that
+/metrics never touches the engine itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from typing import Iterable, Optional
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(pairs: Iterable[tuple[str, str]]) -> str:
+    body = ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
+    return "{" + body + "}" if body else ""
+
+
+def _num(v: float) -> str:
+    if isinstance(v, int):
+        return str(v)
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    if math.isnan(v):
+        return "NaN"
+    return repr(float(v))
+
+
+class _Histogram:
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)   # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, v)] += 1
+        self.sum += v
+        self.count += 1
+
+
+class Metrics:
+    """Everything /metrics reports. `model` labels are the served names: the base model's or an
+    adapter's (what the client put in `model`)."""
+
+    def __init__(self, base_name: str):
+        self.base_name = base_name
+        self._lock = threading.Lock()
+        self.requests: dict[str, int] = {}                       # model -> accepted requests
+        self.finished: dict[tuple[str, str], int] = {}           # (model, finish_reason) -> count
+        self.rejected: dict[str, int] = {}                       # reason -> count
+        self.prompt_tokens: dict[str, int] = {}
+        self.generation_tokens: dict[str, int] = {}
+        self.ttft = _Histogram(TTFT_BUCKETS)
+        self.itl = _Histogram(ITL_BUCKETS)
+        self.e2e = _Histogram(E2E_BUCKETS)
+        self.gauges: dict[str, float] = {}                       # from the engine thread's snapshot
+        self.adapter_stats: dict[str, int] = {}
+
+    def _model(self, lora: Optional[str]) -> str:
+        return lora if lora is not None else self.base_name
+
+    # ---- updates ---------------------------------------------------------------------------
+    def request_accepted(self, lora: Optional[str], prompt_tokens: int) -> None:
+        m = self._model(lora)
+        with self._lock:
+            self.requests[m] = self.requests.get(m, 0) + 1
+            self.prompt_tokens[m] = self.prompt_tokens.get(m, 0) + prompt_tokens
+
+    def request_rejected(self, reason: str) -> None:
+        with self._lock:
+            self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    def tokens_generated(self, lora: Optional[str], n: int, ttft: Optional[float],
+                         itl: Optional[float]) -> None:
+        m = self._model(lora)
+        with self._lock:
+            self.generation_tokens[m] = self.generation_tokens.get(m, 0) + n
+            if ttft is not None:
+                self.ttft.observe(ttft)
+            if itl is not None:
+                self.itl.observe(itl)
+
+    def request_finished(self, lora: Optional[str], reason: Optional[str], e2e: float) -> None:
+        key = (self._model(lora), reason or "unknown")
+        with self._lock:
+            self.finished[key] = self.finished.get(key, 0) + 1
+            self.e2e.observe(e2e)
+
+    def set_snapshot(self, gauges: dict[str, float], adapter_stats: dict[str, int]) -> None:
+        with self._lock:
+            self.gauges = dict(gauges)
+            self.adapter_stats = dict(adapter_stats)
+
+    # ---- exposition ------------------------------------------------------------------------
+    def render(self) -> str:
+        out: list[str] = []
+
+        def family(name: str, kind: str, help_: str, samples: list[tuple[str, dict, float]]):
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            for suffix, labels, value in samples:
+                out.append(f"{name}{suffix}{_labels(labels.items())} {_num(value)}")
+
+        def hist(name: str, help_: str, h: _Histogram):
+            samples, acc = [], 0
+            for bound, c in zip(list(h.bounds) + [math.inf], h.counts):
+                acc += c
+                samples.append(("_bucket", {"le": _num(float(bound))}, acc))
+            samples.append(("_sum", {}, h.sum))
+            samples.append(("_count", {}, h.count))
+            family(name, "histogram", help_, samples)
+
+        with self._lock:
+            family("multilora_requests_total", "counter", "Requests accepted, by served model (base or adapter).",
+                   [("", {"model": m}, v) for m, v in sorted(self.requests.items())])
+            family("multilora_requests_finished_total", "counter", "Requests finished, by model and finish reason.",
+                   [("", {"model": m, "finish_reason": r}, v) for (m, r), v in sorted(self.finished.items())])
+            family("multilora_requests_rejected_total", "counter", "Requests refused before reaching the engine.",
+                   [("", {"reason": r}, v) for r, v in sorted(self.rejected.items())])
+            family("multilora_prompt_tokens_total", "counter", "Prompt tokens of accepted requests, by model.",
+                   [("", {"model": m}, v) for m, v in sorted(self.prompt_tokens.items())])
+            family("multilora_generation_tokens_total", "counter", "Generated tokens, by model.",
+                   [("", {"model": m}, v) for m, v in sorted(self.generation_tokens.items())])
+            gauges = [
+                ("multilora_num_requests_waiting", "Requests queued for a place in the batch."),
+                ("multilora_num_requests_running", "Requests in the running batch."),
+                ("multilora_kv_pages_used", "KV cache pages in use."),
+                ("multilora_kv_pages_total", "KV cache pages that requests can use."),
+                ("multilora_kv_cache_usage_ratio", "Fraction of KV cache pages in use."),
+                ("multilora_loaded_adapters", "LoRA adapters registered."),
+            ]
+            for name, help_ in gauges:
+                family(name, "gauge", help_, [("", {}, self.gauges.get(name, 0))])
+            for key, help_ in (("slot_hits", "Adapter uses found in a device slot."),
+                               ("slot_misses", "Adapter uses that had to be written to a device slot."),
+                               ("slot_evictions", "Adapters evicted from a device slot."),
+                               ("host_hits", "Slot writes served from the host copy."),
+                               ("host_misses", "Slot writes that re-read the adapter folder."),
+                               ("host_evictions", "Host copies evicted (max_loaded_loras).")):
+                family(f"multilora_lora_{key}_total", "counter", help_,
+                       [("", {}, self.adapter_stats.get(key, 0))])
+            hist("multilora_time_to_first_token_seconds", "Time from arrival to the first token.", self.ttft)
+            hist("multilora_inter_token_latency_seconds", "Time between a request's successive tokens.",
+                 self.itl)
+            hist("multilora_e2e_request_latency_seconds", "Time from arrival to the end of a request.",
+                 self.e2e)
+        return "\n".join(out) + "\n"

@@ -1,0 +1,617 @@
+"""The HTTP server end to end: the official `openai` client (and raw httpx) against a real uvicorn
+server on 127.0.0.1, over a tiny random Llama with a 256-token byte-level BPE tokenizer built here.
+
+One engine serves the whole module (its compile is the expensive part). The offline references
+are computed through that same Engine object, one request at a time, before the server starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+import signal
+import socket
+import string
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import reference
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+API_KEY = "sk-multilora-test"
+MAX_MODEL_LEN = 128
+ENGINE_KW = dict(max_loras_per_batch=4, max_lora_rank=16, max_num_seqs=8, max_num_batched_tokens=64,
+                 page_size=8, max_model_len=MAX_MODEL_LEN)
+MAX_BODY = 64 * 1024
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PROMPTS = ["hello world", "once upon a time there was", "tell me a story about cats",
+           "the quick brown fox jumps over", "many small requests share one batch",
+           "how are you today?", "a little model that served", "streaming tokens arrive"]
+ADAPTERS = {"a": "a_all_r8", "b": "b_attn_r4_rslora", "c": "c_mlp_r16"}   # c: loaded at run time
+CHAT = [{"role": "system", "content": "you are a model"}, {"role": "user", "content": "tell me a story"}]
+
+
+def build_tokenizer(folder: Path) -> int:
+    """A byte-level BPE over printable ASCII with exactly 256 tokens (the tiny models' vocab):
+    <|endoftext|>, <|im_start|>, <|im_end|> (= eos id 2 of the tiny config), then the rest."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = sorted({c for w, _ in tok.pre_tokenizer.pre_tokenize_str(string.printable) for c in w})
+    corpus = ("the quick brown fox jumps over the lazy dog. hello world, how are you today? "
+              "once upon a time there was a little model that served many adapters at once. "
+              "user assistant system: tell me a story about cats and dogs and birds. "
+              "many small requests share one batch; each names its adapter or none. "
+              "streaming tokens arrive one by one while other clients wait their turn.").split(". ") * 10
+    trainer = trainers.BpeTrainer(vocab_size=256, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None}))
+    return tok.get_vocab_size()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """What the module fixture hands the tests."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def client(self, **kw) -> "openai.OpenAI":
+        kw.setdefault("api_key", API_KEY)
+        return openai.OpenAI(base_url=self.url + "/v1", timeout=120, max_retries=0, **kw)
+
+    def http(self, key: str | None = API_KEY, **kw) -> "httpx.Client":
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        kw.setdefault("timeout", 120)
+        return httpx.Client(base_url=self.url, headers=headers, **kw)
+
+    def metrics(self) -> dict:
+        with self.http() as c:
+            r = c.get("/metrics")
+        assert r.status_code == 200
+        return parse_metrics(r.text)
+
+
+def ref_key(prompt, lora, max_tokens):
+    return (tuple(prompt) if isinstance(prompt, list) else prompt, lora, max_tokens)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from multilora.engine.engine import Engine
+    from multilora.engine.request import SamplingParams
+    from multilora.server.async_engine import AsyncEngine
+    from multilora.server.app import build_app
+
+    root = tmp_path_factory.mktemp("server")
+    model_dir = root / "model"
+    model_dir.mkdir()
+    vocab = build_tokenizer(model_dir)
+    assert vocab == reference.TINY_CONFIGS["llama"]["vocab_size"]
+    reference.make_tiny_model(model_dir, "llama")
+    lora_root = root / "adapters"
+    for i, (name, spec) in enumerate(ADAPTERS.items()):
+        reference.make_adapter(model_dir, lora_root / spec, seed=11 + i, **reference.ADAPTER_SPECS[spec])
+    outside = reference.make_adapter(model_dir, root / "outside" / "evil", seed=5,
+                                     **reference.ADAPTER_SPECS["a_all_r8"])
+    (lora_root / "link_out").symlink_to(outside, target_is_directory=True)
+    (lora_root / "broken").mkdir()
+    (lora_root / "broken" / "adapter_config.json").write_text("{not json")
+
+    engine = Engine(str(model_dir), {n: str(lora_root / ADAPTERS[n]) for n in ("a", "b")}, **ENGINE_KW)
+    # Offline references, each request alone, through the very engine the server will drive.
+    engine.load_lora_adapter("c", str(lora_root / ADAPTERS["c"]))
+    refs = {}
+    chat_ids = engine.tokenizer.encode_chat(CHAT)
+    jobs = [(p, lora, 8 + 2 * (i % 7)) for i, p in enumerate(PROMPTS) for lora in (None, "a", "b", "c")]
+    jobs += [(chat_ids, lora, 12) for lora in (None, "a")]
+    for prompt, lora, max_tokens in jobs:
+        out = engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                              lora=lora)[0]
+        refs[ref_key(prompt, lora, max_tokens)] = out
+    engine.unload_lora_adapter("c")
+    assert engine.pages.num_used == 0 and not engine.has_unfinished()
+
+    aengine = AsyncEngine(engine, max_queue=64)
+    app = build_app(aengine, api_key=API_KEY, lora_root=str(lora_root), max_body_bytes=MAX_BODY)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
+                                           lifespan="on", timeout_graceful_shutdown=10))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield Served(url=f"http://127.0.0.1:{port}", engine=engine, aengine=aengine, server=server,
+                 refs=refs, chat_ids=chat_ids, model_dir=model_dir, lora_root=lora_root, outside=outside,
+                 jobs=jobs)
+    server.should_exit = True
+    thread.join(timeout=30)
+    assert not aengine.is_alive
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? '
+                     r'(-?[0-9.eE+-]+|[+-]Inf|NaN)$')
+
+
+def parse_metrics(text: str) -> dict:
+    """A strict reader of the Prometheus text format: {(name, ((label, value), ...)): float}."""
+    out, types = {}, {}
+    for line in text.splitlines():
+        if not line:
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            assert kind in ("counter", "gauge", "histogram", "summary", "untyped"), line
+            types[name] = kind
+            continue
+        if line.startswith("#"):
+            assert line.startswith("# HELP "), line
+            continue
+        m = _SAMPLE.match(line)
+        assert m, f"not a Prometheus sample line: {line!r}"
+        labels = tuple(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        family = re.sub(r"_(bucket|sum|count)$", "", m.group(1))
+        assert m.group(1) in types or family in types, f"sample without a TYPE line: {line!r}"
+        out[(m.group(1), labels)] = float(m.group(3))
+    out["__types__"] = types
+    return out
+
+
+def metric(ms: dict, name: str, **labels) -> float:
+    want = tuple(sorted(labels.items()))
+    return sum(v for (n, ls), v in ((k, v) for k, v in ms.items() if k != "__types__")
+               if n == name and tuple(sorted(ls)) == want)
+
+
+def wait_idle(served, timeout=20.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        ms = served.metrics()
+        if (metric(ms, "multilora_num_requests_running") == 0 and metric(ms, "multilora_kv_pages_used") == 0
+                and metric(ms, "multilora_num_requests_waiting") == 0):
+            return ms
+        assert time.time() < deadline, "the engine did not go idle"
+        time.sleep(0.05)
+
+
+def assert_error(r, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def greedy(**kw) -> dict:
+    return dict(temperature=0.0, extra_body={"ignore_eos": True}, **kw)
+
+
+def model_name(served, lora):
+    return lora if lora is not None else served.engine.model_name
+
+
+# ---- tests -------------------------------------------------------------------------------------------
+def test_models_lists_base_and_adapters(served):
+    models = served.client().models.list()
+    by_id = {m.id: m for m in models.data}
+    base = served.engine.model_name
+    assert set(by_id) == {base, "a", "b"}
+    assert getattr(by_id[base], "parent", None) is None
+    assert by_id["a"].parent == base and by_id["b"].parent == base
+    assert by_id["a"].root.endswith(ADAPTERS["a"])
+
+
+def test_completions_match_offline_engine_and_adapter_changes_text(served):
+    client = served.client()
+    prompt, max_tokens = PROMPTS[1], 10
+    texts = {}
+    for lora in (None, "a", "b"):
+        ref = served.refs[ref_key(prompt, lora, max_tokens)]
+        r = client.completions.create(model=model_name(served, lora), prompt=prompt, **greedy(max_tokens=max_tokens))
+        assert r.object == "text_completion" and r.model == model_name(served, lora)
+        assert r.choices[0].text == ref.text
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert r.usage.completion_tokens == max_tokens == len(ref.token_ids)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + max_tokens
+        texts[lora] = r.choices[0].text
+    assert texts[None] != texts["a"] and texts[None] != texts["b"] and texts["a"] != texts["b"]
+    # The base model answers to its path too; token-id prompts work.
+    ref = served.refs[ref_key(prompt, None, max_tokens)]
+    r = client.completions.create(model=str(served.model_dir), prompt=ref.prompt_token_ids,
+                                  **greedy(max_tokens=max_tokens))
+    assert r.choices[0].text == ref.text
+
+
+def test_chat_matches_offline_engine(served):
+    client = served.client()
+    for lora in (None, "a"):
+        ref = served.refs[ref_key(served.chat_ids, lora, 12)]
+        r = client.chat.completions.create(model=model_name(served, lora), messages=CHAT, **greedy(max_tokens=12))
+        assert r.object == "chat.completion"
+        assert r.choices[0].message.role == "assistant"
+        assert r.choices[0].message.content == ref.text
+        assert r.usage.prompt_tokens == len(served.chat_ids) and r.usage.completion_tokens == 12
+    # Without max_tokens a chat may use the whole context.
+    r = client.chat.completions.create(model="a", messages=CHAT, temperature=0.0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.total_tokens == MAX_MODEL_LEN
+
+
+def test_streaming_equals_non_streaming(served):
+    client = served.client()
+    for lora in (None, "b"):
+        kw = greedy(max_tokens=14)
+        full = client.completions.create(model=model_name(served, lora), prompt=PROMPTS[3], **kw)
+        chunks = list(client.completions.create(model=model_name(served, lora), prompt=PROMPTS[3], stream=True,
+                                                stream_options={"include_usage": True}, **kw))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == full.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 14 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+        full = client.chat.completions.create(model=model_name(served, lora), messages=CHAT, **kw)
+        chunks = list(client.chat.completions.create(model=model_name(served, lora), messages=CHAT, stream=True,
+                                                     stream_options={"include_usage": True}, **kw))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == full.choices[0].message.content
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 14
+    # The raw SSE: data lines, then the terminator.
+    with served.http() as c, c.stream("POST", "/v1/completions", json=dict(
+            model="a", prompt=PROMPTS[0], max_tokens=5, temperature=0, stream=True)) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines)
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+
+
+def test_logprobs(served):
+    client = served.client()
+    r = client.completions.create(model="a", prompt=PROMPTS[0], logprobs=3, **greedy(max_tokens=6))
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and 1 <= len(top) <= 3
+        assert math.isclose(max(top.values()), chosen, rel_tol=1e-5, abs_tol=1e-5)  # greedy: the top one
+    r = client.chat.completions.create(model="b", messages=CHAT, logprobs=True, top_logprobs=2, **greedy(max_tokens=5))
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 2 for t in content)
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+
+
+def test_prompt_lists_and_stop_strings(served):
+    client = served.client()
+    refs = [served.refs[ref_key(PROMPTS[i], "a", 8 + 2 * i)] for i in (0, 1)]
+    r = client.completions.create(model="a", prompt=[PROMPTS[0], PROMPTS[1]], **greedy(max_tokens=8))
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].text == refs[0].text and refs[1].text.startswith(r.choices[1].text)
+    assert r.usage.completion_tokens == 16
+    chunks = list(client.completions.create(model="a", prompt=[PROMPTS[0], PROMPTS[1]], stream=True,
+                                            **greedy(max_tokens=8)))
+    for i in (0, 1):
+        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) == r.choices[i].text
+    # A stop string cuts the text where it first appears, streaming or not.
+    ref = served.refs[ref_key(PROMPTS[3], None, 8 + 2 * 3)]
+    stop = ref.text[len(ref.text) // 2:len(ref.text) // 2 + 2]
+    want = ref.text[:ref.text.find(stop)]
+    kw = dict(model=served.engine.model_name, prompt=PROMPTS[3], stop=[stop], **greedy(max_tokens=14))
+    r = client.completions.create(**kw)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices) == want
+
+
+def test_a_failing_engine_step_fails_only_its_requests(served):
+    def break_next_step(engine):
+        def failing_step():
+            del engine.step          # only this one step fails
+            raise RuntimeError("injected failure")
+        engine.step = failing_step
+
+    asyncio.run(served.aengine.call(break_next_step))
+    with served.http() as c:
+        err = assert_error(c.post("/v1/completions", json=dict(model="a", prompt=PROMPTS[0], max_tokens=4)), 500)
+    assert "injected failure" in err["message"]
+    assert served.engine.pages.num_used == 0 and not served.engine.has_unfinished()
+    r = served.client().completions.create(model="a", prompt=PROMPTS[0], **greedy(max_tokens=8))
+    assert r.choices[0].text == served.refs[ref_key(PROMPTS[0], "a", 8)].text
+    with served.http(key=None) as c:
+        assert c.get("/health").status_code == 200
+
+
+def test_unknown_model_is_404(served):
+    with pytest.raises(openai.NotFoundError):
+        served.client().completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
+    with served.http() as c:
+        err = assert_error(c.post("/v1/chat/completions", json=dict(model="nope", messages=CHAT)), 404)
+    assert err["param"] == "model" and err["code"] == "model_not_found"
+
+
+def test_load_and_unload_at_run_time(served):
+    client = served.client()
+    with served.http() as c:
+        r = c.post("/v1/load_lora_adapter", json=dict(lora_name="c", lora_path=ADAPTERS["c"]))  # relative to root
+        assert r.status_code == 200, r.text
+        assert "c" in {m.id for m in client.models.list().data}
+        for i in (0, 4):
+            prompt, max_tokens = PROMPTS[i], 8 + 2 * (i % 7)
+            ref = served.refs[ref_key(prompt, "c", max_tokens)]
+            r2 = client.completions.create(model="c", prompt=prompt, **greedy(max_tokens=max_tokens))
+            assert r2.choices[0].text == ref.text
+        err = assert_error(c.post("/v1/load_lora_adapter", json=dict(
+            lora_name="c", lora_path=str(served.lora_root / ADAPTERS["c"]))), 409)
+        assert "already loaded" in err["message"]
+        assert_error(c.post("/v1/load_lora_adapter", json=dict(
+            lora_name=served.engine.model_name, lora_path=ADAPTERS["c"])), 409)
+        r = c.post("/v1/unload_lora_adapter", json=dict(lora_name="c"))
+        assert r.status_code == 200, r.text
+        assert "c" not in {m.id for m in client.models.list().data}
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="c", prompt="hi", max_tokens=2)
+        assert_error(c.post("/v1/unload_lora_adapter", json=dict(lora_name="c")), 404)
+        assert_error(c.post("/v1/load_lora_adapter", json=dict(lora_name="x")), 400)   # no lora_path
+
+
+def test_adapter_paths_outside_root_are_refused(served):
+    outside = served.outside
+    cases = {
+        "../outside/evil": 403,
+        str(outside): 403,
+        str(served.lora_root / ".." / "outside" / "evil"): 403,
+        "link_out": 403,                 # a symlink inside the root that leads out of it
+        "/etc/passwd": 403,
+        "/": 403,
+        "broken": 400,                   # inside, but not an adapter
+        "does-not-exist": 400,
+        "": 400,
+    }
+    with served.http() as c:
+        for path, status in cases.items():
+            err = assert_error(c.post("/v1/load_lora_adapter", json=dict(lora_name="evil", lora_path=path)), status)
+            if status == 403:
+                assert err["code"] == "lora_path_forbidden"
+        assert "evil" not in {m.id for m in served.client().models.list().data}
+    r = served.client().completions.create(model="a", prompt=PROMPTS[0], **greedy(max_tokens=8))
+    assert r.choices[0].text == served.refs[ref_key(PROMPTS[0], "a", 8)].text
+
+
+def test_concurrent_streams_equal_requests_made_alone(served):
+    jobs = [(p, lora, n) for p, lora, n in served.jobs if isinstance(p, str) and lora != "c"]
+    jobs = (jobs * 2)[:32]
+    assert len(jobs) == 32 and len({lora for _, lora, _ in jobs}) == 3
+
+    async def one(client, prompt, lora, max_tokens):
+        stream = await client.completions.create(
+            model=model_name(served, lora), prompt=prompt, stream=True, stream_options={"include_usage": True},
+            **greedy(max_tokens=max_tokens))
+        text, usage, reason = [], None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text.append(chunk.choices[0].text)
+                reason = chunk.choices[0].finish_reason or reason
+            if chunk.usage:
+                usage = chunk.usage
+        return "".join(text), usage.completion_tokens, reason
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key=API_KEY, timeout=120, max_retries=0)
+        try:
+            return await asyncio.gather(*(one(client, *job) for job in jobs))
+        finally:
+            await client.close()
+
+    before = served.metrics()
+    steps0 = served.engine.stats["decode_steps"]
+    results = asyncio.run(main())
+    # They really shared batches: far fewer decode steps than tokens.
+    assert served.engine.stats["decode_steps"] - steps0 < sum(n for _, _, n in jobs) / 3
+    for (prompt, lora, max_tokens), (text, n, reason) in zip(jobs, results):
+        ref = served.refs[ref_key(prompt, lora, max_tokens)]
+        assert (text, n, reason) == (ref.text, len(ref.token_ids), "length"), (prompt, lora)
+    ms = wait_idle(served)
+    assert served.engine.pages.num_used == 0
+    for lora in ("a", "b"):
+        assert metric(ms, "multilora_requests_total", model=lora) - \
+            metric(before, "multilora_requests_total", model=lora) == sum(1 for j in jobs if j[1] == lora)
+
+
+def test_dropped_stream_frees_its_pages(served):
+    before = served.metrics()
+    aborted0 = metric(before, "multilora_requests_finished_total", model="a", finish_reason="abort")
+    with served.http() as c:
+        with c.stream("POST", "/v1/completions", json=dict(model="a", prompt=PROMPTS[2], max_tokens=110,
+                                                           temperature=0, ignore_eos=True, stream=True)) as r:
+            assert r.status_code == 200
+            got = 0
+            for line in r.iter_lines():
+                got += line.startswith("data: ")
+                if got >= 2:
+                    break
+        # leaving the block closes the connection mid-stream
+    ms = wait_idle(served)
+    assert metric(ms, "multilora_requests_finished_total", model="a", finish_reason="abort") == aborted0 + 1
+    assert served.engine.pages.num_used == 0 and not served.engine.has_unfinished()
+
+    # A non-streaming client that goes away is aborted too. Hold the engine thread so that the
+    # request is certainly still queued when the client leaves.
+    # The same for a stream left before its first chunk.
+    for n, stream in enumerate((False, True)):
+        gate = threading.Event()
+        holder = threading.Thread(target=lambda: asyncio.run(served.aengine.call(lambda e: gate.wait(30))))
+        holder.start()
+        try:
+            with served.http(timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+                c.post("/v1/completions", json=dict(model="a", prompt=PROMPTS[2], max_tokens=110, temperature=0,
+                                                    ignore_eos=True, stream=stream))
+        finally:
+            gate.set()
+            holder.join()
+        ms = wait_idle(served)
+        assert metric(ms, "multilora_requests_finished_total", model="a", finish_reason="abort") == aborted0 + 2 + n
+        assert served.engine.pages.num_used == 0
+
+
+def test_api_key_is_required(served):
+    with served.http(key=None) as c:
+        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+                             ("POST", "/v1/chat/completions"), ("POST", "/v1/load_lora_adapter"),
+                             ("POST", "/v1/unload_lora_adapter")):
+            err = assert_error(c.request(method, path, json={}), 401)
+            assert err["code"] == "invalid_api_key"
+        assert c.get("/health").status_code == 200
+    with served.http(key="wrong") as c:
+        assert_error(c.get("/v1/models"), 401)
+    with pytest.raises(openai.AuthenticationError):
+        served.client(api_key="wrong").completions.create(model="a", prompt="hi", max_tokens=2)
+
+
+def test_bad_requests_are_400(served):
+    base = served.engine.model_name
+    ok = dict(model=base, prompt="hello", max_tokens=4)
+    long_prompt = list(range(3, 3 + MAX_MODEL_LEN))
+    bad = [
+        (dict(ok, max_tokens=0), "max_tokens"),
+        (dict(ok, max_tokens=-5), "max_tokens"),
+        (dict(ok, max_tokens=MAX_MODEL_LEN), "max_tokens"),          # prompt + max_tokens beyond the context
+        (dict(ok, prompt=long_prompt, max_tokens=1), "prompt"),
+        (dict(ok, prompt=""), "prompt"),
+        (dict(ok, prompt=[]), "prompt"),
+        (dict(ok, prompt=[1, 9999]), "prompt"),                      # token id outside the vocabulary
+        (dict(ok, prompt=5), "prompt"),
+        (dict(ok, temperature="hot"), "temperature"),
+        (dict(ok, temperature=-1.0), "temperature"),
+        (dict(ok, max_tokens="4"), "max_tokens"),
+        (dict(ok, stream="yes"), "stream"),
+        (dict(ok, n=2), "n"),
+        (dict(ok, top_p=0.0), "top_p"),
+        (dict(ok, logprobs=50), "logprobs"),
+        ({"prompt": "hello"}, "model"),
+    ]
+    with served.http() as c:
+        for body, param in bad:
+            err = assert_error(c.post("/v1/completions", json=body), 400)
+            assert err["param"] == param, (body, err)
+        for body in (dict(model=base, messages=[]), dict(model=base, messages="hi"),
+                     dict(model=base, messages=CHAT, max_tokens=0),
+                     dict(model=base, messages=CHAT, top_logprobs=2),
+                     dict(model=base, messages=[{"role": "user", "content": [{"type": "image_url"}]}])):
+            assert_error(c.post("/v1/chat/completions", json=body), 400)
+        for raw in (b"{not json", b"[1, 2]", b"", b'"text"'):
+            assert_error(c.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"}), 400)
+    with pytest.raises(openai.BadRequestError):
+        served.client().completions.create(model=base, prompt="hello", max_tokens=0)
+    # ...and the server is unaffected.
+    r = served.client().completions.create(model="b", prompt=PROMPTS[5], **greedy(max_tokens=8 + 2 * 5))
+    assert r.choices[0].text == served.refs[ref_key(PROMPTS[5], "b", 18)].text
+
+
+def test_oversized_body_is_413(served):
+    big = json.dumps(dict(model="a", prompt="x" * (MAX_BODY + 10), max_tokens=2)).encode()
+    with served.http() as c:
+        assert_error(c.post("/v1/completions", content=big, headers={"Content-Type": "application/json"}), 413)
+
+    def chunks():  # no Content-Length: the streamed size is what counts
+        for i in range(0, len(big), 4096):
+            yield big[i:i + 4096]
+
+    with served.http() as c:
+        assert_error(c.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}), 413)
+    r = served.client().completions.create(model="a", prompt=PROMPTS[0], **greedy(max_tokens=8))
+    assert r.choices[0].text == served.refs[ref_key(PROMPTS[0], "a", 8)].text
+
+
+def test_full_queue_is_503(served):
+    served.aengine.max_queue = 0
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            served.client().completions.create(model="a", prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503
+    finally:
+        served.aengine.max_queue = 64
+    assert metric(served.metrics(), "multilora_requests_rejected_total", reason="queue_full") >= 1
+    served.client().completions.create(model="a", prompt="hi", max_tokens=2)
+
+
+def test_metrics_parse(served):
+    served.client().completions.create(model="b", prompt=PROMPTS[0], **greedy(max_tokens=3))
+    ms = served.metrics()
+    types = ms["__types__"]
+    assert types["multilora_requests_total"] == "counter"
+    assert types["multilora_kv_pages_used"] == "gauge"
+    assert types["multilora_time_to_first_token_seconds"] == "histogram"
+    assert metric(ms, "multilora_requests_total", model="b") >= 1
+    assert metric(ms, "multilora_generation_tokens_total", model="b") >= 3
+    assert metric(ms, "multilora_kv_pages_total") == served.engine.pages.capacity
+    assert metric(ms, "multilora_lora_slot_misses_total") >= 1
+    for h in ("multilora_time_to_first_token_seconds", "multilora_inter_token_latency_seconds"):
+        buckets = sorted(((float(dict(k[1])["le"]), v) for k, v in ms.items()
+                          if k != "__types__" and k[0] == f"{h}_bucket"), key=lambda t: t[0])
+        counts = [v for _, v in buckets]
+        assert counts == sorted(counts) and buckets[-1][0] == math.inf
+        assert buckets[-1][1] == metric(ms, f"{h}_count") > 0
+
+
+def test_sigterm_drains_running_requests(served, tmp_path):
+    """`multilora serve` in a subprocess: SIGTERM lets a running stream finish, then exits."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "multilora.server.app", "--model", str(served.model_dir), "--port", "0",
+           "--max-loras-per-batch", "4", "--max-lora-rank", "16", "--max-num-seqs", "8",
+           "--max-num-batched-tokens", "64", "--page-size", "8", "--max-model-len", str(MAX_MODEL_LEN),
+           "--lora-modules", f"a={served.lora_root / ADAPTERS['a']}", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=str(Path(__file__).resolve().parents[1]), env=env)
+    lines: list[str] = []
+    url = None
+    try:
+        deadline = time.time() + 240
+        while url is None:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "the server exited:\n" + "".join(lines)
+            lines.append(line)
+            m = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
+            url = m.group(1) if m else None
+            assert time.time() < deadline, "the server did not start:\n" + "".join(lines)
+        threading.Thread(target=lambda: [lines.append(ln) for ln in proc.stdout], daemon=True).start()
+        ref = served.refs[ref_key(PROMPTS[6], "a", 8 + 2 * 6)]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=60, max_retries=0)
+        stream = client.completions.create(model="a", prompt=PROMPTS[6], stream=True,
+                                           stream_options={"include_usage": True}, **greedy(max_tokens=110))
+        chunks = [next(iter(stream))]
+        proc.send_signal(signal.SIGTERM)
+        chunks += list(stream)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text.startswith(ref.text)  # the same greedy tokens...
+        assert chunks[-1].usage.completion_tokens == 110  # ...and all of them
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        rc = proc.wait(timeout=60)
+        assert rc in (0, -signal.SIGTERM), "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
