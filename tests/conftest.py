@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch threads spin on a busy 2-core box
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -28,5 +29,20 @@ def tiny_adapters(tiny_models, tmp_path_factory):
     for model_name, model_dir in tiny_models.items():
         for ad_name, spec in reference.ADAPTER_SPECS.items():
             out[(model_name, ad_name)] = reference.make_adapter(
-                model_dir, root / model_name / ad_name, seed=hash(ad_name) % 1000, **spec)
+                model_dir, root / model_name / ad_name, seed=zlib.crc32(ad_name.encode()) % 1000, **spec)
     return out
+
+
+@pytest.fixture(scope="session")
+def peft_refs(tiny_models, tiny_adapters):
+    """model name -> reference.PeftReference holding all of that model's ADAPTER_SPECS adapters
+    (each model loaded at most once per session; logits memoized)."""
+    return {kind: reference.PeftReference(
+                model_dir, {ad: tiny_adapters[(kind, ad)] for ad in reference.ADAPTER_SPECS})
+            for kind, model_dir in tiny_models.items()}
+
+
+@pytest.fixture(scope="session")
+def peft_greedy_cache():
+    """reference.PeftGreedyCache: PEFT greedy tokens, each (adapter, prompt) generated once."""
+    return reference.PeftGreedyCache()

@@ -100,3 +100,94 @@ def peft_greedy(model_dir: Path, adapter_dir: Path | None, token_ids: list[int],
 
 def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj))
+
+
+class PeftReference:
+    """One base model with several PEFT adapters loaded side by side (loaded on first use, once),
+    and memoized logits: far cheaper than peft_logits' reload per call when a test asks for many
+    (adapter, sequence) pairs. adapter None means the plain transformers model."""
+
+    def __init__(self, model_dir: Path, adapter_dirs: dict[str, Path]):
+        self.model_dir, self.adapter_dirs = Path(model_dir), dict(adapter_dirs)
+        self._model = None
+        self._memo: dict[tuple, np.ndarray] = {}
+
+    def _load(self):
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        model = None
+        for name, folder in self.adapter_dirs.items():
+            if model is None:
+                model = PeftModel.from_pretrained(base, folder, adapter_name=name)
+            else:
+                model.load_adapter(folder, adapter_name=name)
+        self._model = (model if model is not None else base).eval()
+
+    def logits(self, adapter: str | None, token_ids) -> np.ndarray:
+        """(T, V) float32 logits of one sequence."""
+        key = (adapter, tuple(int(t) for t in token_ids))
+        if key not in self._memo:
+            if self._model is None:
+                self._load()
+            ids = torch.tensor([list(key[1])])
+            with torch.no_grad():
+                if adapter is None:
+                    if hasattr(self._model, "disable_adapter"):
+                        with self._model.disable_adapter():
+                            out = self._model(ids)
+                    else:
+                        out = self._model(ids)
+                else:
+                    self._model.set_adapter(adapter)
+                    out = self._model(ids)
+            self._memo[key] = out.logits[0].numpy().astype(np.float32)
+        return self._memo[key]
+
+
+def peft_greedy_many(model_dir: Path, adapter_dir: Path | None, prompts: list[list[int]],
+                     max_new: int) -> list[list[int]]:
+    """peft_greedy for several prompts on one adapter, loading the model once."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(torch.tensor([list(ids)]), max_new_tokens=max_new, do_sample=False,
+                                 min_new_tokens=max_new, pad_token_id=0, eos_token_id=None)
+            outs.append(out[0, len(ids):].tolist())
+    return outs
+
+
+class PeftGreedyCache:
+    """Memoized peft_greedy: each (model, adapter folder, prompt) is generated once, at the longest
+    max_new asked for; shorter asks get a prefix (greedy decoding is prefix-stable). Prompts must
+    avoid token 0, which generate() treats as padding."""
+
+    def __init__(self):
+        self._memo: dict[tuple, list[int]] = {}
+
+    @staticmethod
+    def _key(model_dir, adapter_dir, ids) -> tuple:
+        return (str(model_dir), None if adapter_dir is None else str(adapter_dir), tuple(int(t) for t in ids))
+
+    def many(self, model_dir: Path, pairs, max_new: int) -> list[list[int]]:
+        """pairs: (adapter folder or None, prompt ids) -> PEFT's greedy tokens for each."""
+        keys = [self._key(model_dir, a, ids) for a, ids in pairs]
+        missing: dict = {}
+        for k in keys:
+            if len(self._memo.get(k, ())) < max_new:
+                missing.setdefault(k[1], {})[k] = None
+        for adapter_dir, ks in missing.items():
+            ks = list(ks)
+            outs = peft_greedy_many(Path(model_dir), None if adapter_dir is None else Path(adapter_dir),
+                                    [list(k[2]) for k in ks], max_new)
+            self._memo.update(zip(ks, outs))
+        return [self._memo[k][:max_new] for k in keys]
+
+    def __call__(self, model_dir: Path, adapter_dir: Path | None, ids, max_new: int) -> list[int]:
+        return self.many(model_dir, [(adapter_dir, ids)], max_new)[0]

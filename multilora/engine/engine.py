@@ -401,7 +401,9 @@ class Engine:
             self.registry.resolve(name)
         for p in prompts:
             ids = self.tokenize(p)
-            if not ids or len(ids) >= self.max_model_len:
+            if not ids:
+                raise ValueError("a prompt is empty")
+            if len(ids) >= self.max_model_len:
                 raise PromptTooLongError(f"a prompt has {len(ids)} tokens; prompts need 1 to "
                                          f"{self.max_model_len - 1} tokens (max_model_len={self.max_model_len})")
         ids = [self.add_request(p, sp, l) for p, sp, l in zip(prompts, params_list, lora_list)]

@@ -19,7 +19,9 @@ def _filtered_logits(logits_BV, temperature_B, top_k_B, top_p_B):
     sorted_desc = -jnp.sort(-scaled, axis=-1)
     k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, v), v)
     kth_B = jnp.take_along_axis(sorted_desc, (k_B - 1)[:, None], axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    # top-p over the top-k survivors, renormalised (vLLM's order: top-k, then top-p)
+    in_top_k = jnp.arange(v)[None, :] < k_B[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
     cum_before = jnp.cumsum(probs, axis=-1) - probs
     # keep the smallest prefix whose mass reaches top_p (the top token always stays)
     keep_sorted = cum_before < top_p_B[:, None]

@@ -1,0 +1,489 @@
+"""Engine end to end on a tiny random Llama: greedy tokens equal transformers + PEFT exactly in mixed
+batches (base rows and several adapters, both LoRA backends), more adapters than device slots
+(slot and host-tier churn), run-time load and unload, preemption, seeds, stop conditions, errors
+and streaming; no page leak and no compile after warm-up throughout.
+
+Compiling the step shapes is the cost here (tens of seconds per engine config on a small machine),
+so every engine in this file uses the same shapes (KW): after the first, an engine costs a weight
+load and jit cache hits. The preemption test shrinks the free page pool by holding pages rather
+than building an engine with a smaller KV cache (another shape, another full compile).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from multilora.engine.engine import Engine, PromptTooLongError
+from multilora.engine.request import SamplingParams
+from multilora.lora.adapter import AdapterError
+from multilora.lora.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
+from tests import reference
+
+MAX_MODEL_LEN = 64
+PAGE_SIZE = 8
+KW = dict(max_loras_per_batch=4, max_lora_rank=16, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+          max_num_batched_tokens=64, page_size=PAGE_SIZE)
+MAX_NEW = 10
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+SPEC = ["a_all_r8", "b_attn_r4_rslora", "c_mlp_r16", "d_regex_patterns"]
+_ENGINES: list[Engine] = []
+
+
+def make_engine(model_dir, adapters, **overrides) -> Engine:
+    eng = Engine(str(model_dir), {k: str(v) for k, v in adapters.items()}, **{**KW, **overrides})
+    _ENGINES.append(eng)
+    return eng
+
+
+def prompts_of(seed: int, lengths) -> list[list[int]]:
+    """Random prompts; ids from 3 (0 is PEFT's padding, 1 and 2 are BOS and EOS)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, size=n).tolist() for n in lengths]
+
+
+def assert_clean(eng: Engine) -> None:
+    """After a run: every page back, no adapter reference left, nothing compiled."""
+    assert eng.pages.num_free == eng.pages.capacity, "KV pages leaked"
+    assert eng.num_waiting == 0 and eng.num_running == 0
+    assert all(e["active_requests"] == 0 for e in eng.list_lora_adapters())
+    assert eng.runner.compiles_after_warmup == 0
+
+
+def gen(eng: Engine, prompts, params=GREEDY, lora=None):
+    outs = eng.generate(prompts, params, lora=lora)
+    assert_clean(eng)
+    return outs
+
+
+def check_vs_peft(cache, model_dir, dirs, prompts, loras, outs, max_new=MAX_NEW):
+    want = cache.many(model_dir, [(None if l is None else dirs[l], p) for p, l in zip(prompts, loras)], max_new)
+    bad = []
+    for i, (p, l, o, w) in enumerate(zip(prompts, loras, outs, want)):
+        n = min(max_new, MAX_MODEL_LEN - len(p))
+        if o.token_ids != w[:n] or o.lora != l:
+            bad.append(f"row {i} (adapter {l}, {len(p)} prompt tokens): engine {o.token_ids} != PEFT {w[:n]}")
+    assert not bad, "\n".join(bad)
+
+
+# ---- fixtures -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tiny_models):
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def spec_dirs(tiny_adapters):
+    return {name: tiny_adapters[("llama", name)] for name in SPEC}
+
+
+@pytest.fixture(scope="module")
+def extra_dirs(model_dir, tmp_path_factory):
+    """12 more adapters: ranks 2..16, different targets, alphas and seeds, some rsLoRA."""
+    root = tmp_path_factory.mktemp("engine_adapters")
+    targets = [reference.ALL, ["q_proj", "v_proj"], ["gate_proj", "down_proj"], ["k_proj", "o_proj", "up_proj"]]
+    out = {}
+    for i in range(12):
+        out[f"x{i}"] = reference.make_adapter(
+            model_dir, root / f"x{i}", seed=1000 + i, r=[2, 4, 8, 16][i % 4], lora_alpha=[4, 8, 16][i % 3],
+            target_modules=targets[(i + i // 4) % 4], use_rslora=i % 5 == 0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, spec_dirs):
+    """The shared engine: bgmv, adapters a, b, c of ADAPTER_SPECS under short names."""
+    return make_engine(model_dir, {"a": spec_dirs[SPEC[0]], "b": spec_dirs[SPEC[1]], "c": spec_dirs[SPEC[2]]},
+                       lora_backend="bgmv")
+
+
+@pytest.fixture(scope="module")
+def short_dirs(spec_dirs, extra_dirs):
+    return {"a": spec_dirs[SPEC[0]], "b": spec_dirs[SPEC[1]], "c": spec_dirs[SPEC[2]],
+            "d": spec_dirs[SPEC[3]], **extra_dirs}
+
+
+MIXED_LENGTHS = [1, 2, 3, 5, 7, 8, 9, 13, 16, 17, 24, 31, 33, 40, 47, 53, 20, 11]
+
+
+# ---- parity --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["bgmv", "auto", "sgmv"])
+def test_mixed_batch_equals_peft(backend, engine, model_dir, spec_dirs, short_dirs, peft_greedy_cache):
+    """18 prompts of 1 to 53 tokens over base + 3 adapters (base rows beside adapter rows in every
+    step, chunked prefills, page boundaries) give PEFT's greedy tokens row by row."""
+    eng = engine if backend == "bgmv" else make_engine(
+        model_dir, {"a": spec_dirs[SPEC[0]], "b": spec_dirs[SPEC[1]], "c": spec_dirs[SPEC[2]]},
+        lora_backend=backend)
+    prompts = prompts_of(1, MIXED_LENGTHS)
+    loras = [[None, "a", "b", "c"][i % 4] for i in range(len(prompts))]
+    outs = gen(eng, prompts, GREEDY, loras)
+    assert [o.finish_reason for o in outs] == ["length"] * len(prompts)
+    check_vs_peft(peft_greedy_cache, model_dir, short_dirs, prompts, loras, outs)
+
+
+@pytest.mark.parametrize("max_loaded_loras", [None, 3])
+def test_twelve_adapters_through_four_slots(max_loaded_loras, model_dir, extra_dirs, short_dirs,
+                                            peft_greedy_cache):
+    eng = make_engine(model_dir, extra_dirs, lora_backend="bgmv", max_loaded_loras=max_loaded_loras)
+    names = list(extra_dirs)
+    loras = []
+    for rnd in range(2):
+        for i, n in enumerate(names):
+            loras.append(n)
+            if i % 4 == 3:
+                loras.append(None)   # base rows beside four full slots
+    prompts = prompts_of(2, np.random.default_rng(3).integers(2, 30, size=len(loras)))
+    outs = gen(eng, prompts, GREEDY, loras)
+    check_vs_peft(peft_greedy_cache, model_dir, short_dirs, prompts, loras, outs)
+    st = eng.registry.stats
+    assert st.slot_evictions > 0 and st.slot_misses > 4
+    if max_loaded_loras is None:
+        assert st.host_misses == 0 and eng.registry.num_host_copies == 12
+    else:
+        # evicted host copies were read again from their folders
+        assert st.host_misses > 0 and st.host_evictions > 0 and eng.registry.num_host_copies <= 3
+    # again, in another order: the resident mix differs, the tokens do not
+    order = np.random.default_rng(4).permutation(len(prompts))
+    outs2 = gen(eng, [prompts[i] for i in order], GREEDY, [loras[i] for i in order])
+    assert [o.token_ids for o in outs2] == [outs[i].token_ids for i in order]
+
+
+# ---- adapters at run time ------------------------------------------------------------------------
+def test_unload_while_requests_run(engine, model_dir, short_dirs, peft_greedy_cache):
+    eng = engine
+    eng.load_lora_adapter("X", short_dirs["x0"])
+    prompts = prompts_of(5, [12, 30, 7, 19, 25])
+    loras = ["X", "X", "a", "X", None]
+    dirs = {**short_dirs, "X": short_dirs["x0"]}
+    rids = [eng.add_request(p, GREEDY, lora=l) for p, l in zip(prompts, loras)]
+    eng.step()
+    eng.step()
+    assert any(t for t in eng.list_lora_adapters() if t["name"] == "X" and t["slot"] is not None)
+    eng.unload_lora_adapter("X")
+    [entry] = [e for e in eng.list_lora_adapters() if e["name"] == "X"]
+    assert entry["unloading"] and entry["active_requests"] == 3
+    with pytest.raises(AdapterUnloadingError, match="'X' is being unloaded"):
+        eng.add_request(prompts[0], GREEDY, lora="X")
+    with pytest.raises(AdapterUnloadingError):
+        eng.generate([prompts[0]], GREEDY, lora="X")
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        assert steps < 500
+    outs = [eng.pop_output(r) for r in rids]
+    assert [o.finish_reason for o in outs] == ["length"] * 5
+    check_vs_peft(peft_greedy_cache, model_dir, dirs, prompts, loras, outs)
+    assert "X" not in {e["name"] for e in eng.list_lora_adapters()}
+    with pytest.raises(UnknownAdapterError, match="'X'"):
+        eng.add_request(prompts[0], GREEDY, lora="X")
+    assert_clean(eng)
+    # the name is free again: another folder under it serves its own weights
+    eng.load_lora_adapter("X", short_dirs["x1"])
+    outs = gen(eng, prompts[:2], GREEDY, "X")
+    check_vs_peft(peft_greedy_cache, model_dir, {"X": short_dirs["x1"]}, prompts[:2], ["X", "X"], outs)
+    eng.unload_lora_adapter("X")   # nothing running: gone at once
+    assert "X" not in {e["name"] for e in eng.list_lora_adapters()}
+
+
+def test_load_at_run_time_and_bad_adapters(engine, model_dir, short_dirs, peft_greedy_cache, tmp_path):
+    eng = engine
+    eng.load_lora_adapter("late", short_dirs["d"])
+    prompts = prompts_of(6, [9, 21, 4, 15, 30])
+    loras = ["late", None, "late", "a", "b"]
+    dirs = {**short_dirs, "late": short_dirs["d"]}
+    check_vs_peft(peft_greedy_cache, model_dir, dirs, prompts, loras, gen(eng, prompts, GREEDY, loras))
+
+    before = {e["name"] for e in eng.list_lora_adapters()}
+    with pytest.raises(AdapterError, match="'broken'.*does not exist"):
+        eng.load_lora_adapter("broken", str(tmp_path / "missing"))
+    bad_json = tmp_path / "bad_json"
+    bad_json.mkdir()
+    (bad_json / "adapter_config.json").write_text("{ not json")
+    with pytest.raises(AdapterError, match="'broken2'.*JSON"):
+        eng.load_lora_adapter("broken2", str(bad_json))
+    other_model = tmp_path / "other_model"
+    shutil.copytree(short_dirs["a"], other_model)
+    cfg = json.loads((other_model / "adapter_config.json").read_text())
+    cfg["r"] = "eight"
+    (other_model / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AdapterError, match="'broken3'"):
+        eng.load_lora_adapter("broken3", str(other_model))
+    with pytest.raises(AdapterConflictError, match="'late' is already loaded"):
+        eng.load_lora_adapter("late", short_dirs["x2"])
+    assert {e["name"] for e in eng.list_lora_adapters()} == before
+    with pytest.raises(UnknownAdapterError):
+        eng.generate([prompts[0]], GREEDY, lora="broken")
+    # the others still serve their own weights ("late" kept its folder)
+    loras = ["a", "late", None, "c", "late"]
+    check_vs_peft(peft_greedy_cache, model_dir, dirs, prompts, loras, gen(eng, prompts, GREEDY, loras))
+    # a pinned adapter is written to its slot at load time and serves like the others
+    eng.load_lora_adapter("pinned", short_dirs["x3"], pinned=True)
+    [entry] = [e for e in eng.list_lora_adapters() if e["name"] == "pinned"]
+    assert entry["pinned"] and entry["slot"] is not None
+    loras = ["pinned", "a", "late", None, "pinned"]
+    dirs["pinned"] = short_dirs["x3"]
+    check_vs_peft(peft_greedy_cache, model_dir, dirs, prompts, loras, gen(eng, prompts, GREEDY, loras))
+    assert [e["slot"] for e in eng.list_lora_adapters() if e["name"] == "pinned"] == [entry["slot"]]
+    eng.unload_lora_adapter("pinned")
+    eng.unload_lora_adapter("late")
+    assert {e["name"] for e in eng.list_lora_adapters()} == {"a", "b", "c"}
+
+
+def test_adapter_folder_gone_before_reread(model_dir, short_dirs, peft_greedy_cache, tmp_path):
+    """max_loaded_loras=1: adapters are re-read from their folders when they come back to a slot.
+    Folders that vanished since fail only their own requests; the batch's other adapters are still
+    written to their slots, and a restored folder serves its weights again."""
+    copies = {n: shutil.copytree(short_dirs[src], tmp_path / n) for n, src in
+              (("gone1", "x4"), ("gone2", "x5"), ("kept", "x6"))}
+    eng = make_engine(model_dir, {}, lora_backend="bgmv", max_loaded_loras=1)
+    for n, d in copies.items():
+        eng.load_lora_adapter(n, d)
+    shutil.rmtree(copies["gone1"])
+    shutil.rmtree(copies["gone2"])
+    prompts = prompts_of(15, [6, 11, 8, 13])
+    loras = ["gone1", "gone2", "kept", None]
+    outs = gen(eng, prompts, GREEDY, loras)
+    for o, n in zip(outs[:2], loras[:2]):
+        assert o.finish_reason == "error" and f"'{n}'" in o.error and "does not exist" in o.error
+    check_vs_peft(peft_greedy_cache, model_dir, copies, prompts[2:], loras[2:], outs[2:])
+    shutil.copytree(short_dirs["x4"], copies["gone1"])
+    check_vs_peft(peft_greedy_cache, model_dir, copies, prompts[:3], ["gone1"] * 3,
+                  gen(eng, prompts[:3], GREEDY, "gone1"))
+
+
+# ---- scheduling ----------------------------------------------------------------------------------
+def drive(eng: Engine, prompts, params, loras, max_steps=3000):
+    """generate() with a step bound, so that a scheduler stall fails instead of hanging."""
+    rids = [eng.add_request(p, params, lora=l) for p, l in zip(prompts, loras)]
+    for _ in range(max_steps):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    else:
+        pytest.fail(f"requests still unfinished after {max_steps} steps")
+    return [eng.pop_output(r) for r in rids]
+
+
+def test_preemption_gives_the_same_tokens(engine, model_dir, short_dirs, peft_greedy_cache):
+    eng = engine
+    prompts = prompts_of(7, [30, 22, 41, 17, 35, 26, 9, 44])
+    loras = [None, "a", "b", "c", "a", None, "b", "c"]
+    plenty = gen(eng, prompts, GREEDY, loras)
+    assert eng.stats["preemptions"] == 0
+    # leave free pages for one max-length sequence and one more, as num_pages = that + 1 would
+    keep = -(-MAX_MODEL_LEN // PAGE_SIZE) + 1
+    held = eng.pages.allocate(eng.pages.num_free - keep)
+    try:
+        few = drive(eng, prompts, GREEDY, loras)
+        assert eng.pages.num_free == keep
+    finally:
+        eng.pages.free(held)
+    assert eng.stats["preemptions"] > 0
+    assert [o.token_ids for o in few] == [o.token_ids for o in plenty]
+    check_vs_peft(peft_greedy_cache, model_dir, short_dirs, prompts, loras, few)
+    assert_clean(eng)
+
+
+def test_abort_frees_pages_and_adapter(engine):
+    eng = engine
+    prompts = prompts_of(8, [20, 30])
+    rids = [eng.add_request(p, GREEDY, lora="a") for p in prompts]
+    eng.step()
+    assert eng.pages.num_free < eng.pages.capacity
+    assert all(eng.abort_request(r) for r in rids)
+    assert not eng.abort_request(rids[0])      # already finished
+    outs = [eng.pop_output(r) for r in rids]
+    assert [o.finish_reason for o in outs] == ["abort", "abort"]
+    assert_clean(eng)
+
+
+# ---- sampling and stop conditions ----------------------------------------------------------------
+def test_seeded_sampling_is_batch_independent(engine):
+    eng = engine
+    prompts = prompts_of(9, [14, 6, 27, 3, 19, 33])
+    seeded = SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=123, ignore_eos=True)
+    alone = gen(eng, [prompts[0]], seeded, "a")[0].token_ids
+    assert alone == gen(eng, [prompts[0]], seeded, "a")[0].token_ids
+    others = [GREEDY, SamplingParams(max_tokens=7, temperature=1.2, ignore_eos=True), seeded,
+              SamplingParams(max_tokens=5, temperature=0.5, top_p=0.9, seed=9, ignore_eos=True), GREEDY]
+    batch = gen(eng, prompts[1:3] + [prompts[0]] + prompts[3:5],
+                [others[0], others[1], seeded, others[3], others[4]], ["b", None, "a", "a", "c"])
+    assert batch[2].token_ids == alone
+    # another seed gives another stream (10 tokens at temperature 0.8 over 256 ids)
+    other = gen(eng, [prompts[0]], SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=124,
+                                                  ignore_eos=True), "a")[0].token_ids
+    assert other != alone
+    # top_k=1 is greedy whatever the temperature and seed
+    greedy = gen(eng, prompts[:3], GREEDY, ["a", None, "b"])
+    top1 = gen(eng, prompts[:3], SamplingParams(max_tokens=MAX_NEW, temperature=1.5, top_k=1, ignore_eos=True),
+               ["a", None, "b"])
+    assert [o.token_ids for o in top1] == [o.token_ids for o in greedy]
+
+
+def test_max_tokens_stop_token_ids_and_logprobs(engine):
+    eng = engine
+    p_short, p_long = prompts_of(10, [10, 60])
+    outs = gen(eng, [p_short, p_long], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert len(outs[0].token_ids) == 16 and outs[0].finish_reason == "length"
+    # the context bounds max_tokens: 60 prompt tokens leave 4
+    assert len(outs[1].token_ids) == MAX_MODEL_LEN - 60 and outs[1].finish_reason == "length"
+    full = outs[0].token_ids
+    stop_tok = full[5]
+    j = full.index(stop_tok)
+    out = gen(eng, [p_short], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                             stop_token_ids=[stop_tok]))[0]
+    assert out.token_ids == full[:j + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    out = gen(eng, [p_short], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == full[:3] and out.finish_reason == "length"
+    out = gen(eng, [p_short], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3))[0]
+    assert [lp.token_id for lp in out.logprobs] == full[:6]
+    for lp in out.logprobs:
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id and lp.top[0][1] == pytest.approx(lp.logprob)
+        assert lp.logprob <= 0 and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
+def test_bad_requests_leave_the_engine_untouched(engine):
+    eng = engine
+    before = dict(eng.stats)
+    ok = prompts_of(11, [5])[0]
+    too_long = prompts_of(12, [MAX_MODEL_LEN])[0]
+    with pytest.raises(PromptTooLongError, match=f"max_model_len={MAX_MODEL_LEN}"):
+        eng.generate([ok, too_long], GREEDY, lora="a")
+    with pytest.raises(PromptTooLongError, match="64 tokens"):
+        eng.add_request(too_long, GREEDY, lora="a")
+    with pytest.raises(UnknownAdapterError, match="'nope'.*loaded adapters: a, b, c"):
+        eng.generate([ok], GREEDY, lora="nope")
+    with pytest.raises(UnknownAdapterError, match="'nope'"):
+        eng.add_request(ok, GREEDY, lora="nope")
+    with pytest.raises(ValueError, match="no tokenizer.json.*token ids"):
+        eng.generate("hello there", GREEDY)
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        eng.add_request("hello", GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request([], GREEDY)
+    with pytest.raises(ValueError, match=r"\[0, 256\)"):
+        eng.add_request([5, 256], GREEDY)
+    with pytest.raises(ValueError, match="2 sampling params"):
+        eng.generate([ok, ok, ok], [GREEDY, GREEDY])
+    assert eng.stats == before   # nothing was queued
+    assert_clean(eng)
+    # bad sampling parameters are refused where they are made, naming the field and the range
+    for kwargs, msg in [(dict(max_tokens=0), r"max_tokens must be an integer >= 1, got 0"),
+                        (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+                        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+                        (dict(temperature=-1.0), r"temperature must be >= 0, got -1.0"),
+                        (dict(temperature=float("nan")), "temperature"),
+                        (dict(top_k=-2), "top_k"), (dict(logprobs=21), "logprobs"),
+                        (dict(stop=[""]), "stop")]:
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(**kwargs)
+    # and the engine serves on
+    assert len(gen(eng, [ok], GREEDY, "a")[0].token_ids) == MAX_NEW
+
+
+def test_stream_increments_concatenate_to_generate(engine):
+    eng = engine
+    prompt = prompts_of(13, [17])[0]
+    want = gen(eng, [prompt], GREEDY, "b")[0]
+    deltas = list(eng.stream(prompt, GREEDY, lora="b"))
+    assert sum((d.token_ids for d in deltas), []) == want.token_ids
+    assert all(d.token_ids for d in deltas[:-1]) and deltas[-1].finished
+    assert deltas[-1].finish_reason == "length" and not any(d.finished for d in deltas[:-1])
+    assert_clean(eng)
+    # driving step() by hand: each request's finished delta comes exactly once
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (2, 9, 5)]
+    rids = [eng.add_request(prompt, p, lora=l) for p, l in zip(params, ["b", None, "a"])]
+    finished, tokens = [], {r: [] for r in rids}
+    while eng.has_unfinished():
+        for d in eng.step():
+            tokens[d.request_id] += d.token_ids
+            if d.finished:
+                finished.append(d.request_id)
+    for _ in range(2):
+        assert eng.step() == []
+    assert sorted(finished) == sorted(rids)
+    assert [len(tokens[r]) for r in rids] == [2, 9, 5]
+    assert [eng.pop_output(r).token_ids for r in rids] == [tokens[r] for r in rids]
+    assert_clean(eng)
+    # a consumer that stops early aborts its request: nothing stays behind
+    it = eng.stream(prompt, GREEDY, lora="b")
+    next(it)
+    it.close()
+    assert_clean(eng)
+
+
+# ---- a model folder with a tokenizer: text prompts, EOS, stop strings -----------------------------
+def word(t: int) -> str:
+    return f"w{t:03d}"
+
+
+@pytest.fixture(scope="module")
+def tok_case(model_dir, tmp_path_factory, peft_greedy_cache):
+    """The tiny Llama with a word-level tokenizer.json (id t <-> "wNNN", joined by spaces) and a
+    generation_config.json whose EOS is the 7th greedy token of PROMPT."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    prompt = prompts_of(14, [8])[0]
+    full = peft_greedy_cache(model_dir, None, prompt, 16)
+    folder = tmp_path_factory.mktemp("llama_tok")
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(Path(model_dir) / f, folder / f)
+    tok = Tokenizer(models.WordLevel(vocab={word(i): i for i in range(256)}, unk_token=word(0)))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    eos = full[6]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, eos]}))
+    eng = make_engine(folder, {}, lora_backend="bgmv")
+    return eng, prompt, full, eos
+
+
+def test_text_prompts_and_eos(tok_case):
+    eng, prompt, full, eos = tok_case
+    text = " ".join(word(t) for t in prompt)
+    p16 = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    out = gen(eng, text, p16)[0]
+    assert out.prompt_token_ids == prompt and out.token_ids == full
+    assert out.text == " ".join(word(t) for t in full)
+    j = full.index(eos)
+    out = gen(eng, [prompt], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    assert out.token_ids == full[:j + 1] and out.finish_reason == "stop" and out.stop_reason is None
+    out = gen(eng, [prompt], p16)[0]   # ignore_eos: on to max_tokens
+    assert out.token_ids == full and out.finish_reason == "length"
+
+
+def test_stop_strings(tok_case):
+    eng, prompt, full, _ = tok_case
+    full_text = " ".join(word(t) for t in full)
+    # a stop string equal to one token's text
+    s = word(full[4])
+    j = full.index(full[4])
+    out = gen(eng, [prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[s, "zzz"]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == s
+    assert out.token_ids == full[:j + 1]
+    assert out.text == full_text[:full_text.index(s)]
+    # one spanning two tokens: it completes with the second
+    s2 = word(full[8])[1:] + " " + word(full[9])[:2]
+    k = full_text.index(s2)
+    n_tokens = next(i + 1 for i in range(16) if len(" ".join(word(t) for t in full[:i + 1])) >= k + len(s2))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=s2)
+    out = gen(eng, [prompt], params)[0]
+    assert out.finish_reason == "stop" and out.stop_reason == s2
+    assert out.token_ids == full[:n_tokens] and out.text == full_text[:k]
+    # streamed: the text increments never show the stop string, and add up to the final text
+    deltas = list(eng.stream(prompt, params))
+    assert "".join(d.text for d in deltas) == out.text
+    assert sum((d.token_ids for d in deltas), []) == out.token_ids
+    assert deltas[-1].finished and deltas[-1].finish_reason == "stop"
+    assert_clean(eng)
+
+
+# ---- last: nothing compiled after warm-up in any engine of this file -----------------------------
+def test_no_compile_after_warmup(engine):
+    assert engine in _ENGINES
+    for eng in _ENGINES:   # every engine this module built, after all of the above
+        assert eng.runner.warm and eng.runner.compiles_after_warmup == 0
