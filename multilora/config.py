@@ -85,7 +85,8 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type", "")
         arch = archs[0] if archs else ""
-        if arch not in SUPPORTED_ARCHITECTURES and model_type not in SUPPORTED_MODEL_TYPES:
+        known = arch in SUPPORTED_ARCHITECTURES if arch else model_type in SUPPORTED_MODEL_TYPES
+        if not known:
             raise UnsupportedModelError(
                 f"unsupported architecture {arch or model_type!r}; multilora supports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_type {', '.join(SUPPORTED_MODEL_TYPES)})"

@@ -13,6 +13,7 @@ import math
 import re
 from pathlib import Path
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for bf16 adapters)
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
@@ -85,15 +86,29 @@ def _check_config(name: str, cfg: dict) -> None:
                                  f"{', '.join(LORA_MODULES)} are")
     if cfg.get("bias", "none") != "none":
         raise AdapterError(name, f"bias={cfg['bias']!r} is not supported; only bias='none' is")
+    if cfg.get("alora_invocation_tokens"):
+        raise AdapterError(name, "activated LoRA (alora_invocation_tokens) is not supported")
     targets = cfg.get("target_modules")
+    if targets is not None and not isinstance(targets, (list, str)):
+        raise AdapterError(name, f"target_modules must be a list of names or a regex string, got {targets!r}")
     if isinstance(targets, list):
+        if any(not isinstance(t, str) for t in targets):
+            raise AdapterError(name, f"target_modules must hold module names (strings), got {targets!r}")
         bad = [t for t in targets if t.split(".")[-1] not in LORA_MODULES and t != _ALL_LINEAR]
         if bad:
             raise AdapterError(name, f"target_modules {bad} are outside the supported set "
                                      f"{', '.join(LORA_MODULES)}")
-    for key in ("r", "lora_alpha"):
-        if key in cfg and not isinstance(cfg[key], (int, float)):
-            raise AdapterError(name, f"{key} must be a number, got {cfg[key]!r}")
+    r = cfg.get("r", 8)
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise AdapterError(name, f"r must be a positive integer, got {r!r}")
+    alpha = cfg.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise AdapterError(name, f"lora_alpha must be a positive number, got {alpha!r}")
+    for key, kind in (("rank_pattern", int), ("alpha_pattern", (int, float))):
+        pat = cfg.get(key) or {}
+        if not isinstance(pat, dict) or any(
+                isinstance(v, bool) or not isinstance(v, kind) or not v > 0 for v in pat.values()):
+            raise AdapterError(name, f"{key} must map module patterns to positive numbers, got {pat!r}")
 
 
 def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
@@ -108,7 +123,7 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_r
     try:
         with safe_open(weights_file, "numpy") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
         raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
 
     r_default = int(cfg.get("r", 8))

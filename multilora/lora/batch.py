@@ -41,18 +41,25 @@ class LoRABatchInfo:
     token_pos_T: jax.Array
 
 
-def sgmv_tile_rows(num_tokens: int) -> int:
-    """Rows per SGMV tile, a static function of the padded token count."""
+def sgmv_tile_rows(num_tokens: int, num_slots: int = 9) -> int:
+    """Rows per SGMV tile, static for a compiled (tokens, slots) shape. Tiles are padded in the
+    worst case (one partial tile per adapter), so with many slots they shrink towards
+    T / adapters rows: that keeps the padded rows near 2T instead of T + slots * M."""
     if num_tokens <= 64:
-        return 8
-    if num_tokens <= 512:
-        return 32
-    return 64
+        m = 8
+    elif num_tokens <= 512:
+        m = 32
+    else:
+        m = 64
+    per_adapter = num_tokens // max(num_slots - 1, 1)
+    while m > 8 and m > per_adapter:
+        m //= 2
+    return m
 
 
 def sgmv_num_tiles(num_tokens: int, num_slots: int) -> int:
     """Upper bound of tiles: full tiles plus one partial tile per adapter in the batch."""
-    m = sgmv_tile_rows(num_tokens)
+    m = sgmv_tile_rows(num_tokens, num_slots)
     return -(-num_tokens // m) + min(num_slots - 1, num_tokens)
 
 
@@ -63,11 +70,13 @@ def group_tokens_by_slot(slot_T: np.ndarray, num_slots: int) -> tuple[np.ndarray
     padding rows, so their products are zeros that nothing reads.
     """
     t = int(slot_T.shape[0])
-    m = sgmv_tile_rows(t)
+    m = sgmv_tile_rows(t, num_slots)
     g = sgmv_num_tiles(t, num_slots)
     tile_slot = np.full((g,), NO_ADAPTER, np.int32)
     tile_rows = np.full((g, m), t, np.int32)
     token_pos = np.full((t,), g * m, np.int32)
+    if t == 0:
+        return tile_slot, tile_rows, token_pos
     order = np.argsort(slot_T, kind="stable")
     sorted_slots = slot_T[order]
     tile = 0

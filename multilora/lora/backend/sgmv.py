@@ -3,6 +3,9 @@
 `jax.lax.ragged_dot` would be the natural grouped matmul, but on the CPU it lowers to a masked
 dense emulation (a copy of x per group); fixed-size tiles sorted by slot keep every shape static
 and the work proportional to the tokens. Base-model tokens are in no tile and get zeros.
+Where the worst-case tiles would pad the batch far beyond its tokens (many slots) and each tile
+is a large matmul (wide inputs), a fori_loop visits only the tiles actually used instead, reading
+each tile's adapter with a dynamic slice rather than materializing per-tile copies.
 Legend: G tiles, M rows per tile (see multilora.lora.batch).
 """
 
@@ -12,7 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from multilora.lora.backend.base import BaseLoRABackend, add_base
-from multilora.lora.batch import LoRABatchInfo
+from multilora.lora.batch import NO_ADAPTER, LoRABatchInfo
+
+LOOP_MIN_WIDTH = 1024  # below this input width a loop iteration costs more than the padding saves
 
 
 def _to_tiles(x_TX: jax.Array, info: LoRABatchInfo) -> jax.Array:
@@ -40,16 +45,49 @@ def expand_tiles(h_GMR, lora_b_SOR, info: LoRABatchInfo) -> jax.Array:
     return _from_tiles(y_GMO, info)
 
 
+def _use_loop(info: LoRABatchInfo, num_tokens: int, width: int) -> bool:
+    """Static per compiled shape: tiles padded beyond 2x the tokens, and wide inputs."""
+    g, m = info.tile_rows_GM.shape
+    return g * m > 2 * num_tokens and width >= LOOP_MIN_WIDTH
+
+
+def tile_loop(in_TX, w_SYX, info: LoRABatchInfo, scale: bool) -> jax.Array:
+    """out[t] = in[t] @ w[slot_t].T (* scaling) over the used tiles only (a prefix of the tile
+    list); padding rows read and write row T, which is dropped."""
+    t = in_TX.shape[0]
+    in_pad = jnp.concatenate([in_TX, jnp.zeros((1, in_TX.shape[1]), in_TX.dtype)], axis=0)
+
+    def body(g, out_pad):
+        slot = info.tile_slot_G[g]
+        rows_M = info.tile_rows_GM[g]
+        in_MX = in_pad.at[rows_M].get(mode="promise_in_bounds")
+        w_YX = jax.lax.dynamic_index_in_dim(w_SYX, slot, keepdims=False).astype(in_TX.dtype)
+        out_MY = in_MX @ w_YX.T
+        if scale:
+            out_MY = out_MY * info.scalings_S[slot].astype(out_MY.dtype)
+        return out_pad.at[rows_M].set(out_MY, mode="promise_in_bounds")
+
+    out_pad = jnp.zeros((t + 1, w_SYX.shape[1]), in_TX.dtype)
+    used = jnp.sum(info.tile_slot_G != NO_ADAPTER)
+    return jax.lax.fori_loop(0, used, body, out_pad)[:t]
+
+
 class SgmvLoRABackend(BaseLoRABackend):
     name = "sgmv"
 
     def run_lora_a_gemm(self, x_TD, lora_a_SRD, info: LoRABatchInfo):
+        if _use_loop(info, x_TD.shape[0], x_TD.shape[1]):
+            return tile_loop(x_TD, lora_a_SRD, info, scale=True)
         return _from_tiles(shrink_tiles(x_TD, lora_a_SRD, info), info)
 
     def run_lora_b_gemm(self, h_TR, lora_b_SOR, info: LoRABatchInfo, base_output_TO=None):
+        if _use_loop(info, h_TR.shape[0], lora_b_SOR.shape[1]):
+            return add_base(tile_loop(h_TR, lora_b_SOR, info, scale=False), base_output_TO)
         return add_base(expand_tiles(_to_tiles(h_TR, info), lora_b_SOR, info), base_output_TO)
 
     def _stacked(self, x_TD, a_SRD, lora_b, info):
+        if _use_loop(info, x_TD.shape[0], x_TD.shape[1]):
+            return BaseLoRABackend._stacked(self, x_TD, a_SRD, lora_b, info)
         # Stay in tile space between the shrink and the expands: one regroup, not one per output.
         h_GMR = shrink_tiles(x_TD, a_SRD, info)
         r = a_SRD.shape[1] // len(lora_b)

@@ -1,0 +1,252 @@
+"""Bad adapters: each gives an AdapterError naming the adapter and the reason, and a failed load
+leaves the adapters already on the device untouched.
+
+Bad folders are copies of a good PEFT adapter (tiny Llama, all projections, rank 8) with the
+JSON edited or the safetensors rewritten through safetensors.numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from multilora.config import LoRAConfig, ModelConfig
+from multilora.engine.batching import SeqChunk, build_batch
+from multilora.lora.adapter import AdapterError, load_adapter
+from multilora.lora.pool import LoRASlots
+from multilora.model.llama import forward, init_kv_cache
+from multilora.model.loader import load_weights
+from multilora.model.sharding import make_mesh
+
+GOOD = ("llama", "a_all_r8")  # rank 8 on every projection of the 2-layer tiny Llama
+MAX_RANK = 16
+WEIGHTS = "adapter_model.safetensors"
+KEY = "base_model.model.model.layers.{layer}.{block}.{module}.lora_{ab}.weight"
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_json(folder: Path, **changes) -> None:
+    p = folder / "adapter_config.json"
+    cfg = json.loads(p.read_text())
+    cfg.update(changes)
+    p.write_text(json.dumps(cfg))
+
+
+def _edit_weights(folder: Path, fn) -> None:
+    tensors = load_file(folder / WEIGHTS)
+    save_file(fn(dict(tensors)), folder / WEIGHTS)
+
+
+def _poison(value):
+    def fn(t):
+        k = KEY.format(layer=1, block="self_attn", module="v_proj", ab="B")
+        arr = t[k].copy()
+        arr[3, 1] = value
+        t[k] = arr
+        return t
+    return fn
+
+
+def _drop(layer, block, module, ab):
+    def fn(t):
+        del t[KEY.format(layer=layer, block=block, module=module, ab=ab)]
+        return t
+    return fn
+
+
+def _add_lm_head(t):
+    rng = np.random.default_rng(0)
+    t["base_model.model.lm_head.lora_A.weight"] = rng.standard_normal((8, 64)).astype(np.float32)
+    t["base_model.model.lm_head.lora_B.weight"] = rng.standard_normal((256, 8)).astype(np.float32)
+    return t
+
+
+def _truncate(folder: Path) -> None:
+    f = folder / WEIGHTS
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+
+
+# name -> (build(folder made from the good adapter, adapters) -> folder to load, max_lora_rank,
+#          words the message must contain)
+def _case_missing_folder(d, ads):
+    shutil.rmtree(d)
+    return d
+
+
+def _case_missing_config(d, ads):
+    (d / "adapter_config.json").unlink()
+    return d
+
+
+def _case_bad_json(d, ads):
+    (d / "adapter_config.json").write_text('{"r": 8, "lora_alpha": ')
+    return d
+
+
+def _case_binary_json(d, ads):
+    (d / "adapter_config.json").write_bytes(b"\xff\xfe\x00garbage")
+    return d
+
+
+def _case_missing_weights(d, ads):
+    (d / WEIGHTS).unlink()
+    return d
+
+
+def _case_truncated_weights(d, ads):
+    _truncate(d)
+    return d
+
+
+def _json_case(**changes):
+    def build(d, ads):
+        _edit_json(d, **changes)
+        return d
+    return build
+
+
+def _weights_case(fn):
+    def build(d, ads):
+        _edit_weights(d, fn)
+        return d
+    return build
+
+
+def _case_other_model(d, ads):
+    return ads[("qwen2", "a_all_r8")]  # k/v out 16 (1 KV head), ffn 96: Llama has 32 and 128
+
+
+CASES = {
+    "missing_folder": (_case_missing_folder, MAX_RANK, ["does not exist"]),
+    "missing_config": (_case_missing_config, MAX_RANK, ["no adapter_config.json"]),
+    "unreadable_json": (_case_bad_json, MAX_RANK, ["adapter_config.json", "not readable JSON"]),
+    "binary_json": (_case_binary_json, MAX_RANK, ["adapter_config.json", "not readable JSON"]),
+    "json_not_object": (lambda d, a: ((d / "adapter_config.json").write_text("[1, 2]"), d)[1], MAX_RANK,
+                        ["JSON object"]),
+    "missing_safetensors": (_case_missing_weights, MAX_RANK, ["no adapter_model.safetensors"]),
+    "truncated_safetensors": (_case_truncated_weights, MAX_RANK, ["adapter_model.safetensors", "not readable"]),
+    "dora": (_json_case(use_dora=True), MAX_RANK, ["use_dora", "DoRA"]),
+    "modules_to_save": (_json_case(modules_to_save=["lm_head"]), MAX_RANK, ["modules_to_save", "lm_head"]),
+    "target_embed_tokens": (_json_case(target_modules=["embed_tokens"]), MAX_RANK,
+                            ["embed_tokens", "outside the supported set", "q_proj"]),
+    "target_lm_head": (_json_case(target_modules=["q_proj", "lm_head"]), MAX_RANK,
+                       ["lm_head", "outside the supported set"]),
+    "lm_head_lora_key": (_weights_case(_add_lm_head), MAX_RANK, ["lm_head", "not supported"]),
+    "shape_of_other_model": (_case_other_model, MAX_RANK, ["do not fit", "another model"]),
+    "rank_above_max": (lambda d, a: d, 4, ["rank 8", "max_lora_rank=4"]),
+    "nan_weight": (_weights_case(_poison(np.nan)), MAX_RANK, ["layers.1.self_attn.v_proj.lora_B", "NaN or Inf"]),
+    "inf_weight": (_weights_case(_poison(-np.inf)), MAX_RANK, ["layers.1.self_attn.v_proj.lora_B", "NaN or Inf"]),
+    "lora_a_without_b": (_weights_case(_drop(1, "mlp", "up_proj", "B")), MAX_RANK,
+                         ["layer 1 up_proj", "lora_A but not its pair"]),
+    "lora_b_without_a": (_weights_case(_drop(0, "self_attn", "q_proj", "A")), MAX_RANK,
+                         ["layer 0 q_proj", "lora_B but not its pair"]),
+}
+
+
+def _build(case: str, tmp_path: Path, tiny_adapters) -> tuple[Path, int]:
+    build, max_rank, _ = CASES[case]
+    folder = _copy(tiny_adapters[GOOD], tmp_path / f"bad_{case}")
+    return build(folder, tiny_adapters), max_rank
+
+
+@pytest.fixture(scope="module")
+def llama_cfg(tiny_models):
+    return ModelConfig.from_dir(tiny_models["llama"])
+
+
+def test_good_adapter_loads(tiny_adapters, llama_cfg):
+    ad = load_adapter("good", tiny_adapters[GOOD], llama_cfg, MAX_RANK)
+    assert ad.rank == 8 and len(ad.target_modules) == 7
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_adapter_error_names_adapter_and_reason(case, tmp_path, tiny_adapters, llama_cfg):
+    folder, max_rank = _build(case, tmp_path, tiny_adapters)
+    name = f"bad-{case}"
+    with pytest.raises(AdapterError) as e:
+        load_adapter(name, folder, llama_cfg, max_rank)
+    msg = str(e.value)
+    assert e.value.adapter_name == name
+    assert repr(name) in msg, msg
+    for word in CASES[case][2]:
+        assert word in msg, f"{case}: {word!r} missing from {msg!r}"
+
+
+def test_failed_loads_leave_device_slots_intact(tmp_path, tiny_models, tiny_adapters, llama_cfg):
+    mesh = make_mesh(1)
+    cfg, weights = load_weights(tiny_models["llama"], mesh=mesh)
+    slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=2, max_lora_rank=8), jnp.float32, mesh)
+    slots.load(1, load_adapter("a", tiny_adapters[GOOD], cfg, 8))
+    slots.load(2, load_adapter("d", tiny_adapters[("llama", "d_regex_patterns")], cfg, 8))
+
+    rng = np.random.default_rng(5)
+    chunks = [SeqChunk(rng.integers(0, 256, n).tolist(), 0, pages, slot)
+              for n, pages, slot in [(6, [3, 9], 0), (7, [5, 1], 1), (5, [7, 2], 2)]]
+    fwd = jax.jit(forward, static_argnames=("cfg", "backend"))
+
+    def run():
+        batch = build_batch(chunks, mode="prefill", num_tokens=32, num_seqs=4, num_pages=8, page_size=4,
+                            scalings_S=slots.scalings_S, ranks_S=slots.ranks_S, all_logits=True)
+        logits, _ = fwd(weights, slots.weights, init_kv_cache(cfg, 12, 4, jnp.float32), batch, cfg=cfg,
+                        backend="bgmv")
+        return np.asarray(logits)
+
+    before = run()
+    bufs = {k: np.asarray(v).copy() for k, v in vars(slots.weights).items()}
+    meta = (slots.scalings_S.copy(), slots.ranks_S.copy())
+
+    for case in CASES:
+        folder, max_rank = _build(case, tmp_path, tiny_adapters)
+        with pytest.raises(AdapterError):
+            load_adapter(f"bad-{case}", folder, cfg, max_rank)
+    # A valid adapter that does not fit the slots (rank 16 > 8) is refused by the pool itself.
+    big = load_adapter("c", tiny_adapters[("llama", "c_mlp_r16")], cfg, 64)
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        slots.load(1, big)
+
+    for k, v in vars(slots.weights).items():
+        np.testing.assert_array_equal(np.asarray(v), bufs[k], err_msg=k)
+    np.testing.assert_array_equal(slots.scalings_S, meta[0])
+    np.testing.assert_array_equal(slots.ranks_S, meta[1])
+    np.testing.assert_array_equal(run(), before)
+
+
+# Odd config values must end in an AdapterError (or a clean load), never in another exception.
+ODD_CONFIGS = {  # case -> (config changes, an expected raw exception or None)
+    "r_zero": (dict(r=0), None),
+    "alpha_zero": (dict(lora_alpha=0), None),
+    "target_not_str": (dict(target_modules=[1]), None),
+    "alpha_pattern_not_number": (dict(alpha_pattern={"q_proj": "x"}), None),
+    "r_negative": (dict(r=-8), None),
+    "peft_type_loha": (dict(peft_type="LOHA"), None),
+}
+
+
+def _odd_param(case):
+    exc = ODD_CONFIGS[case][1]
+    if exc is None:
+        return case
+    return pytest.param(case, marks=pytest.mark.xfail(
+        strict=True, raises=exc, reason=f"multilora/lora/adapter.py lets a raw {exc.__name__} escape"))
+
+
+@pytest.mark.parametrize("case", [_odd_param(c) for c in ODD_CONFIGS])
+def test_odd_config_values_give_adapter_error(case, tmp_path, tiny_adapters, llama_cfg):
+    folder = _copy(tiny_adapters[GOOD], tmp_path / case)
+    _edit_json(folder, **ODD_CONFIGS[case][0])
+    try:
+        load_adapter(f"odd-{case}", folder, llama_cfg, MAX_RANK)
+    except AdapterError as e:
+        assert e.adapter_name == f"odd-{case}"

@@ -1,0 +1,252 @@
+"""LoRA backends against a plain numpy per-token loop, on random shapes and slot mixes.
+
+The loop is the definition: for token t in slot s != 0, y_t = ((x_t @ A[s].T) * scaling[s]) @ B[s].T;
+tokens in slot 0 (no adapter) get exactly zero. Buffers are zero past each slot's rank, as
+LoRASlots lays them out. A separate test writes junk into slot 0: base rows must never read it.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import numpy as np
+import pytest
+
+from multilora.lora.backend import BACKENDS, get_backend
+from multilora.lora.batch import NO_ADAPTER, make_lora_batch_info, sgmv_tile_rows
+
+BACKEND_NAMES = tuple(BACKENDS)
+
+# (T, D, O, S, R): T=1; T off the sgmv tile (8 rows up to 64 tokens, 32 up to 512); T > 64;
+# S=2 (one adapter slot); more slots than tokens.
+SHAPES = [
+    (1, 16, 24, 3, 4),
+    (13, 32, 48, 5, 8),
+    (100, 24, 40, 4, 16),
+    (37, 8, 12, 2, 4),
+    (5, 16, 8, 9, 4),
+    (100, 1024, 1024, 33, 4),  # many slots, wide: sgmv's loop over used tiles
+]
+PATTERNS = ("random", "one_slot", "all_base", "every_slot", "sorted_desc")
+
+
+# --- the numpy definition --------------------------------------------------------------------
+
+def np_shrink(x_TD, a_SRD, scalings_S, slot_T):
+    h = np.zeros((x_TD.shape[0], a_SRD.shape[1]), np.float64)
+    for t, s in enumerate(slot_T):
+        if s != NO_ADAPTER:
+            h[t] = (x_TD[t].astype(np.float64) @ a_SRD[s].T.astype(np.float64)) * scalings_S[s]
+    return h
+
+
+def np_expand(h_TR, b_SOR, slot_T):
+    y = np.zeros((h_TR.shape[0], b_SOR.shape[1]), np.float64)
+    for t, s in enumerate(slot_T):
+        if s != NO_ADAPTER:
+            y[t] = h_TR[t].astype(np.float64) @ b_SOR[s].T.astype(np.float64)
+    return y
+
+
+def np_lora(x_TD, a_SRD, b_SOR, scalings_S, slot_T):
+    return np_expand(np_shrink(x_TD, a_SRD, scalings_S, slot_T), b_SOR, slot_T)
+
+
+def np_stacked(x_TD, a_SRD, bs, scalings_S, slot_T):
+    r = a_SRD.shape[1] // len(bs)
+    return [np_lora(x_TD, a_SRD[:, i * r:(i + 1) * r], b, scalings_S, slot_T) for i, b in enumerate(bs)]
+
+
+# --- random inputs ---------------------------------------------------------------------------
+
+def make_slots(rng, pattern, t, s):
+    if pattern == "all_base":
+        return np.zeros(t, np.int32)
+    if pattern == "one_slot":
+        return np.full(t, rng.integers(1, s), np.int32)
+    if pattern == "every_slot":  # every slot (0 included) at least once when t allows, random order
+        base = np.arange(t) % s
+        return rng.permutation(base).astype(np.int32)
+    if pattern == "sorted_desc":
+        return np.sort(rng.integers(0, s, t))[::-1].astype(np.int32)
+    return rng.integers(0, s, t).astype(np.int32)
+
+
+def make_ranks(rng, s, r):
+    ranks = rng.integers(1, r + 1, s).astype(np.int32)
+    ranks[NO_ADAPTER] = 0
+    ranks[-1] = r  # one slot at full rank
+    return ranks
+
+
+def make_a(rng, s, r, d, ranks, blocks=1):
+    """A (S, blocks*R, D): rows past each slot's rank inside every block are zero; slot 0 zero."""
+    a = rng.standard_normal((s, blocks * r, d)).astype(np.float32)
+    for i in range(s):
+        for blk in range(blocks):
+            a[i, blk * r + ranks[i]:(blk + 1) * r] = 0.0
+    a[NO_ADAPTER] = 0.0
+    return a
+
+
+def make_b(rng, s, o, r, ranks):
+    """B (S, O, R): columns past each slot's rank are zero; slot 0 zero."""
+    b = rng.standard_normal((s, o, r)).astype(np.float32)
+    for i in range(s):
+        b[i, :, ranks[i]:] = 0.0
+    b[NO_ADAPTER] = 0.0
+    return b
+
+
+def make_scalings(rng, s):
+    sc = rng.uniform(0.25, 2.0, s).astype(np.float32)
+    sc[NO_ADAPTER] = 0.0
+    return sc
+
+
+def assert_close(got, want, what):
+    got = np.asarray(got)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    tol = 1e-5 * max(1.0, float(np.abs(want).max()))
+    err = float(np.abs(got - want).max()) if want.size else 0.0
+    assert err <= tol, f"{what}: max |err| {err:.3e} > {tol:.3e}"
+
+
+def _all_ops(backend):
+    be = get_backend(backend)
+
+    def run(x, a, b, h_in, base, qkv_a, qkv_b, gu_a, gu_b, info):
+        return dict(shrink=be.run_lora_a_gemm(x, a, info),
+                    lora=be.run_lora_b_gemm(be.run_lora_a_gemm(x, a, info), b, info),
+                    expand=be.run_lora_b_gemm(h_in, b, info),
+                    expand_base=be.run_lora_b_gemm(h_in, b, info, base),
+                    qkv=be.run_qkv_lora(x, qkv_a, qkv_b, info),
+                    gate_up=be.run_gate_up_lora(x, gu_a, gu_b, info))
+    return run
+
+
+# One jit per backend, jitted as the model uses the backends; shapes, not slot mixes, compile.
+ALL_OPS = {name: jax.jit(_all_ops(name)) for name in BACKEND_NAMES}
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T%d-D%d-O%d-S%d-R%d" % s)
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_backend_matches_numpy(backend, shape, pattern):
+    t, d, o, s, r = shape
+    rng = np.random.default_rng(zlib.crc32(repr((shape, pattern)).encode()))  # not hash(): salted
+    slot_T = make_slots(rng, pattern, t, s)
+    if pattern == "every_slot" and t >= s:
+        assert set(slot_T.tolist()) == set(range(s))
+    ranks = make_ranks(rng, s, r)
+    scalings = make_scalings(rng, s)
+    info = make_lora_batch_info(slot_T, scalings, ranks)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    a = make_a(rng, s, r, d, ranks)
+    b = make_b(rng, s, o, r, ranks)
+    # Expand alone from an arbitrary h: nonzero on base rows too, whose output must stay zero.
+    h_in = rng.standard_normal((t, r)).astype(np.float32)
+    base = rng.standard_normal((t, o)).astype(np.float32)
+    qkv_a = make_a(rng, s, r, d, ranks, blocks=3)
+    qkv_b = tuple(make_b(rng, s, oo, r, ranks) for oo in (o, o // 2 or 1, o // 2 or 1))  # GQA-like
+    gu_a = make_a(rng, s, r, d, ranks, blocks=2)
+    gu_b = (make_b(rng, s, o, r, ranks), make_b(rng, s, o, r, ranks))
+
+    got = ALL_OPS[backend](x, a, b, h_in, base, qkv_a, qkv_b, gu_a, gu_b, info)
+    what = f"{backend} T={t} D={d} O={o} S={s} R={r} {pattern} slots={slot_T.tolist()[:16]}"
+    assert_close(got["shrink"], np_shrink(x, a, scalings, slot_T), f"run_lora_a_gemm {what}")
+    assert_close(got["lora"], np_lora(x, a, b, scalings, slot_T), f"shrink then expand {what}")
+    assert_close(got["expand"], np_expand(h_in, b, slot_T), f"run_lora_b_gemm {what}")
+    assert_close(got["expand_base"], base + np_expand(h_in, b, slot_T),
+                 f"run_lora_b_gemm + base_output {what}")
+    assert len(got["qkv"]) == 3 and len(got["gate_up"]) == 2
+    for name, g, w in zip("qkv", got["qkv"], np_stacked(x, qkv_a, qkv_b, scalings, slot_T)):
+        assert_close(g, w, f"run_qkv_lora[{name}] {what}")
+    for name, g, w in zip(("gate", "up"), got["gate_up"], np_stacked(x, gu_a, gu_b, scalings, slot_T)):
+        assert_close(g, w, f"run_gate_up_lora[{name}] {what}")
+
+
+def test_shapes_cover_sgmv_tiles():
+    """The shape list really exercises partial tiles and both tile sizes."""
+    tiles = {sgmv_tile_rows(t, s) for t, _, _, s, _ in SHAPES}
+    assert tiles >= {8, 32}
+    assert any(t % sgmv_tile_rows(t, s) for t, _, _, s, _ in SHAPES)
+    from multilora.lora.backend.sgmv import LOOP_MIN_WIDTH, _use_loop
+    loop_shapes = [(t, d, s) for t, d, _, s, _ in SHAPES if d >= LOOP_MIN_WIDTH]
+    assert any(_use_loop(make_lora_batch_info(np.zeros(t, np.int32), np.ones(s, np.float32),
+                                              np.ones(s, np.int32)), t, d) for t, d, s in loop_shapes)
+
+
+# --- slot range ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [-1, -7, 5, 6, 100])
+def test_make_lora_batch_info_rejects_out_of_range_slots(bad):
+    s = 5
+    scalings, ranks = np.ones(s, np.float32), np.full(s, 4, np.int32)
+    slot_T = np.array([0, 1, bad, 2], np.int32)
+    with pytest.raises(ValueError, match="out of range"):
+        make_lora_batch_info(slot_T, scalings, ranks)
+
+
+def test_make_lora_batch_info_accepts_edge_slots():
+    s = 5
+    info = make_lora_batch_info(np.array([0, s - 1, 0, 1]), np.ones(s, np.float32), np.ones(s, np.int32))
+    assert np.asarray(info.slot_T).tolist() == [0, s - 1, 0, 1]
+
+
+# --- slot 0 is never read --------------------------------------------------------------------
+
+JUNK_CASES = {
+    # junk buffers; slot 0's scaling left at 0 as LoRASlots keeps it
+    "junk_buffers": dict(scale0=0.0, nonfinite=False),
+    # junk buffers and a junk scaling for slot 0
+    "junk_buffers_and_scaling": dict(scale0=3.0, nonfinite=False),
+    # NaN/Inf in slot 0: only a backend that never touches slot 0 for base rows stays clean
+    "nonfinite_buffers": dict(scale0=0.0, nonfinite=True),
+}
+
+
+# The sentinel must never select a slot's weights (DESIGN.md): base rows stay exactly zero
+# whatever slot 0 holds.
+@pytest.mark.parametrize("case", list(JUNK_CASES))
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_base_rows_never_read_slot_0(backend, case):
+    scale0, nonfinite = JUNK_CASES[case]["scale0"], JUNK_CASES[case]["nonfinite"]
+    t, d, o, s, r = 21, 16, 24, 4, 8
+    rng = np.random.default_rng(7)
+    slot_T = rng.permutation(np.arange(t) % s).astype(np.int32)
+    ranks = make_ranks(rng, s, r)
+    scalings = make_scalings(rng, s)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    a, b = make_a(rng, s, r, d, ranks), make_b(rng, s, o, r, ranks)
+    h_in = rng.standard_normal((t, r)).astype(np.float32)
+    base = rng.standard_normal((t, o)).astype(np.float32)
+    qkv_a = make_a(rng, s, r, d, ranks, blocks=3)
+    qkv_b = tuple(make_b(rng, s, o, r, ranks) for _ in range(3))
+    gu_a = make_a(rng, s, r, d, ranks, blocks=2)
+    gu_b = (make_b(rng, s, o, r, ranks), make_b(rng, s, o, r, ranks))
+    want = dict(shrink=np_shrink(x, a, scalings, slot_T), lora=np_lora(x, a, b, scalings, slot_T),
+                expand=np_expand(h_in, b, slot_T), expand_base=base + np_expand(h_in, b, slot_T),
+                qkv=np_stacked(x, qkv_a, qkv_b, scalings, slot_T),
+                gate_up=np_stacked(x, gu_a, gu_b, scalings, slot_T))
+
+    # Now fill slot 0 with junk; the expected outputs above are unchanged.
+    scalings[NO_ADAPTER] = scale0
+    for arr in (a, b, qkv_a, *qkv_b, gu_a, *gu_b):
+        arr[NO_ADAPTER] = rng.uniform(5.0, 10.0, arr.shape[1:])
+        if nonfinite:
+            arr[NO_ADAPTER].flat[::3] = np.nan
+            arr[NO_ADAPTER].flat[1::3] = np.inf
+    info = make_lora_batch_info(slot_T, scalings, ranks)
+    got = ALL_OPS[backend](x, a, b, h_in, base, qkv_a, qkv_b, gu_a, gu_b, info)
+    base_rows = slot_T == NO_ADAPTER
+    for op in ("shrink", "lora", "expand", "qkv", "gate_up"):
+        outs = got[op] if isinstance(got[op], tuple) else (got[op],)
+        wants = want[op] if isinstance(want[op], list) else (want[op],)
+        for k, (g, w) in enumerate(zip(outs, wants)):
+            g = np.asarray(g)
+            what = f"{backend} {op}[{k}] with junk in slot 0 ({case})"
+            assert np.all(g[base_rows] == 0.0), f"{what}: base rows got {g[base_rows][0, :4]}"
+            assert_close(g, w, what)
+    assert_close(got["expand_base"], want["expand_base"], f"{backend} expand + base ({case})")

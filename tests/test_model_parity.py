@@ -1,0 +1,255 @@
+"""Model parity: multilora's forward against transformers + PEFT at fp32, every row of mixed
+batches (base-model rows beside full adapter slots), for each tiny config and each backend.
+
+Covers one mixed prefill batch, chunked prefill followed by decode steps over shuffled pages,
+ranks below max_lora_rank, slots rewritten and cleared, and config errors. The forward is jitted
+once per (config, backend, mode) over fixed bucket shapes; reference logits are memoized for the
+session (tests/reference.PeftReference).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from multilora.config import LoRAConfig, ModelConfig, UnsupportedModelError
+from multilora.engine.batching import SeqChunk, build_batch
+from multilora.lora.adapter import load_adapter
+from multilora.lora.batch import NO_ADAPTER
+from multilora.lora.pool import LoRASlots
+from multilora.model.llama import forward, init_kv_cache
+from multilora.model.loader import load_weights
+from multilora.model.sharding import make_mesh
+from tests import reference
+
+FWD = jax.jit(forward, static_argnames=("cfg", "backend"))
+ATOL = 1e-4
+BACKENDS = ("bgmv", "sgmv", "reference")
+KINDS = tuple(reference.TINY_CONFIGS)
+ADAPTERS = tuple(reference.ADAPTER_SPECS)  # in the main slots, adapter i lives in slot i + 1
+MAX_RANK = 16                              # the largest rank among ADAPTER_SPECS
+
+# Fixed buckets, so each (config, backend, mode) compiles once.
+PAGE_SIZE = 4
+NUM_PAGES = 64
+PREFILL_TOKENS, PREFILL_SEQS, PREFILL_PAGES = 64, 8, 32  # PREFILL_PAGES: all the step's pages
+DECODE_SEQS, DECODE_PAGES = 8, 8                         # DECODE_PAGES: pages per sequence
+
+MESH = make_mesh(1)
+
+# (length, slot): base rows first, in the middle and last, beside every adapter slot in use.
+MIXED = [(7, 0), (12, 1), (5, 2), (9, 0), (11, 3), (3, 4), (8, 2), (6, 0)]
+# (prompt length, slot, first prefill chunk length); chunk ends fall inside pages on purpose.
+MULTI = [(9, 0, 5), (6, 1, 3), (13, 2, 6), (4, 3, 2), (10, 4, 7), (7, 0, 1)]
+DECODE_STEPS = 4
+
+
+def _tokens(seed: int, lengths) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=n).tolist() for n in lengths]
+
+
+MIXED_TOKENS = _tokens(1, [n for n, _ in MIXED])
+MULTI_TOKENS = _tokens(2, [n + DECODE_STEPS for n, _, _ in MULTI])
+
+
+def _adapter_of(slot: int, slot_names: dict[int, str | None]) -> str | None:
+    return None if slot == NO_ADAPTER else slot_names[slot]
+
+
+def _fresh_kv(cfg):
+    # Placed like the forward's output cache, so feeding it back does not recompile.
+    kv = init_kv_cache(cfg, NUM_PAGES, PAGE_SIZE, jnp.float32)
+    return jax.device_put(kv, NamedSharding(MESH, PartitionSpec()))
+
+
+def _page_lists(seed: int, lengths) -> list[list[int]]:
+    """Non-contiguous pages: each sequence's pages drawn from a shuffled free list (page 0 is
+    reserved for padding)."""
+    free = list(np.random.default_rng(seed).permutation(np.arange(1, NUM_PAGES)))
+    out = []
+    for n in lengths:
+        need = -(-n // PAGE_SIZE)
+        out.append([int(p) for p in free[:need]])
+        del free[:need]
+    return out
+
+
+def _step(cfg, weights, slots, kv, chunks, mode, backend):
+    if mode == "prefill":
+        t, b, pages = PREFILL_TOKENS, PREFILL_SEQS, PREFILL_PAGES
+    else:
+        t, b, pages = DECODE_SEQS, DECODE_SEQS, DECODE_PAGES
+    batch = build_batch(chunks, mode=mode, num_tokens=t, num_seqs=b, num_pages=pages,
+                        page_size=PAGE_SIZE, scalings_S=slots.scalings_S, ranks_S=slots.ranks_S,
+                        all_logits=True)
+    logits, kv = FWD(weights, slots.weights, kv, batch, cfg=cfg, backend=backend)
+    return np.asarray(logits), kv
+
+
+def _check_rows(got, want, what):
+    err = np.abs(got - want)
+    assert err.max() <= ATOL, (
+        f"{what}: max |err| {err.max():.3e} at row {np.unravel_index(err.argmax(), err.shape)[0]} "
+        f"(atol {ATOL}); |want| max {np.abs(want).max():.3f}")
+
+
+def _check_prefill(logits, chunks, tokens_of, ref, slot_names, what):
+    """Rows of a packed prefill: chunk i's rows equal the reference over its full sequence at the
+    chunk's positions."""
+    t = 0
+    for i, c in enumerate(chunks):
+        n = len(c.token_ids)
+        adapter = _adapter_of(c.slot, slot_names)
+        want = ref.logits(adapter, tokens_of(i))[c.start_pos:c.start_pos + n]
+        _check_rows(logits[t:t + n], want, f"{what}: seq {i} (slot {c.slot}, adapter {adapter}, "
+                                           f"positions {c.start_pos}..{c.start_pos + n - 1})")
+        t += n
+
+
+@pytest.fixture(scope="module")
+def served(tiny_models, tiny_adapters):
+    """kind -> (cfg, weights, slots with all four adapters in slots 1..4), built once per kind."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            cfg, weights = load_weights(tiny_models[kind], mesh=MESH)
+            slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=len(ADAPTERS), max_lora_rank=MAX_RANK),
+                              jnp.float32, MESH)
+            for i, name in enumerate(ADAPTERS):
+                slots.load(i + 1, load_adapter(name, tiny_adapters[(kind, name)], cfg, MAX_RANK))
+            cache[kind] = (cfg, weights, slots)
+        return cache[kind]
+
+    return get
+
+
+MAIN_SLOT_NAMES = {i + 1: name for i, name in enumerate(ADAPTERS)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_mixed_prefill_matches_peft(kind, backend, served, peft_refs):
+    cfg, weights, slots = served(kind)
+    assert slots.num_slots - 1 == len(ADAPTERS)  # every slot full: a base row sits beside them
+    pages = _page_lists(10, [n for n, _ in MIXED])
+    chunks = [SeqChunk(toks, 0, pg, slot) for toks, pg, (_, slot) in zip(MIXED_TOKENS, pages, MIXED)]
+    logits, _ = _step(cfg, weights, slots, _fresh_kv(cfg), chunks, "prefill", backend)
+    assert logits.shape == (PREFILL_TOKENS, cfg.vocab_size)
+    _check_prefill(logits, chunks, lambda i: MIXED_TOKENS[i], peft_refs[kind], MAIN_SLOT_NAMES,
+                   f"{kind}/{backend} mixed prefill")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_prefill_then_decode_matches_peft(kind, backend, served, peft_refs):
+    cfg, weights, slots = served(kind)
+    ref = peft_refs[kind]
+    pages = _page_lists(20, [len(t) for t in MULTI_TOKENS])
+    kv = _fresh_kv(cfg)
+    what = f"{kind}/{backend}"
+
+    # Two prefill chunks; the second starts mid-page and reads the first chunk's pages.
+    for part in (0, 1):
+        chunks = []
+        for toks, pg, (n, slot, c1) in zip(MULTI_TOKENS, pages, MULTI):
+            lo, hi = (0, c1) if part == 0 else (c1, n)
+            chunks.append(SeqChunk(toks[lo:hi], lo, pg, slot))
+        logits, kv = _step(cfg, weights, slots, kv, chunks, "prefill", backend)
+        _check_prefill(logits, chunks, lambda i: MULTI_TOKENS[i], ref, MAIN_SLOT_NAMES,
+                       f"{what} prefill chunk {part + 1}")
+
+    # Decode: one token per sequence, sequences in a new order each step.
+    order_rng = np.random.default_rng(30)
+    for step in range(DECODE_STEPS):
+        order = order_rng.permutation(len(MULTI))
+        chunks = []
+        for i in order:
+            n, slot, _ = MULTI[i]
+            pos = n + step
+            chunks.append(SeqChunk([MULTI_TOKENS[i][pos]], pos, pages[i], slot))
+        logits, kv = _step(cfg, weights, slots, kv, chunks, "decode", backend)
+        for row, i in enumerate(order):
+            n, slot, _ = MULTI[i]
+            adapter = _adapter_of(slot, MAIN_SLOT_NAMES)
+            want = ref.logits(adapter, MULTI_TOKENS[i])[n + step]
+            _check_rows(logits[row:row + 1], want[None], f"{what} decode step {step}: seq {i} "
+                                                         f"(slot {slot}, adapter {adapter}, position {n + step})")
+
+
+REWRITE_KIND = "llama"
+REWRITE_SEQS = [(8, 0), (7, 1), (9, 2), (5, 0), (6, 2)]  # (length, slot)
+REWRITE_TOKENS = _tokens(3, [n for n, _ in REWRITE_SEQS])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_small_ranks_slot_rewrite_and_clear(backend, tiny_models, tiny_adapters, peft_refs):
+    """max_lora_rank 32 with adapters of rank 2..16; an occupied slot rewritten with an adapter of
+    lower rank and other targets (nothing of the old one may survive); a cleared slot is base."""
+    kind = REWRITE_KIND
+    cfg, weights = load_weights(tiny_models[kind], mesh=MESH)
+    slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=2, max_lora_rank=32), jnp.float32, MESH)
+    ref = peft_refs[kind]
+    pages = _page_lists(40, [n for n, _ in REWRITE_SEQS])
+    chunks = [SeqChunk(t, 0, pg, s) for t, pg, (_, s) in zip(REWRITE_TOKENS, pages, REWRITE_SEQS)]
+
+    def load(slot, name):
+        slots.load(slot, load_adapter(name, tiny_adapters[(kind, name)], cfg, 32))
+
+    def check(slot_names, phase):
+        logits, _ = _step(cfg, weights, slots, _fresh_kv(cfg), chunks, "prefill", backend)
+        _check_prefill(logits, chunks, lambda i: REWRITE_TOKENS[i], ref, slot_names,
+                       f"{kind}/{backend} {phase}")
+
+    load(1, "c_mlp_r16")
+    load(2, "a_all_r8")
+    check({1: "c_mlp_r16", 2: "a_all_r8"}, "first load, ranks 16 and 8 under max 32")
+
+    load(2, "b_attn_r4_rslora")   # rank 4 attention-only over rank 8 on all modules
+    load(1, "d_regex_patterns")   # ranks 8/2 over rank 16 MLP-only
+    assert slots.ranks_S.tolist() == [0, 8, 4]
+    check({1: "d_regex_patterns", 2: "b_attn_r4_rslora"}, "slots rewritten")
+
+    slots.clear(2)
+    assert slots.ranks_S[2] == 0 and slots.scalings_S[2] == 0.0
+    for name, buf in vars(slots.weights).items():
+        assert not np.any(np.asarray(buf[:, 2])), f"cleared slot 2 still holds data in {name}"
+    check({1: "d_regex_patterns", 2: None}, "slot 2 cleared (its rows are base rows)")
+
+
+# --- config errors -------------------------------------------------------------------------
+
+def test_tiny_configs_parse():
+    for kind, hf in reference.TINY_CONFIGS.items():
+        cfg = ModelConfig.from_hf_dict(hf)
+        assert cfg.num_kv_heads == hf["num_key_value_heads"], kind
+    assert ModelConfig.from_hf_dict(reference.TINY_CONFIGS["llama"]).rope_scaling.factor == 8.0
+
+
+def test_unsupported_architecture_is_named():
+    gpt2 = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=256, n_embd=64,
+                n_layer=2, n_head=4, n_positions=256)
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel") as e:
+        ModelConfig.from_hf_dict(gpt2)
+    assert "LlamaForCausalLM" in str(e.value)  # and says what is supported
+    no_arch = {k: v for k, v in gpt2.items() if k != "architectures"}
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        ModelConfig.from_hf_dict(no_arch)
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+@pytest.mark.parametrize("type_key", ["rope_type", "type"])
+def test_yarn_rope_scaling_is_refused(key, type_key):
+    hf = copy.deepcopy(reference.TINY_CONFIGS["llama"])
+    hf.pop("rope_scaling")
+    hf[key] = {type_key: "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+               "rope_theta": 10000.0}
+    with pytest.raises(UnsupportedModelError, match="yarn") as e:
+        ModelConfig.from_hf_dict(hf)
+    assert "llama3" in str(e.value)  # names what is supported
