@@ -2,12 +2,14 @@
 
 from multilora.lora.backend.base import BaseLoRABackend
 from multilora.lora.backend.bgmv import BgmvLoRABackend
+from multilora.lora.backend.dense import DenseLoRABackend
 from multilora.lora.backend.reference import ReferenceLoRABackend
 from multilora.lora.backend.sgmv import SgmvLoRABackend
 
 BACKENDS: dict[str, type[BaseLoRABackend]] = {
     "bgmv": BgmvLoRABackend,
     "sgmv": SgmvLoRABackend,
+    "dense": DenseLoRABackend,
     "reference": ReferenceLoRABackend,
 }
 BACKEND_CHOICES = ("auto", *BACKENDS)
@@ -28,5 +30,6 @@ def choose_backend(name: str, num_tokens: int, is_decode: bool) -> str:
     return "bgmv" if is_decode or num_tokens <= 64 else "sgmv"
 
 
-__all__ = ["BaseLoRABackend", "BgmvLoRABackend", "SgmvLoRABackend", "ReferenceLoRABackend",
+__all__ = ["BaseLoRABackend", "BgmvLoRABackend", "SgmvLoRABackend", "DenseLoRABackend",
+           "ReferenceLoRABackend",
            "get_backend", "choose_backend", "BACKENDS", "BACKEND_CHOICES"]
