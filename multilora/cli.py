@@ -33,8 +33,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices to split the model over (with several processes: all of them)")
     p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("several processes (hosts); see docs/distributed.md")
+    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="process 0's address for jax.distributed (same on every process)")
+    g.add_argument("--num-processes", type=int, default=1)
+    g.add_argument("--process-id", type=int, default=0,
+                   help="this process's index; 0 takes the requests and prints the outputs")
+
+
+def distributed_kwargs(args) -> dict | None:
+    if args.coordinator_address is None and args.num_processes <= 1:
+        return None
+    return dict(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+                process_id=args.process_id)
 
 
 def engine_kwargs(args) -> dict:
@@ -46,7 +60,7 @@ def engine_kwargs(args) -> dict:
                 max_prefill_seqs=args.max_prefill_seqs, page_size=args.page_size,
                 num_pages=args.num_pages, kv_cache_memory_gb=args.kv_cache_memory_gb,
                 max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-                seed=args.seed)
+                seed=args.seed, distributed=distributed_kwargs(args))
 
 
 def cmd_generate(args) -> int:
@@ -60,6 +74,9 @@ def cmd_generate(args) -> int:
     if not prompts:
         raise SystemExit("give at least one --prompt or a --prompts-file")
     engine = Engine(progress=True, **engine_kwargs(args))
+    if not engine.is_leader:  # several processes: process 0 drives, this one mirrors its steps
+        engine.follow()
+        return 0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed_request, ignore_eos=args.ignore_eos)
     if args.chat:
@@ -67,7 +84,10 @@ def cmd_generate(args) -> int:
         if tok is None:
             raise SystemExit("--chat needs a tokenizer in the model folder")
         prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-    outs = engine.generate(prompts, params, lora=args.lora, progress=True)
+    try:
+        outs = engine.generate(prompts, params, lora=args.lora, progress=True)
+    finally:
+        engine.stop_followers()
     for o in outs:
         if args.json:
             print(json.dumps(dict(text=o.text, token_ids=o.token_ids, finish_reason=o.finish_reason, lora=o.lora)))

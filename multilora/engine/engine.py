@@ -7,6 +7,11 @@ One step: the scheduler picks the chunks, the registry makes their adapters resi
 slots (writing the missing ones), the runner computes and samples, then tokens are appended,
 stop conditions checked and finished requests give back their pages and adapter references.
 The engine is single-threaded; the server drives it from one thread.
+
+Several devices: `tensor_parallel_size=N` builds an N-device mesh and places weights, adapter
+slots and the KV cache by the rules table (multilora.model.sharding). Several processes:
+`distributed=dict(coordinator_address=..., num_processes=..., process_id=...)`; process 0 takes
+the requests and the others call `follow()` (multilora.engine.distributed, docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -96,7 +101,7 @@ class Engine:
                  kv_cache_memory_gb: float = 2.0, max_model_len: Optional[int] = None,
                  tensor_parallel_size: int = 1, seed: int = 0, warmup: bool = True,
                  progress: bool = False, compilation_cache_dir: Optional[str] = None,
-                 buckets: Optional[Buckets] = None):
+                 buckets: Optional[Buckets] = None, distributed: Optional[dict] = None):
         import jax
         import jax.numpy as jnp
 
@@ -104,7 +109,7 @@ class Engine:
         from multilora.lora.pool import LoRASlots
         from multilora.model.llama import init_kv_cache
         from multilora.model.loader import load_weights, resolve_dtype
-        from multilora.model.sharding import make_mesh
+        from multilora.model.sharding import KV_AXES, make_mesh, rules_for, sharding
 
         if lora_backend not in BACKEND_CHOICES:
             raise ValueError(f"unknown lora_backend {lora_backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
@@ -116,6 +121,10 @@ class Engine:
         if max_loras_per_batch < 0:
             raise ValueError(f"max_loras_per_batch must be >= 0, got {max_loras_per_batch}")
         _enable_compilation_cache(compilation_cache_dir)
+        self._sync = None  # set at the end when several processes run
+        if distributed:  # before anything touches a device
+            from multilora.engine.distributed import initialize
+            initialize(**distributed)
         if model is None:
             from multilora.model.gguf_default import default_model_dir
             model = str(default_model_dir())
@@ -123,7 +132,8 @@ class Engine:
         self.model_name = Path(model).name
         self.cfg = ModelConfig.from_dir(model)
         self.dtype = resolve_dtype(dtype)
-        self.mesh = make_mesh(tensor_parallel_size)
+        self.mesh = make_mesh(tensor_parallel_size, num_kv_heads=self.cfg.num_kv_heads)
+        self.rules = rules_for(self.cfg, self.mesh)  # fails early if the heads do not divide
         _, weights = load_weights(model, self.cfg, dtype, self.mesh, progress=progress)
         self.tokenizer = load_tokenizer(model)
         self.eos_token_ids = set(self.cfg.eos_token_ids) | _generation_eos(model)
@@ -144,10 +154,10 @@ class Engine:
             raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_model_len="
                              f"{self.max_model_len} ({max_pages_seq} pages of {page_size} + 1 reserved)")
         self.pages = PagePool(num_pages, page_size)
-        kv = init_kv_cache(self.cfg, num_pages, page_size, self.dtype)
-        from multilora.model.sharding import KV_AXES, rules_for, sharding
-        kv_sharding = sharding(self.mesh, rules_for(self.cfg, self.mesh), KV_AXES)
-        kv = jax.tree.map(lambda a: jax.device_put(a, kv_sharding), kv)
+        # Split by KV heads (replicated when tp does not divide them), created in place.
+        kv_sharding = sharding(self.mesh, self.rules, KV_AXES)
+        kv = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=kv_sharding),
+                          jax.eval_shape(lambda: init_kv_cache(self.cfg, num_pages, page_size, self.dtype)))
 
         self.lora_cfg = LoRAConfig(max_loras_per_batch=max_loras_per_batch, max_lora_rank=max_lora_rank)
         self.slots = (LoRASlots(self.cfg, self.lora_cfg, self.dtype, self.mesh)
@@ -176,19 +186,33 @@ class Engine:
         if warmup:
             secs = self.runner.warmup(progress=progress)
             log.info("compiled %d step shapes in %.1fs", len(self.runner._steps), secs)
+        # Several processes: from here on, state changes go through process 0 (every process
+        # built the same engine from the same arguments up to this point).
+        if jax.process_count() > 1:
+            from multilora.engine.distributed import StepSync
+            self._sync = StepSync()
 
     # ---- adapters ----------------------------------------------------------------------------
     def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> None:
         """Read and validate now; raises AdapterError (nothing changes) on a bad adapter."""
         if self.slots is None:
             raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
+        if self._sync is not None:
+            self._sync.guard("load_lora_adapter")
         entry = self.registry.register(name, str(path), pinned=pinned)
+        if self._sync is not None:
+            self._sync.record("load", name=name, path=str(path), pinned=pinned)
         if pinned:
             self._write_slots({name})
 
     def unload_lora_adapter(self, name: str) -> None:
         """New requests for it are refused at once; running ones finish, then it is removed."""
-        for slot in self.registry.unregister(name):
+        if self._sync is not None:
+            self._sync.guard("unload_lora_adapter")
+        slots = self.registry.unregister(name)
+        if self._sync is not None:
+            self._sync.record("unload", name=name)
+        for slot in slots:
             self.slots.clear(slot)
 
     def list_lora_adapters(self) -> list[dict]:
@@ -224,6 +248,8 @@ class Engine:
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                     lora: Optional[str] = None, request_id: Optional[str] = None) -> str:
         params = params or SamplingParams()
+        if self._sync is not None:
+            self._sync.guard("add_request")
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -246,12 +272,18 @@ class Engine:
         self._requests[request_id] = _Tracked(req, detok)
         self.scheduler.add(req)
         self.stats["prompt_tokens"] += len(ids)
+        if self._sync is not None:
+            from multilora.engine.distributed import params_dict
+            self._sync.record("add", prompt=ids, params=params_dict(params), lora=lora, request_id=request_id)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
         tr = self._requests.get(request_id)
         if tr is None or tr.request.finished:
             return False
+        if self._sync is not None:
+            self._sync.guard("abort_request")
+            self._sync.record("abort", request_id=request_id)
         self._finish(tr, "abort")
         return True
 
@@ -277,6 +309,8 @@ class Engine:
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
         """One scheduler step; returns what it added to each touched request (and finished ones)."""
+        if self._sync is not None and not self._sync.exchange(self):
+            return []  # several processes, and the leader has stopped
         out = self.scheduler.schedule()
         self.stats["preemptions"] += len(out.preempted)
         if out.kind == "idle":
@@ -431,6 +465,29 @@ class Engine:
         finally:
             self.abort_request(rid)
             self.release_finished(rid)
+
+    # ---- several processes ------------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process takes requests (always, with one process)."""
+        return self._sync is None or self._sync.leader
+
+    def follow(self) -> None:
+        """On process > 0 of a multi-process engine: mirror the leader's steps (same requests,
+        same batches, same collectives) until it calls stop_followers()."""
+        if self.is_leader:
+            raise RuntimeError("follow() is for processes other than 0; process 0 takes the requests")
+        while self._sync.running:
+            self.step()
+            # Nobody reads a follower's outputs: forget finished requests (host bookkeeping only).
+            for rid in [r for r, tr in self._requests.items() if tr.request.finished]:
+                del self._requests[rid]
+
+    def stop_followers(self) -> None:
+        """On process 0: let the other processes' follow() return (after their last step)."""
+        if self._sync is not None and self._sync.leader and self._sync.running:
+            self._sync.record("stop")
+            self._sync.exchange(self)
 
 
 class _Bar:

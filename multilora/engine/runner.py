@@ -4,6 +4,11 @@ after warm-up whatever the prompts or the adapter mix (a compile after warm-up l
 
 Buckets: decode steps are (B sequences, C pages per sequence); prefill steps are (T tokens,
 X pages in all), with Q = max_prefill_seqs logits rows.
+
+Sharding: the weights, LoRA slots and KV cache arrive placed on the mesh (the rules table); the
+step is compiled for exactly those shardings, returns the cache in the same sharding (so the
+donated cache comes back as it went in, step after step) and the logits replicated; each step's
+host arrays are compiled for as replicated inputs. On one device all of this is a 1-device mesh.
 """
 
 from __future__ import annotations
@@ -104,8 +109,12 @@ class ModelRunner:
         self.page_size = kv.page_size
         self._steps: dict[tuple, object] = {}
         self._samplers: dict[tuple, object] = {}
-        self._fwd = jax.jit(forward, static_argnames=("cfg", "backend"), donate_argnames=("kv",))
-        self._sample = jax.jit(sample, static_argnames=("mode", "logprobs"))
+        kv_shardings = jax.tree.map(lambda a: a.sharding, kv)
+        # Replicated over the cache's devices: the batch, the logits and the sampler's rows.
+        self.replicated = _replicated_like(kv.k_LPpKH.sharding)
+        self._fwd = jax.jit(forward, static_argnames=("cfg", "backend"), donate_argnames=("kv",),
+                            out_shardings=(self.replicated, kv_shardings))
+        self._sample = jax.jit(sample, static_argnames=("mode", "logprobs"), out_shardings=self.replicated)
         self.warm = False
         self.compiles_after_warmup = 0
 
@@ -120,6 +129,12 @@ class ModelRunner:
         return build_batch([], mode=mode, num_tokens=t, num_seqs=b, num_pages=x,
                            page_size=self.page_size, scalings_S=s, ranks_S=r)
 
+    def _abstract(self, tree):
+        """Host arrays -> their shapes, replicated on the mesh: what the steps are compiled for.
+        The calls then take the numpy arrays themselves, copied to every device (and under
+        several processes, each process copies its own; jit trusts that they agree)."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated), tree)
+
     def _lower_step(self, key):
         mode, t, b, x = key
         backend = choose_backend(self.lora_backend, t, mode == "decode")
@@ -127,7 +142,8 @@ class ModelRunner:
         batch = self._dummy_batch(mode, t, b, x)
         if self.lora is None:
             batch.lora = None
-        return self._fwd.lower(self.weights, lora_w, self.kv, batch, cfg=self.cfg, backend=backend)
+        return self._fwd.lower(self.weights, lora_w, self.kv, self._abstract(batch), cfg=self.cfg,
+                               backend=backend)
 
     def _compiled_step(self, key):
         fn = self._steps.get(key)
@@ -142,8 +158,9 @@ class ModelRunner:
         rows, mode, logprobs = key
         z = np.zeros(rows, np.float32)
         zi = np.zeros(rows, np.int32)
-        return self._sample.lower(jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32),
-                                  z, zi, z, zi.astype(np.uint32), zi, mode=mode, logprobs=logprobs)
+        logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32, sharding=self.replicated)
+        return self._sample.lower(logits, *self._abstract((z, zi, z, zi.astype(np.uint32), zi)),
+                                  mode=mode, logprobs=logprobs)
 
     def _compiled_sampler(self, rows: int, mode: str, logprobs: bool):
         key = (rows, mode, logprobs)
@@ -215,10 +232,24 @@ class ModelRunner:
             seed[i], step[i] = np.uint32(row.seed & 0xFFFFFFFF), row.step
         sampler = self._compiled_sampler(q, "greedy" if greedy else "sample", want_lp)
         tokens, lp = sampler(logits, temp, top_k, top_p, seed, step)
-        tokens = np.asarray(tokens)[:n]
+        tokens = _host(tokens)[:n]
         if lp is not None:
-            lp = tuple(np.asarray(a)[:n] for a in lp)
+            lp = tuple(_host(a)[:n] for a in lp)
         return StepResult(tokens, lp)
+
+
+def _replicated_like(s: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    if isinstance(s, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
+    if len(s.device_set) == 1:
+        return s
+    raise TypeError(f"the KV cache must be placed with a NamedSharding (or on one device), got {s}")
+
+
+def _host(a: jax.Array) -> np.ndarray:
+    """A replicated result as numpy: this process's copy (under several processes the array also
+    lives on devices this process cannot read; every copy is the same)."""
+    return np.asarray(a.addressable_data(0))
 
 
 def _progress(desc: str, i: int, total: int, t0: float) -> None:

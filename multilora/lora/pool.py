@@ -3,6 +3,10 @@ in a batch plus slot 0 ("no adapter", all zeros).
 
 Putting an adapter into a slot rewrites buffer contents in place (a jitted update with the
 buffers donated, the slot index traced), so shapes never change and nothing recompiles.
+Under tensor parallelism the buffers are sharded by LORA_AXES (B by output features where its
+base layer is column-parallel, A by input features where it is row-parallel); a slot write takes
+the new slot already split the same way and keeps every buffer's sharding (out_shardings), so
+each device receives only its part and the compiled steps see the shardings they were built for.
 Which adapter lives in which slot, and what to evict, is decided in multilora.lora.registry.
 """
 
@@ -18,7 +22,7 @@ from multilora.config import LoRAConfig, ModelConfig
 from multilora.lora.adapter import LoRAAdapter
 from multilora.lora.batch import NO_ADAPTER
 from multilora.model.llama import LoRAWeights
-from multilora.model.sharding import LORA_AXES, dataclass_shardings, rules_for
+from multilora.model.sharding import LORA_AXES, dataclass_shardings, put, replicated, rules_for, without_axis
 
 
 def lora_buffer_shapes(cfg: ModelConfig, num_slots: int, max_rank: int) -> dict[str, tuple[int, ...]]:
@@ -41,11 +45,18 @@ def lora_buffer_shapes(cfg: ModelConfig, num_slots: int, max_rank: int) -> dict[
 
 def init_lora_weights(cfg: ModelConfig, lora_cfg: LoRAConfig, dtype, mesh) -> LoRAWeights:
     shapes = lora_buffer_shapes(cfg, lora_cfg.num_slots, lora_cfg.max_lora_rank)
-    host = LoRAWeights(**{k: np.zeros((), np.float32) for k in shapes})
-    shardings = dataclass_shardings(host, LORA_AXES, mesh, rules_for(cfg, mesh))
+    shardings = lora_shardings(cfg, mesh)
+    # Created in place, shard by shard: no device ever holds a whole (possibly large) buffer.
     return LoRAWeights(**{
-        k: jax.device_put(jnp.zeros(shape, dtype), getattr(shardings, k)) for k, shape in shapes.items()
+        k: jnp.zeros(shape, dtype, device=getattr(shardings, k)) for k, shape in shapes.items()
     })
+
+
+def lora_shardings(cfg: ModelConfig, mesh, axes_table=LORA_AXES) -> LoRAWeights:
+    """A LoRAWeights of NamedShardings (per the rules table) for the slot buffers, or for one
+    slot's arrays with axes_table=without_axis(LORA_AXES, "slots")."""
+    host = LoRAWeights(**{k: np.zeros((), np.float32) for k in LORA_AXES})
+    return dataclass_shardings(host, axes_table, mesh, rules_for(cfg, mesh))
 
 
 def adapter_slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, max_rank: int) -> LoRAWeights:
@@ -88,7 +99,12 @@ def write_slot(lora: LoRAWeights, slot: jax.Array, new: LoRAWeights) -> LoRAWeig
         lora, new)
 
 
-_jit_write_slot = jax.jit(write_slot, donate_argnums=0)
+def jit_write_slot(buffer_shardings: LoRAWeights, slot_shardings: LoRAWeights, mesh):
+    """write_slot jitted for one set of buffers: donated, and pinned to their shardings in and out
+    (the new slot arrives split like the buffers, the slot index replicated)."""
+    return jax.jit(write_slot, donate_argnums=0,
+                   in_shardings=(buffer_shardings, replicated(mesh), slot_shardings),
+                   out_shardings=buffer_shardings)
 
 
 class LoRASlots:
@@ -96,7 +112,10 @@ class LoRASlots:
 
     def __init__(self, cfg: ModelConfig, lora_cfg: LoRAConfig, dtype, mesh):
         self.cfg, self.lora_cfg = cfg, lora_cfg
+        self.shardings = lora_shardings(cfg, mesh)
         self.weights = init_lora_weights(cfg, lora_cfg, dtype, mesh)
+        self._slot_shardings = lora_shardings(cfg, mesh, without_axis(LORA_AXES, "slots"))
+        self._write = jit_write_slot(self.shardings, self._slot_shardings, mesh)
         self.scalings_S = np.zeros((lora_cfg.num_slots,), np.float32)
         self.ranks_S = np.zeros((lora_cfg.num_slots,), np.int32)
 
@@ -115,13 +134,13 @@ class LoRASlots:
             raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank "
                              f"{self.lora_cfg.max_lora_rank}")
         new = adapter_slot_arrays(adapter, self.cfg, self.lora_cfg.max_lora_rank)
-        self.weights = _jit_write_slot(self.weights, jnp.int32(slot), new)
+        self.weights = self._write(self.weights, np.int32(slot), jax.tree.map(put, new, self._slot_shardings))
         self.scalings_S[slot] = adapter.scaling
         self.ranks_S[slot] = adapter.rank
 
     def clear(self, slot: int) -> None:
         self._check(slot)
         new = adapter_slot_arrays(None, self.cfg, self.lora_cfg.max_lora_rank)
-        self.weights = _jit_write_slot(self.weights, jnp.int32(slot), new)
+        self.weights = self._write(self.weights, np.int32(slot), jax.tree.map(put, new, self._slot_shardings))
         self.scalings_S[slot] = 0.0
         self.ranks_S[slot] = 0

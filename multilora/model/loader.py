@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from multilora.config import ModelConfig
 from multilora.model.llama import LayerWeights, Weights
-from multilora.model.sharding import WEIGHT_AXES, dataclass_shardings, make_mesh, rules_for
+from multilora.model.sharding import WEIGHT_AXES, dataclass_shardings, make_mesh, put, rules_for
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -154,4 +154,4 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig | None = None, dtype="f
 def place_weights(host_w: Weights, cfg: ModelConfig, mesh, dtype) -> Weights:
     """Host arrays -> device arrays in `dtype`, sharded by the rules table."""
     shardings = dataclass_shardings(host_w, WEIGHT_AXES, mesh, rules_for(cfg, mesh))
-    return jax.tree.map(lambda a, s: jax.device_put(np.asarray(a).astype(dtype), s), host_w, shardings)
+    return jax.tree.map(lambda a, s: put(np.asarray(a).astype(dtype), s), host_w, shardings)

@@ -1,13 +1,26 @@
 """Logical axis names -> mesh axes, in one rules table.
 
-Every array names its axes logically ("vocab", "q_out", "ffn", ...); the rules map them to the
-mesh's "tp" axis or to replication. One device is a 1-device mesh, so tensor parallelism is a
-change of mesh, not of model code. Megatron-style: q/k/v and gate/up split by output features,
-o and down by input features; LoRA B follows its column-parallel base layer's output split, LoRA
-A its row-parallel base layer's input split, and the other factor is replicated.
+Every array names its axes logically ("vocab", "q_out", "ffn", ...); the rules map them to mesh
+axes or to replication. One device is a 1-device mesh, so tensor parallelism is a change of mesh,
+not of model code. Megatron-style: q/k/v and gate/up split by output features, o and down by
+input features; LoRA B follows its column-parallel base layer's output split, LoRA A its
+row-parallel base layer's input split, and the other factor is replicated.
+
+The mesh of tp devices has two axes, "tp_kv" (g = gcd(num_kv_heads, tp) devices) and "tp_rep"
+(tp / g): tensor parallelism uses both together (TP), the KV heads only the first. With as many
+KV heads as devices (or a multiple) g = tp and this is the plain 1-D split. With fewer KV heads
+than devices, each device holds only the KV heads that its query heads read (their group), each
+group copied on tp / g devices, which is the layout XLA would otherwise build inside every step
+and undo with an all-gather of the whole cache at its end. One KV head (tp / g = tp): every device
+holds the whole KV cache and computes all of k and v.
+
+Must divide tp: the query heads and the FFN width (an error otherwise). May not: the vocabulary
+(embed/lm_head then replicated). See docs/distributed.md.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import numpy as np
@@ -15,17 +28,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multilora.config import ModelConfig
 
-TP = "tp"
+TP_KV = "tp_kv"           # splits the KV heads
+TP_REP = "tp_rep"         # copies of each KV head group
+TP = (TP_KV, TP_REP)      # the whole tensor-parallel group, as one PartitionSpec entry
 
-# Logical axis -> mesh axis (None: replicated).
-BASE_RULES: dict[str, str | None] = {
+# Logical axis -> mesh axes (None: replicated).
+BASE_RULES: dict[str, object] = {
     "layers": None,
     "embed": None,
     "vocab": TP,
     "q_out": TP,
-    "kv_out": TP,
+    "kv_out": TP_KV,
     "ffn": TP,
-    "kv_heads": TP,
+    "kv_heads": TP_KV,
     "head_dim": None,
     "pages": None,
     "page": None,
@@ -68,25 +83,42 @@ LORA_AXES = {
 KV_AXES = ("layers", "pages", "page", "kv_heads", "head_dim")
 
 
-def make_mesh(tensor_parallel_size: int = 1, devices=None) -> Mesh:
+def make_mesh(tensor_parallel_size: int = 1, devices=None, num_kv_heads: int | None = None) -> Mesh:
+    """The ("tp_kv", "tp_rep") mesh over the first tensor_parallel_size devices, shaped
+    (g, tp / g) with g = gcd(num_kv_heads, tp) (g = tp when num_kv_heads is not given). With
+    several processes the mesh takes every process's devices, in jax.devices() order: a process
+    that owned none of it could not join the computation."""
     devices = list(devices if devices is not None else jax.devices())
-    if tensor_parallel_size < 1 or tensor_parallel_size > len(devices):
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs that many devices; "
+    tp = tensor_parallel_size
+    if not isinstance(tp, int) or tp < 1 or tp > len(devices):
+        raise ValueError(f"tensor_parallel_size={tp} needs that many devices; "
                          f"{len(devices)} available ({devices[0].platform})")
-    return Mesh(np.array(devices[:tensor_parallel_size]), (TP,))
+    if jax.process_count() > 1 and tp != len(devices):
+        raise ValueError(f"with {jax.process_count()} processes, tensor_parallel_size must equal the "
+                         f"total device count {len(devices)}, got {tp}")
+    g = math.gcd(num_kv_heads, tp) if num_kv_heads else tp
+    return Mesh(np.array(devices[:tp]).reshape(g, tp // g), TP)
 
 
-def rules_for(cfg: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
-    """The rules table for this model on this mesh. An axis that the mesh does not divide is
-    replicated (e.g. fewer KV heads than devices); the vocabulary must divide, the heads too."""
-    tp = mesh.shape[TP]
+def tp_size(mesh: Mesh) -> int:
+    return mesh.shape[TP_KV] * mesh.shape[TP_REP]
+
+
+def rules_for(cfg: ModelConfig, mesh: Mesh) -> dict[str, object]:
+    """The rules table for this model on this mesh. The query heads and the FFN width must divide
+    tp; the vocabulary is replicated where tp does not divide it, the KV heads where "tp_kv"
+    does not (a mesh not made for this model)."""
+    tp = tp_size(mesh)
     rules = dict(BASE_RULES)
     if tp == 1:
         return {k: None for k in rules}
-    if cfg.num_heads % tp or cfg.intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={cfg.num_heads} "
-                         f"and intermediate_size={cfg.intermediate_size}")
-    if cfg.num_kv_heads % tp:
+    bad = [f"{name}={n}" for name, n in (("num_attention_heads", cfg.num_heads),
+                                          ("intermediate_size", cfg.intermediate_size)) if n % tp]
+    if bad:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the model's {' and '.join(bad)} "
+                         f"(query heads and FFN width are split across devices); choose a divisor of "
+                         f"{math.gcd(cfg.num_heads, cfg.intermediate_size)}")
+    if cfg.num_kv_heads % mesh.shape[TP_KV]:
         rules["kv_out"] = None
         rules["kv_heads"] = None
     if cfg.vocab_size % tp:
@@ -96,6 +128,27 @@ def rules_for(cfg: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
 
 def sharding(mesh: Mesh, rules: dict[str, str | None], axes: tuple[str, ...]) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*(rules[a] for a in axes)))
+
+
+def put(host, sharding: NamedSharding) -> jax.Array:
+    """A host array -> a device array with this sharding, each device receiving only its piece.
+    Under several processes each process supplies its own devices' pieces from its copy:
+    jax.device_put would first compare the whole value across processes (a collective per array,
+    over all of its bytes), make_array_from_callback does not."""
+    host = np.asarray(host)
+    if jax.process_count() == 1:
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Every device holds the whole array: step inputs (token ids, block tables...), logits."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def without_axis(axes_table: dict[str, tuple[str, ...]], axis: str) -> dict[str, tuple[str, ...]]:
+    """The table with one logical axis dropped: e.g. one adapter slot's arrays (no "slots")."""
+    return {k: tuple(a for a in v if a != axis) for k, v in axes_table.items()}
 
 
 def dataclass_shardings(obj, axes_table: dict[str, tuple[str, ...]], mesh: Mesh, rules) -> object:

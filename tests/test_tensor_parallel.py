@@ -1,0 +1,326 @@
+"""Tensor parallelism and several processes, on CPU devices.
+
+The pytest process has already started JAX with one CPU device, so every engine here runs in a
+subprocess: this file is also that subprocess's script (`python -m tests.test_tensor_parallel
+tp|multihost SPEC.json`). One subprocess with 4 CPU devices builds every single-process engine
+(tp 1, 2, 4 on both LoRA backends; a model with one KV head; tp=3 for 4 heads) and prints JSON;
+then two processes joined by jax.distributed (gloo collectives on 127.0.0.1), 2 CPU devices each,
+run one tp=4 engine in lockstep. The tests assert on those results: same greedy tokens as one
+device for a mixed batch (base rows and three adapters), weights, adapter slots and KV cache split
+as the rules table says (also after slot writes and steps), no all-gather of the cache in a
+compiled step, no compile after warm-up.
+
+Compiling is the cost: each engine compiles only the largest bucket of each kind (BUCKETS), and
+all engines share the same shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_MODEL_LEN, PAGE_SIZE = 64, 8
+KW = dict(max_loras_per_batch=4, max_lora_rank=16, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+          max_num_batched_tokens=64, page_size=PAGE_SIZE)
+BUCKETS = dict(decode_seqs=(8,), decode_pages=(8,), prefill_tokens=(64,), prefill_pages=(24,), prefill_seqs=8)
+MAX_NEW = 8
+ADAPTERS = {"a": "a_all_r8", "b": "b_attn_r4_rslora", "c": "c_mlp_r16"}
+LORAS = [None, "a", "b", "c", None, "c", "a", "b"]
+LENGTHS = [5, 13, 9, 20, 3, 17, 30, 11]   # 108 tokens: chunked prefills over several steps
+LLAMA_RUNS = [dict(model="llama", tp=tp, backend=be) for be in ("bgmv", "sgmv") for tp in (1, 2, 4)]
+QWEN_RUNS = [dict(model="qwen2", tp=tp, backend="sgmv") for tp in (1, 2, 4)]
+ERROR_RUNS = [dict(model="llama", tp=3, backend="bgmv"), dict(model="llama", tp=8, backend="bgmv")]
+
+# The arrays whose per-device pieces are reported: weights, adapter slots, KV cache.
+WEIGHT_FIELDS = ["embed_VD", "lm_head_DV", "wq_LDO", "wk_LDO", "wo_LOD", "w_gate_LDF", "w_down_LFD", "bq_LO"]
+LORA_FIELDS = ["qkv_a_LSRD", "q_b_LSOR", "k_b_LSOR", "v_b_LSOR", "o_a_LSRO", "o_b_LSDR",
+               "gate_up_a_LSRD", "gate_b_LSFR", "up_b_LSFR", "down_a_LSRF", "down_b_LSDR"]
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(3, 256, size=n).tolist() for n in LENGTHS]
+
+
+# ---- the subprocess side (no jax import at module level: the device count is set first) ----------
+def _engine(spec, model, tp, backend, **extra):
+    from multilora.engine.engine import Engine
+    from multilora.engine.runner import Buckets
+    names = extra.pop("names", tuple(ADAPTERS))
+    adapters = {k: spec["adapters"][model][v] for k, v in ADAPTERS.items() if k in names}
+    return Engine(spec["models"][model], adapters, **KW, buckets=Buckets(**BUCKETS), lora_backend=backend,
+                  tensor_parallel_size=tp, **extra)
+
+
+def _generate(eng):
+    from multilora.engine.request import SamplingParams
+    outs = eng.generate(prompts(), SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
+                        lora=LORAS)
+    return [o.token_ids for o in outs]
+
+
+def _pieces(arr) -> dict:
+    """Global shape, each device's piece, and the device count."""
+    return dict(shape=list(arr.shape), piece=list(arr.sharding.shard_shape(arr.shape)),
+                devices=len(arr.sharding.device_set),
+                pieces_seen=sorted({tuple(s.data.shape) for s in arr.addressable_shards}))
+
+
+def _report(eng) -> dict:
+    import re
+
+    import jax
+    from multilora.model.sharding import KV_AXES, sharding
+    w, slots, kv = eng.runner.weights, eng.slots, eng.runner.kv
+    out = dict(mesh=dict(eng.mesh.shape))
+    fields = {f: getattr(w, f, None) if hasattr(w, f) else getattr(w.layers, f) for f in WEIGHT_FIELDS}
+    out["weights"] = {f: _pieces(a) for f, a in fields.items() if a is not None}
+    out["lora"] = {f: _pieces(getattr(slots.weights, f)) for f in LORA_FIELDS}
+    # After LoRASlots.load and after the steps (donated cache): still the declared shardings?
+    out["lora_kept_sharding"] = all(getattr(slots.weights, f).sharding == getattr(slots.shardings, f)
+                                    for f in LORA_FIELDS)
+    out["kv"] = _pieces(kv.k_LPpKH)
+    out["kv_kept_sharding"] = kv.k_LPpKH.sharding == sharding(eng.mesh, eng.rules, KV_AXES)
+    dev0 = eng.mesh.devices.flat[0]
+    leaves = jax.tree.leaves(w)
+    out["weight_bytes_device0"] = int(sum(s.data.nbytes for a in leaves for s in a.addressable_shards
+                                          if s.device == dev0))
+    out["weight_bytes_total"] = int(sum(a.nbytes for a in leaves))
+    # The compiled steps: which collectives, and the largest all-gather (elements).
+    gathers, reduces = [], 0
+    for fn in eng.runner._steps.values():
+        for shape in re.findall(r"= \(?(\w+\[[\d,]*\])[^=]*? all-gather(?:-start)?\(", fn.as_text()):
+            gathers.append(int(np.prod([int(d) for d in shape.split("[")[1].rstrip("]").split(",") if d])))
+        reduces += len(re.findall(r" all-reduce(?:-start)?\(", fn.as_text()))
+    out["largest_all_gather"] = max(gathers, default=0)
+    out["all_reduces"] = reduces
+    out["compiles_after_warmup"] = eng.runner.compiles_after_warmup
+    return out
+
+
+def _worker_tp(spec) -> dict:
+    import jax
+    jax.config.update("jax_num_cpu_devices", spec["devices"])
+    results = []
+    for run in spec["runs"]:
+        r = dict(run)
+        try:
+            eng = _engine(spec, run["model"], run["tp"], run["backend"])
+        except ValueError as e:
+            r["error"] = str(e)
+            results.append(r)
+            continue
+        r["tokens"] = _generate(eng)
+        r.update(_report(eng))
+        results.append(r)
+        del eng
+    return dict(devices=[str(d) for d in jax.devices()], runs=results)
+
+
+def _worker_multihost(spec) -> dict:
+    """One of the processes: the leader loads adapter c at run time (replayed by the followers
+    at the next step) and generates; the followers mirror its steps."""
+    import jax
+    jax.config.update("jax_num_cpu_devices", spec["local_devices"])
+    dist = dict(coordinator_address=spec["coordinator"], num_processes=spec["num_processes"],
+                process_id=spec["process_id"])
+    eng = _engine(spec, "llama", spec["tp"], spec["backend"], names=("a", "b"), distributed=dist)
+    out = dict(process=jax.process_index(), processes=jax.process_count(), local=jax.local_device_count(),
+               global_devices=jax.device_count(), leader=eng.is_leader)
+    if eng.is_leader:
+        eng.load_lora_adapter("c", spec["adapters"]["llama"][ADAPTERS["c"]])
+        try:
+            out["tokens"] = _generate(eng)
+        finally:
+            eng.stop_followers()
+    else:
+        try:
+            eng.add_request([5, 6, 7])
+        except RuntimeError as e:
+            out["follower_add_error"] = str(e)
+        eng.follow()
+    out["steps"] = eng.stats["steps"]
+    out["generated_tokens"] = eng.stats["generated_tokens"]
+    out["compiles_after_warmup"] = eng.runner.compiles_after_warmup
+    out["kv_piece"] = list(eng.runner.kv.k_LPpKH.sharding.shard_shape(eng.runner.kv.k_LPpKH.shape))
+    return out
+
+
+def _main(argv) -> int:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, str(ROOT))
+    mode, spec_path = argv
+    spec = json.loads(Path(spec_path).read_text())
+    result = _worker_tp(spec) if mode == "tp" else _worker_multihost(spec)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+# ---- the pytest side ------------------------------------------------------------------------------
+def _env() -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _parse(stdout: str) -> dict:
+    lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, "the subprocess printed no result"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _spec(tiny_models, tiny_adapters, **kw) -> dict:
+    return dict(models={k: str(v) for k, v in tiny_models.items()},
+                adapters={m: {ad: str(tiny_adapters[(m, ad)]) for ad in ADAPTERS.values()}
+                          for m in ("llama", "qwen2")}, **kw)
+
+
+def _launch(mode: str, spec: dict, path: Path) -> subprocess.Popen:
+    path.write_text(json.dumps(spec))
+    return subprocess.Popen([sys.executable, "-m", "tests.test_tensor_parallel", mode, str(path)], cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> dict:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"subprocess timed out after {timeout}s; stderr tail:\n{err[-4000:]}")
+    assert proc.returncode == 0, f"subprocess failed ({proc.returncode}); stderr tail:\n{err[-4000:]}"
+    return _parse(out)
+
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tiny_models, tiny_adapters, tmp_path_factory):
+    spec = _spec(tiny_models, tiny_adapters, devices=4, runs=LLAMA_RUNS + QWEN_RUNS + ERROR_RUNS)
+    res = _finish(_launch("tp", spec, tmp_path_factory.mktemp("tp") / "spec.json"), timeout=900)
+    assert len(res["devices"]) == 4
+    return {(r["model"], r["tp"], r["backend"]): r for r in res["runs"]}
+
+
+@pytest.mark.parametrize("backend", ["bgmv", "sgmv"])
+def test_tp_tokens_equal_one_device(backend, tp_runs, tiny_models, tiny_adapters, peft_greedy_cache):
+    """tp 2 and 4 give the 1-device greedy tokens for a mixed batch; those equal PEFT's."""
+    base = tp_runs[("llama", 1, backend)]
+    want = peft_greedy_cache.many(tiny_models["llama"],
+                                  [(None if l is None else tiny_adapters[("llama", ADAPTERS[l])], p)
+                                   for l, p in zip(LORAS, prompts())], MAX_NEW)
+    assert base["tokens"] == want
+    for tp in (2, 4):
+        r = tp_runs[("llama", tp, backend)]
+        assert r["mesh"]["tp_kv"] * r["mesh"]["tp_rep"] == tp
+        assert r["tokens"] == base["tokens"], f"tp={tp} differs from one device"
+        assert r["compiles_after_warmup"] == 0
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_weights_slots_and_cache_are_sharded(tp, tp_runs):
+    """The Llama tiny (4 heads, 2 KV heads, FFN 128, vocab 256) on tp devices: Megatron splits,
+    LoRA B/A split with their base layers, the KV cache split by KV heads as far as they go."""
+    r = tp_runs[("llama", tp, "bgmv")]
+    g = min(tp, 2)  # gcd(KV heads, tp): KV head groups
+    assert r["mesh"] == {"tp_kv": g, "tp_rep": tp // g}
+    w = r["weights"]
+    d, qo, kvo, f, v = 64, 64, 32, 128, 256
+
+    def piece(entry):  # a layer weight's per-device piece, without L
+        assert entry["devices"] == tp and entry["pieces_seen"] == [entry["piece"]]
+        return entry["piece"][1:]
+
+    assert w["embed_VD"]["piece"] == [v // tp, d]
+    assert w["lm_head_DV"]["piece"] == [d, v // tp]
+    assert piece(w["wq_LDO"]) == [d, qo // tp]           # column-parallel
+    assert piece(w["wk_LDO"]) == [d, kvo // g]           # KV heads: split into g groups
+    assert piece(w["wo_LOD"]) == [qo // tp, d]           # row-parallel
+    assert piece(w["w_gate_LDF"]) == [d, f // tp]
+    assert piece(w["w_down_LFD"]) == [f // tp, d]
+    lo = {k: e["piece"][2:] for k, e in r["lora"].items()}
+    assert lo["qkv_a_LSRD"] == [3 * 16, d]               # A of column-parallel layers: replicated
+    assert lo["q_b_LSOR"] == [qo // tp, 16]              # ... B split by output
+    assert lo["k_b_LSOR"] == lo["v_b_LSOR"] == [kvo // g, 16]
+    assert lo["o_a_LSRO"] == [16, qo // tp]              # A of row-parallel layers: split by input
+    assert lo["o_b_LSDR"] == [d, 16]                     # ... B replicated
+    assert lo["gate_up_a_LSRD"] == [2 * 16, d]
+    assert lo["gate_b_LSFR"] == lo["up_b_LSFR"] == [f // tp, 16]
+    assert lo["down_a_LSRF"] == [16, f // tp]
+    assert lo["down_b_LSDR"] == [d, 16]
+    assert r["lora_kept_sharding"], "a slot write changed the buffers' sharding"
+    assert r["kv_kept_sharding"], "the donated KV cache came back in another sharding"
+    kv = r["kv"]
+    assert kv["piece"][3] == 2 // g and kv["shape"][3] == 2   # (L, P, p, K, H): K split in g groups
+    # Megatron: 1/tp of the weight bytes per device, plus the replicated norms (and k/v split
+    # only g ways): 1.09x of 1/tp for tp=4 here.
+    assert r["weight_bytes_device0"] < r["weight_bytes_total"] / tp * 1.15
+    # The compiled steps: no gather of the cache, only the logits (Q x V) are gathered.
+    assert r["largest_all_gather"] <= 8 * v
+    assert r["all_reduces"] >= 3   # embedding, and per layer after o and down (with LoRA h)
+
+
+def test_fewer_kv_heads_than_devices_replicates_the_cache(tp_runs):
+    """Qwen2 tiny has one KV head: on 2 and 4 devices every device holds the whole KV cache and
+    computes all of k/v (documented), q/FFN still split; tokens equal one device's."""
+    base = tp_runs[("qwen2", 1, "sgmv")]
+    for tp in (2, 4):
+        r = tp_runs[("qwen2", tp, "sgmv")]
+        assert r["tokens"] == base["tokens"], f"qwen2 tp={tp} differs from one device"
+        assert r["mesh"] == {"tp_kv": 1, "tp_rep": tp}
+        assert r["kv"]["piece"] == r["kv"]["shape"]                      # replicated cache
+        assert r["weights"]["wk_LDO"]["piece"] == r["weights"]["wk_LDO"]["shape"]
+        assert r["weights"]["wq_LDO"]["piece"][2] == 64 // tp
+        assert r["weights"]["bq_LO"]["piece"][1] == 64 // tp
+        assert r["compiles_after_warmup"] == 0 and r["lora_kept_sharding"] and r["kv_kept_sharding"]
+
+
+def test_heads_not_divisible_is_a_clear_error(tp_runs):
+    err = tp_runs[("llama", 3, "bgmv")]["error"]
+    assert "tensor_parallel_size=3 must divide" in err and "num_attention_heads=4" in err
+    err = tp_runs[("llama", 8, "bgmv")]["error"]
+    assert "tensor_parallel_size=8 needs that many devices" in err and "4 available" in err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one(tp_runs, tiny_models, tiny_adapters, tmp_path):
+    """Two processes on 127.0.0.1 (gloo), 2 CPU devices each, one tp=4 engine: process 0 takes the
+    requests (and loads an adapter at run time), process 1 mirrors every step; the tokens equal a
+    single device's."""
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        spec = _spec(tiny_models, tiny_adapters, coordinator=f"127.0.0.1:{port}", num_processes=2,
+                     process_id=pid, local_devices=2, tp=4, backend="bgmv")
+        procs.append(_launch("multihost", spec, tmp_path / f"spec{pid}.json"))
+    try:
+        leader, follower = (_finish(p, timeout=600) for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert leader["leader"] and not follower["leader"]
+    assert leader["processes"] == 2 and leader["global_devices"] == 4 and leader["local"] == 2
+    assert leader["tokens"] == tp_runs[("llama", 1, "bgmv")]["tokens"]
+    assert "only process 0 takes requests" in follower["follower_add_error"]
+    # Lockstep: the follower ran the same steps and sampled the same number of tokens.
+    assert follower["steps"] == leader["steps"] > 0
+    assert follower["generated_tokens"] == leader["generated_tokens"] == len(LORAS) * MAX_NEW
+    assert leader["compiles_after_warmup"] == follower["compiles_after_warmup"] == 0
+    assert leader["kv_piece"][3] == 1   # 2 KV heads over tp_kv=2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
