@@ -24,7 +24,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras-per-batch", type=int, default=8)
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--max-loaded-loras", type=int, default=None)
-    p.add_argument("--lora-backend", default="auto", choices=["auto", "bgmv", "sgmv", "reference"])
+    p.add_argument("--lora-backend", default="auto", choices=["auto", "bgmv", "sgmv", "dense", "reference"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
