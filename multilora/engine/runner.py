@@ -137,7 +137,8 @@ class ModelRunner:
 
     def _lower_step(self, key):
         mode, t, b, x = key
-        backend = choose_backend(self.lora_backend, t, mode == "decode")
+        backend = choose_backend(self.lora_backend, t, mode == "decode",
+                                 self.lora.num_slots if self.lora is not None else None)
         lora_w = self.lora.weights if self.lora is not None else None
         batch = self._dummy_batch(mode, t, b, x)
         if self.lora is None:

@@ -22,12 +22,18 @@ def get_backend(name: str) -> BaseLoRABackend:
         raise ValueError(f"unknown lora_backend {name!r}; choose one of {', '.join(BACKEND_CHOICES)}") from None
 
 
-def choose_backend(name: str, num_tokens: int, is_decode: bool) -> str:
-    """Resolve "auto" for one compiled shape: per-token gathers for decode, tiles for prefill."""
+def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int | None = None) -> str:
+    """Resolve "auto" for one compiled shape (tokens and slots are both static there):
+    decode reads the whole small pool once (`dense`) when the adapters are few next to the
+    tokens, else gathers per token (`bgmv`); prefill groups tokens into tiles (`sgmv`)."""
     if name != "auto":
         get_backend(name)
         return name
-    return "bgmv" if is_decode or num_tokens <= 64 else "sgmv"
+    if is_decode or num_tokens <= 64:
+        if num_slots is not None and 1 < num_slots and (num_slots - 1) * 4 <= num_tokens:
+            return "dense"
+        return "bgmv"
+    return "sgmv"
 
 
 __all__ = ["BaseLoRABackend", "BgmvLoRABackend", "SgmvLoRABackend", "DenseLoRABackend",
