@@ -650,6 +650,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="HF checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
                    help="adapters to load at start-up")
+    g.add_argument("--no-demo-adapters", action="store_true",
+                   help="with the embedded default model and no --lora-modules, do not serve the demo "
+                        "adapters 'shout' and 'signoff' (served by default then)")
     g = parser.add_argument_group("engine budgets")
     g.add_argument("--max-loras-per-batch", type=int, default=8, help="device adapter slots")
     g.add_argument("--max-lora-rank", type=int, default=64)
@@ -725,9 +728,25 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, drain_timeout
     _UvicornServer(config).run()
 
 
+def with_demo_adapters(args) -> argparse.Namespace:
+    """args, plus the demo adapters (shout, signoff) as --lora-modules when the embedded default
+    model is served with no adapters named and --no-demo-adapters is not given."""
+    if (args.model or args.lora_modules or getattr(args, "no_demo_adapters", False)
+            or getattr(args, "max_loras_per_batch", 1) == 0):
+        return args
+    from multilora.demo_adapters import demo_lora_modules
+    demos = demo_lora_modules()
+    if not demos:
+        return args
+    print(f"multilora: serving the demo adapters {', '.join(demos)} (name one as the request's "
+          "\"model\"; --no-demo-adapters turns them off)", flush=True)
+    return argparse.Namespace(**{**vars(args), "lora_modules": [f"{n}={p}" for n, p in demos.items()]})
+
+
 def run_serve(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = with_demo_adapters(args)
     if args.lora_root and not Path(args.lora_root).is_dir():
         raise SystemExit(f"--lora-root {args.lora_root!r} is not a folder")
     if args.max_queue < 0:
