@@ -688,13 +688,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _parse_lora_modules(items) -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"--lora-modules expects NAME=PATH, got {item!r}")
-        out[name] = path
-    return out
+    from multilora.cli import parse_lora_modules
+    return parse_lora_modules(items)
 
 
 def engine_from_args(args):
