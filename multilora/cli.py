@@ -36,6 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices to split the model over (with several processes: all of them)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("several processes (hosts); see docs/distributed.md")
     g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
                    help="process 0's address for jax.distributed (same on every process)")
@@ -45,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def distributed_kwargs(args) -> dict | None:
-    if args.coordinator_address is None and args.num_processes <= 1:
+    if getattr(args, "coordinator_address", None) is None and getattr(args, "num_processes", 1) <= 1:
         return None
     return dict(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
                 process_id=args.process_id)
@@ -112,6 +115,7 @@ def main(argv=None) -> int:
 
     p_gen = sub.add_parser("generate", help="offline batch generation")
     add_engine_args(p_gen)
+    add_distributed_args(p_gen)
     p_gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p_gen.add_argument("--prompts-file", help="one prompt per line (or JSON lines with a 'prompt' field)")
     p_gen.add_argument("--lora", default=None, help="adapter name for every prompt (default: base model)")

@@ -645,29 +645,11 @@ async def _chat_stream(srv: _Server, stream: RequestStream, model: str, rid: str
 # ---- the command line ----------------------------------------------------------------------------
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of `multilora serve`: engine budgets, then the server's own."""
-    g = parser.add_argument_group("model and adapters")
-    g.add_argument("--model", default=None,
-                   help="HF checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
-                   help="adapters to load at start-up")
-    g.add_argument("--no-demo-adapters", action="store_true",
-                   help="with the embedded default model and no --lora-modules, do not serve the demo "
-                        "adapters 'shout' and 'signoff' (served by default then)")
-    g = parser.add_argument_group("engine budgets")
-    g.add_argument("--max-loras-per-batch", type=int, default=8, help="device adapter slots")
-    g.add_argument("--max-lora-rank", type=int, default=64)
-    g.add_argument("--max-loaded-loras", type=int, default=None, help="host copies kept (LRU); default all")
-    g.add_argument("--lora-backend", default="auto", choices=["auto", "bgmv", "sgmv", "reference"])
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--max-prefill-seqs", type=int, default=16)
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--num-pages", type=int, default=None)
-    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--tensor-parallel-size", type=int, default=1)
-    g.add_argument("--seed", type=int, default=0)
+    from multilora.cli import add_engine_args  # the same engine flags as `multilora generate`
+    add_engine_args(parser.add_argument_group("model, adapters and engine budgets"))
+    parser.add_argument("--no-demo-adapters", action="store_true",
+                        help="with the embedded default model and no --lora-modules, do not serve the "
+                             "demo adapters 'shout' and 'signoff' (served by default then)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
@@ -687,22 +669,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_lora_modules(items) -> dict[str, str]:
-    from multilora.cli import parse_lora_modules
-    return parse_lora_modules(items)
-
-
 def engine_from_args(args):
+    from multilora.cli import engine_kwargs
     from multilora.engine.engine import Engine
-    return Engine(
-        model=args.model, lora_modules=_parse_lora_modules(args.lora_modules),
-        max_loras_per_batch=args.max_loras_per_batch, max_lora_rank=args.max_lora_rank,
-        max_loaded_loras=args.max_loaded_loras, lora_backend=args.lora_backend, dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_prefill_seqs=getattr(args, "max_prefill_seqs", 16), page_size=args.page_size,
-        num_pages=args.num_pages, kv_cache_memory_gb=getattr(args, "kv_cache_memory_gb", 2.0),
-        max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-        seed=getattr(args, "seed", 0), progress=True)
+    return Engine(progress=True, **engine_kwargs(args))
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
