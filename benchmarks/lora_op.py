@@ -207,7 +207,8 @@ def run(args) -> list[dict]:
                 if has_auto:
                     # A shape of <= 64 tokens stands for a decode batch (one token per sequence).
                     try:
-                        row["auto"] = backends.choose_backend("auto", num_tokens, is_decode=num_tokens <= 64)
+                        row["auto"] = backends.choose_backend("auto", num_tokens, num_tokens <= 64,
+                                                             num_slots=num_adapters + 1)
                     except TypeError:  # the signature moved on; the column is then left out
                         has_auto = False
                 scale = max(float(np.abs(o).max()) for o in outs.values()) if outs else 1.0
@@ -301,7 +302,7 @@ def main(argv=None):
           "the median time of the base matmul; K ops per timed call in a lax.scan (dispatch amortized); "
           "'scan floor' is that scan around a no-op, per op. T=1 has one distinct adapter in the batch "
           "whatever the pool holds. 'best / one-hot' < 1 means the better multilora backend is ahead. "
-          "'auto' is choose_backend('auto', T, is_decode=T<=64); '(Nx the best)' flags a pick over 10 % "
+          "'auto' is choose_backend('auto', T, is_decode=T<=64, num_slots=S); '(Nx the best)' flags a pick over 10 % "
           "slower than the best backend measured.")
     if args.json:
         save_json(args.json, dict(env=env, args={k: str(v) for k, v in vars(args).items()}, rows=rows))
