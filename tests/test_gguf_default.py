@@ -187,3 +187,19 @@ def test_cli_prints_folder(model_dir):
                           cwd=Path(__file__).resolve().parents[1], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert Path(proc.stdout.strip()) == model_dir.resolve()
+
+
+@pytest.mark.parametrize("text", ["Hello world, ça va? 日本語のテキスト 🤖\n\n  12 345\tend",
+                                  "  leading spaces, ünïcödé ✓✓ and <|im_end|> inside"])
+def test_incremental_detokenizer_equals_whole_decode(model_dir, text):
+    """Token by token, the engine's incremental text only grows and ends equal to one decode of
+    all ids (multi-byte characters split over tokens are held back, not garbled)."""
+    from multilora.engine.tokenizer import Detokenizer, load_tokenizer
+    tok = load_tokenizer(model_dir)
+    ids = tok.encode(text, add_special_tokens=False)
+    detok, prev = Detokenizer(tok), ""
+    for i in range(1, len(ids) + 1):
+        cur = detok.decode(ids[:i])
+        assert cur.startswith(prev) and "\ufffd" not in cur
+        prev = cur
+    assert prev == tok.decode(ids)

@@ -68,14 +68,26 @@ def load_tokenizer(folder) -> Optional[Tokenizer]:
 
 
 class Detokenizer:
-    """Text of a growing list of ids. Decoding the whole output each time keeps byte-level
-    merges and multi-byte characters right; stable_prefix holds back a trailing partial char."""
+    """Text of a growing list of ids, decoded incrementally: each new token is decoded together
+    with a few tokens before it (so byte-level merges and leading-space rules come out as in a
+    whole decode) and only the new characters are kept. A token that ends inside a multi-byte
+    character waits until the character is complete; the cost per token stays constant."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
+        self.text = ""
+        self._prefix = 0  # ids[_prefix:_read] are already in text; they give the new ones context
+        self._read = 0
 
     def decode(self, ids) -> str:
-        return self.tokenizer.decode(ids)
+        """All text so far for `ids` (the same list, grown since the last call)."""
+        if self._read < len(ids):
+            seen = self.tokenizer.decode(ids[self._prefix:self._read])
+            full = self.tokenizer.decode(ids[self._prefix:])
+            if not full.endswith("\ufffd") and len(full) >= len(seen):  # else: a partial character
+                self.text += full[len(seen):]
+                self._prefix, self._read = self._read, len(ids)
+        return self.text
 
     @staticmethod
     def stable_prefix(text: str) -> str:
