@@ -89,7 +89,6 @@ class _Tracked:
     sent_text: int = 0
     sent_logprobs: int = 0
     error: Optional[str] = None
-    finish_sent: bool = False   # its finished delta went out: report it once, not every step
 
 
 class Engine:
@@ -176,6 +175,7 @@ class Engine:
             max_prefill_seqs=max_prefill_seqs, max_model_len=self.max_model_len, page_size=page_size)
         self.runner = ModelRunner(self.cfg, weights, kv, self.slots, self.buckets, lora_backend)
         self._requests: dict[str, _Tracked] = {}
+        self._finished_unreported: list[str] = []  # finished since the last step's deltas
         self._ids = itertools.count()
         self._arrival = itertools.count()
         self.seed = seed
@@ -302,6 +302,7 @@ class Engine:
         req = tr.request
         self.scheduler.remove(req)
         req.finish_reason, req.stop_reason = reason, stop_reason
+        self._finished_unreported.append(req.request_id)
         if req.adapter is not None:
             for slot in self.registry.release(req.adapter):
                 self.slots.clear(slot)
@@ -320,7 +321,7 @@ class Engine:
             self._write_slots_or_fail(needed, out)
             out.chunks = [c for c in out.chunks if not c.request.finished]
             if not out.chunks:
-                return self._collect(set())
+                return self._collect([])
         chunks = [SeqChunk(c.request.all_token_ids[c.start:c.start + c.num_tokens], c.start,
                            c.request.block_table, self.registry.slot_of(c.request.adapter))
                   for c in out.chunks]
@@ -332,7 +333,7 @@ class Engine:
         self.scheduler.commit(out)
         self.stats["steps"] += 1
         self.stats[f"{out.kind}_steps"] += 1
-        touched = set()
+        touched: list[str] = []
         for i, c in enumerate(out.chunks):
             req = c.request
             if not c.completes_prefill:
@@ -345,7 +346,7 @@ class Engine:
                 req.output_logprobs.append(Logprob(token, float(chosen[i]),
                                                    list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))))
             self.stats["generated_tokens"] += 1
-            touched.add(req.request_id)
+            touched.append(req.request_id)
             self._check_stop(self._requests[req.request_id])
         return self._collect(touched)
 
@@ -380,15 +381,21 @@ class Engine:
         if len(req.output_token_ids) >= req.max_tokens:
             return self._finish(tr, "length")
 
-    def _collect(self, touched: set[str]) -> list[StreamDelta]:
+    def _collect(self, touched: list[str]) -> list[StreamDelta]:
         deltas = []
-        for rid, tr in list(self._requests.items()):
-            req = tr.request
-            if rid not in touched and (not req.finished or tr.finish_sent):
+        # Only what this step touched or finished (an abort between steps too): no scan of
+        # every live request. dict.fromkeys keeps the order and drops repeats.
+        rids = dict.fromkeys([*touched, *self._finished_unreported])
+        self._finished_unreported = []
+        for rid in rids:
+            tr = self._requests.get(rid)
+            if tr is None:  # popped or released already
                 continue
+            req = tr.request
             text = tr.text
             if not req.finished and tr.detok is not None:
-                text = tr.detok.stable_prefix(text)  # hold back a partial character / stop string
+                # hold back what could be the start of a stop string (the detokenizer already
+                # holds back partial characters)
                 hold = max((len(s) - 1 for s in req.params.stop), default=0)
                 text = text[:max(tr.sent_text, len(text) - hold)]
             d = StreamDelta(rid, req.output_token_ids[tr.sent_tokens:], text[tr.sent_text:],
@@ -397,7 +404,6 @@ class Engine:
             tr.sent_tokens = len(req.output_token_ids)
             tr.sent_text = max(tr.sent_text, len(text))
             tr.sent_logprobs = len(req.output_logprobs)
-            tr.finish_sent = req.finished
             if d.token_ids or d.text or d.finished:
                 deltas.append(d)
         return deltas

@@ -88,7 +88,3 @@ class Detokenizer:
                 self.text += full[len(seen):]
                 self._prefix, self._read = self._read, len(ids)
         return self.text
-
-    @staticmethod
-    def stable_prefix(text: str) -> str:
-        return text.rstrip("\ufffd")
