@@ -315,7 +315,7 @@ class Engine:
         out = self.scheduler.schedule()
         self.stats["preemptions"] += len(out.preempted)
         if out.kind == "idle":
-            return []
+            return self._collect([])  # still report aborts since the last step
         needed = {c.request.adapter for c in out.chunks if c.request.adapter is not None}
         if needed:
             self._write_slots_or_fail(needed, out)
@@ -439,19 +439,18 @@ class Engine:
                              f"{len(lora_list)} adapter names")
         for name in set(lora_list) - {None}:
             self.registry.resolve(name)
-        for p in prompts:
-            ids = self.tokenize(p)
+        prompt_ids = [self.tokenize(p) for p in prompts]  # tokenized once, checked before any is queued
+        for ids in prompt_ids:
             if not ids:
                 raise ValueError("a prompt is empty")
             if len(ids) >= self.max_model_len:
                 raise PromptTooLongError(f"a prompt has {len(ids)} tokens; prompts need 1 to "
                                          f"{self.max_model_len - 1} tokens (max_model_len={self.max_model_len})")
-        ids = [self.add_request(p, sp, l) for p, sp, l in zip(prompts, params_list, lora_list)]
+        ids = [self.add_request(p, sp, l) for p, sp, l in zip(prompt_ids, params_list, lora_list)]
         pending = set(ids)
         bar = _Bar(n, "generating", progress)
         while pending:
-            self.step()
-            done = {rid for rid in pending if self._requests[rid].request.finished}
+            done = {d.request_id for d in self.step() if d.finished} & pending  # each reported once
             if done:
                 bar.update(len(done))
                 pending -= done
