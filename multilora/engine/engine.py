@@ -245,17 +245,21 @@ class Engine:
             raise ValueError(f"prompt token ids must be integers in [0, {self.cfg.vocab_size})")
         return [int(t) for t in ids]
 
-    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    lora: Optional[str] = None, request_id: Optional[str] = None) -> str:
-        params = params or SamplingParams()
-        if self._sync is not None:
-            self._sync.guard("add_request")
+    def _checked_prompt_ids(self, prompt: Prompt) -> list[int]:
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens; the context holds "
                                      f"{self.max_model_len} (max_model_len), leaving no room to generate")
+        return ids
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                    lora: Optional[str] = None, request_id: Optional[str] = None) -> str:
+        params = params or SamplingParams()
+        if self._sync is not None:
+            self._sync.guard("add_request")
+        ids = self._checked_prompt_ids(prompt)
         if lora is not None and self.slots is None:
             raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -439,13 +443,7 @@ class Engine:
                              f"{len(lora_list)} adapter names")
         for name in set(lora_list) - {None}:
             self.registry.resolve(name)
-        prompt_ids = [self.tokenize(p) for p in prompts]  # tokenized once, checked before any is queued
-        for ids in prompt_ids:
-            if not ids:
-                raise ValueError("a prompt is empty")
-            if len(ids) >= self.max_model_len:
-                raise PromptTooLongError(f"a prompt has {len(ids)} tokens; prompts need 1 to "
-                                         f"{self.max_model_len - 1} tokens (max_model_len={self.max_model_len})")
+        prompt_ids = [self._checked_prompt_ids(p) for p in prompts]  # all checked before any is queued
         ids = [self.add_request(p, sp, l) for p, sp, l in zip(prompt_ids, params_list, lora_list)]
         pending = set(ids)
         bar = _Bar(n, "generating", progress)
