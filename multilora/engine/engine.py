@@ -251,7 +251,8 @@ class Engine:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens; the context holds "
-                                     f"{self.max_model_len} (max_model_len), leaving no room to generate")
+                                     f"{self.max_model_len} tokens (max_model_len={self.max_model_len}), leaving no room "
+                                     "to generate")
         return ids
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
