@@ -269,8 +269,8 @@ def _tier_stats(eng):
 
 def time_prefill_attention(cfg, res, t=512, x=64, page=16):
     """The package's prefill attention alone at the workload's largest prefill bucket (T tokens
-    against all X pages of the step, masked), times the layer count, beside the profile's
-    forward (prefill) time: how much of a prefill step the all-pages scoring costs."""
+    of ~47-token sequences, X pages), times the layer count, beside the profile's forward
+    (prefill) time: how much of a prefill step attention costs."""
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -15,6 +15,7 @@ from multilora.lora.batch import make_lora_batch_info
 from multilora.model.llama import Batch
 
 TRASH_PAGE = 0
+PAD_SEQ = -1  # seq_idx of padding tokens: no page carries it
 
 
 @dataclasses.dataclass
@@ -39,7 +40,7 @@ def build_batch(chunks: Sequence[SeqChunk], *, mode: str, num_tokens: int, num_s
         raise ValueError("a decode batch has exactly one token per sequence")
     token_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
-    seq_idx = np.full(num_tokens, num_seqs, np.int32)
+    seq_idx = np.full(num_tokens, PAD_SEQ, np.int32)
     slot_mapping = np.zeros(num_tokens, np.int32)  # TRASH_PAGE, offset 0
     slot_T = np.zeros(num_tokens, np.int32)
     block_tables = np.full((num_seqs, num_pages) if decode else (0, 0), TRASH_PAGE, np.int32)

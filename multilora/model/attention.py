@@ -2,9 +2,8 @@
 
 The cache of one layer is k_PpKH: P pages of p slots. A token's K/V is first written at its
 slot_mapping entry (page * p + offset); attention then reads whole pages through block tables.
-Prefill: every token scores against the pages of all B sequences of the step, masked to its own
-sequence and causal positions (B is small in a prefill step). Decode: one token per sequence,
-each gathers only its own pages.
+Prefill: blocks of packed query tokens walk only the pages their own sequences hold (an online
+softmax over chunks of keys). Decode: one token per sequence, each gathers only its own pages.
 Legend: T tokens, B sequences, C pages per sequence, p page size, K kv heads, G = N/K, H head dim.
 """
 
@@ -34,25 +33,73 @@ def _window_ok(key_pos, query_pos, sliding_window):
     return key_pos > query_pos - sliding_window
 
 
+QUERY_BLOCK = 64       # query rows per block of the prefill loop
+KEYS_PER_ITER = 256    # keys each query block scores per loop iteration
+
+
 def prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, seq_idx_T,
                       positions_T, sliding_window: int | None = None):
-    """Packed tokens against the flat list of the step's pages (X pages, each tagged with its
-    sequence); a token sees the keys of its own sequence at positions <= its own."""
+    """Packed tokens against the step's pages (the flat list kv_pages_X, each sequence's pages
+    one run, in order, tagged by kv_page_seq_X); a token sees the keys of its own sequence at
+    positions <= its own.
+
+    Queries go in blocks of QUERY_BLOCK rows; block b needs only the page range from its first
+    sequence's first page to the last page any of its tokens sees, a range the loop walks in
+    chunks of KEYS_PER_ITER keys with an online softmax. The trip count is the largest range
+    of the step (dynamic), so a step of short prompts scores each block against a few pages,
+    not against every page of the step, and a long-context chunk costs what causality asks."""
     t, n, h = q_TNH.shape
     kvh, p = k_LPpKH.shape[3], k_LPpKH.shape[2]
     x = kv_pages_X.shape[0]
-    k_YKH = k_LPpKH[layer, kv_pages_X].reshape(x * p, kvh, h)  # Y = X*p keys
-    v_YKH = v_LPpKH[layer, kv_pages_X].reshape(x * p, kvh, h)
-    key_seq_Y = jnp.repeat(kv_page_seq_X, p)
-    key_pos_Y = kv_page_pos_of(kv_page_seq_X, p)
-    visible_TY = ((key_seq_Y[None, :] == seq_idx_T[:, None])
-                  & (key_pos_Y[None, :] <= positions_T[:, None])
-                  & _window_ok(key_pos_Y[None, :], positions_T[:, None], sliding_window))
-    q_TKGH = q_TNH.reshape(t, kvh, n // kvh, h)
-    scores = jnp.einsum("tkgh,ykh->tkgy", q_TKGH, k_YKH, preferred_element_type=jnp.float32)
-    scores = jnp.where(visible_TY[:, None, None, :], scores * h ** -0.5, MASKED)
-    out = _softmax_attend(scores, v_YKH, "tkgy,ykh->tkgh", 1.0)
-    return out.reshape(t, n, h)
+    g = n // kvh
+    mq = min(QUERY_BLOCK, t)
+    nb = -(-t // mq)
+    pad = nb * mq - t
+    q_BMKGH = jnp.pad(q_TNH, ((0, pad), (0, 0), (0, 0))).reshape(nb, mq, kvh, g, h)
+    seq_BM = jnp.pad(seq_idx_T, (0, pad), constant_values=-1).reshape(nb, mq)
+    pos_BM = jnp.pad(positions_T, (0, pad)).reshape(nb, mq)
+
+    # Each token's sequence's first page in X (kv_page_seq_X ascends: runs in sequence order,
+    # padding pages last); padding tokens (sequence -1) own no page and need none.
+    seq_start_BM = jnp.searchsorted(kv_page_seq_X, seq_BM, side="left").astype(jnp.int32)
+    real_BM = seq_BM >= 0
+    need_end_BM = jnp.where(real_BM, seq_start_BM + pos_BM // p + 1, 0)
+    blk_end_B = jnp.max(need_end_BM, axis=1)
+    blk_start_B = jnp.min(jnp.where(real_BM, seq_start_BM, x), axis=1)
+    kc = max(1, min(x, KEYS_PER_ITER // p))  # pages per iteration
+    iters = jnp.max(jnp.maximum(blk_end_B - blk_start_B, 0) + kc - 1) // kc
+    key_pos_Xp = kv_page_pos_of(kv_page_seq_X, p).reshape(x, p)
+
+    def body(j, carry):
+        m_BMKG, l_BMKG, acc_BMKGH = carry
+        page_i_BC = blk_start_B[:, None] + j * kc + jnp.arange(kc)[None, :]
+        in_range_BC = page_i_BC < blk_end_B[:, None]
+        page_i_BC = jnp.clip(page_i_BC, 0, x - 1)
+        pages_BC = jnp.take(kv_pages_X, page_i_BC)
+        key_seq_BY = jnp.repeat(jnp.take(kv_page_seq_X, page_i_BC), p, axis=1)
+        in_range_BY = jnp.repeat(in_range_BC, p, axis=1)
+        key_pos_BY = jnp.take(key_pos_Xp, page_i_BC, axis=0).reshape(nb, kc * p)
+        k_BYKH = k_LPpKH[layer, pages_BC].reshape(nb, kc * p, kvh, h)
+        v_BYKH = v_LPpKH[layer, pages_BC].reshape(nb, kc * p, kvh, h)
+        visible_BMY = (in_range_BY[:, None, :] & (key_seq_BY[:, None, :] == seq_BM[:, :, None])
+                       & (key_pos_BY[:, None, :] <= pos_BM[:, :, None])
+                       & _window_ok(key_pos_BY[:, None, :], pos_BM[:, :, None], sliding_window))
+        vis = visible_BMY[:, :, None, None, :]
+        s = jnp.einsum("bmkgh,bykh->bmkgy", q_BMKGH, k_BYKH, preferred_element_type=jnp.float32)
+        s = jnp.where(vis, s * h ** -0.5, MASKED)
+        m_new = jnp.maximum(m_BMKG, jnp.max(s, axis=-1))
+        probs = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m_BMKG - m_new)
+        l_new = alpha * l_BMKG + jnp.sum(probs, axis=-1)
+        pv = jnp.einsum("bmkgy,bykh->bmkgh", probs.astype(v_BYKH.dtype), v_BYKH,
+                        preferred_element_type=jnp.float32)
+        return m_new, l_new, alpha[..., None] * acc_BMKGH + pv
+
+    init = (jnp.full((nb, mq, kvh, g), MASKED, jnp.float32), jnp.zeros((nb, mq, kvh, g), jnp.float32),
+            jnp.zeros((nb, mq, kvh, g, h), jnp.float32))
+    _, l_BMKG, acc_BMKGH = jax.lax.fori_loop(0, iters, body, init)
+    out = acc_BMKGH / jnp.where(l_BMKG == 0, 1.0, l_BMKG)[..., None]
+    return out.reshape(nb * mq, n, h)[:t].astype(q_TNH.dtype)
 
 
 def kv_page_pos_of(kv_page_seq_X, page_size):

@@ -89,7 +89,7 @@ class Batch:
     """One step's packed tokens. Padding tokens write to page 0 (reserved) and use slot 0.
 
     token_ids_T, positions_T: the tokens and their positions in their sequences.
-    seq_idx_T:       which of the step's B sequences a token belongs to (B for padding).
+    seq_idx_T:       which of the step's B sequences a token belongs to (-1 for padding).
     slot_mapping_T:  where each token's K/V is written (page * page_size + offset).
     Decode reads:
     block_tables_BC: each sequence's pages (0 for unused entries).

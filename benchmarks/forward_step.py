@@ -1,0 +1,148 @@
+"""One model step, timed alone: the serving workload's decode step (B sequences of ~C pages) and
+prefill step (T packed tokens of ~48-token prompts), on SmolLM2-135M's shape with random weights,
+with no adapters and with S-1 adapters in S slots, per LoRA backend. Medians of interleaved runs,
+so variants of one invocation share the machine's noise.
+
+    python benchmarks/forward_step.py                       # decode 64 x 8 pages, prefill 512
+    python benchmarks/forward_step.py --json benchmarks/results/forward_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import SMOLLM2_135M, machine_info, save_json  # noqa: E402
+from multilora.config import LoRAConfig, ModelConfig  # noqa: E402
+from multilora.engine.batching import SeqChunk, build_batch  # noqa: E402
+from multilora.lora.pool import init_lora_weights  # noqa: E402
+from multilora.model.sharding import make_mesh  # noqa: E402
+from multilora.model.llama import LayerWeights, Weights, forward, init_kv_cache  # noqa: E402
+
+
+def random_weights(cfg, seed=0):
+    """Base weights of the config's shape (their values do not change the step's time)."""
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 16))
+    L, d, f, q, kv = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim
+
+    def w(*shape):
+        return 0.02 * jax.random.normal(next(keys), shape, jnp.float32)
+    layers = LayerWeights(attn_norm_LD=jnp.ones((L, d)), wq_LDO=w(L, d, q), wk_LDO=w(L, d, kv),
+                          wv_LDO=w(L, d, kv), wo_LOD=w(L, q, d), mlp_norm_LD=jnp.ones((L, d)),
+                          w_gate_LDF=w(L, d, f), w_up_LDF=w(L, d, f), w_down_LFD=w(L, f, d))
+    return Weights(embed_VD=w(cfg.vocab_size, d), layers=layers, final_norm_D=jnp.ones((d,)))
+
+
+def random_lora(cfg, num_slots, rank, seed=1):
+    lw = init_lora_weights(cfg, LoRAConfig(max_loras_per_batch=num_slots - 1, max_lora_rank=rank),
+                           jnp.float32, make_mesh(1))
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 32))
+
+    def fill(a):
+        r = 0.02 * jax.random.normal(next(keys), a.shape, a.dtype)
+        return r.at[:, 0].set(0.0)  # slot 0 stays zero
+    return jax.tree.map(fill, lw)
+
+
+def workload_chunks(mode, n_seqs, ctx, page_size, num_adapters, rng, prompt=48):
+    chunks, page = [], 1
+    for i in range(n_seqs):
+        start = ctx - 1 if mode == "decode" else 0
+        n = 1 if mode == "decode" else prompt
+        pages = -(-(start + n) // page_size)
+        slot = 0 if num_adapters == 0 else 1 + int(rng.integers(num_adapters))
+        chunks.append(SeqChunk(list(rng.integers(0, 49152, n)), start, list(range(page, page + pages)), slot))
+        page += pages
+    return chunks
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--decode-seqs", type=int, default=64)
+    ap.add_argument("--decode-ctx", type=int, default=80, help="tokens in each sequence's cache")
+    ap.add_argument("--decode-pages", type=int, default=8, help="the bucket's pages per sequence")
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--prefill-pages", type=int, default=64)
+    ap.add_argument("--adapters", type=int, nargs="+", default=[0, 8])
+    ap.add_argument("--backends", nargs="+", default=["auto"])
+    ap.add_argument("--modes", nargs="+", default=["decode", "prefill"])
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    from multilora.lora.backend import choose_backend
+    cfg = ModelConfig.from_hf_dict(SMOLLM2_135M)
+    weights = random_weights(cfg)
+    page_size = 16
+    fwd = jax.jit(forward, static_argnames=("cfg", "backend"), donate_argnames=("kv",))
+    rng = np.random.default_rng(0)
+    cases = []
+    for mode in args.modes:
+        for k in args.adapters:
+            for be in (["-"] if k == 0 else args.backends):
+                cases.append((mode, k, be))
+    state = {}
+    for mode, k, be in cases:
+        s = k + 1
+        if mode == "decode":
+            chunks = workload_chunks(mode, args.decode_seqs, args.decode_ctx, page_size, k, rng)
+            t = b = args.decode_seqs
+            x = args.decode_pages
+        else:
+            chunks, toks = [], 0
+            while toks + 48 <= args.prefill_tokens:
+                chunks += workload_chunks(mode, 1, 0, page_size, k, rng)
+                toks += 48
+            for i, c in enumerate(chunks):  # distinct pages
+                c.block_table[:] = [1 + 4 * i + j for j in range(len(c.block_table))]
+            t, b, x = args.prefill_tokens, 16, args.prefill_pages
+        scal = np.full(s, 2.0, np.float32)
+        scal[0] = 0
+        ranks = np.full(s, args.rank, np.int32)
+        ranks[0] = 0
+        batch = build_batch(chunks, mode=mode, num_tokens=t, num_seqs=b, num_pages=x, page_size=page_size,
+                            scalings_S=scal, ranks_S=ranks)
+        lora = None
+        backend = "bgmv"
+        if k:
+            lora = random_lora(cfg, s, args.rank)
+            backend = choose_backend(be, t, mode == "decode", s)
+        else:
+            batch.lora = None
+        kv = init_kv_cache(cfg, 1 + 64 * 8, page_size, jnp.float32)
+        t0 = time.perf_counter()
+        logits, kv = fwd(weights, lora, kv, batch, cfg=cfg, backend=backend)
+        logits.block_until_ready()
+        state[(mode, k, be)] = dict(batch=batch, lora=lora, kv=kv, backend=backend, times=[],
+                                    compile_s=time.perf_counter() - t0)
+    for _ in range(args.repeats):
+        for key, st in state.items():
+            t0 = time.perf_counter()
+            logits, st["kv"] = fwd(weights, st["lora"], st["kv"], st["batch"], cfg=cfg, backend=st["backend"])
+            logits.block_until_ready()
+            st["times"].append(time.perf_counter() - t0)
+    rows = []
+    base = {m: statistics.median(state[(m, 0, "-")]["times"]) for m in args.modes if (m, 0, "-") in state}
+    print(f"{'mode':8} {'adapters':>8} {'backend':>8} {'median ms':>10} {'vs 0':>6}")
+    for (mode, k, be), st in state.items():
+        med = statistics.median(st["times"])
+        rel = med / base[mode] if mode in base else float("nan")
+        print(f"{mode:8} {k:>8} {st['backend']:>8} {1e3 * med:10.1f} {rel:6.2f}")
+        rows.append(dict(mode=mode, adapters=k, backend=st["backend"], asked=be, median_s=med,
+                         times=st["times"], vs_no_adapter=rel))
+    if args.json:
+        save_json(args.json, dict(machine=machine_info(), args=vars(args) | {"json": str(args.json)}, rows=rows))
+
+
+if __name__ == "__main__":
+    main()
