@@ -817,8 +817,8 @@ def main(argv=None):
     t_all = time.time()
     for dist in args.dist:
         for k in args.adapters:
-            if k == 0 and dist != args.dist[0]:
-                continue
+            if k <= 1 and dist != args.dist[0]:
+                continue  # no adapter or one adapter: every draw is the same
             names = assign_adapters(args.requests, k, dist, zipf_s=args.zipf_s)
             mlpb, mll = slots_for(k, args)
             used = len({i for i in names if i is not None})
