@@ -5,11 +5,22 @@ so variants of one invocation share the machine's noise.
 
     python benchmarks/forward_step.py                       # decode 64 x 8 pages, prefill 512
     python benchmarks/forward_step.py --json benchmarks/results/forward_step.json
+    python benchmarks/forward_step.py --trace /tmp/fs-trace   # + where each step's time goes
+
+--trace records each case with the JAX profiler (a Perfetto trace per case) and sums the XLA
+ops' durations by kind (matmuls, the attention's KV gathers, per-layer weight slices, ...),
+naming each fused op by the jnp operation it came from (read from the compiled HLO). The sums
+are op time over both cores, so they add up to more than the wall time; read them as shares.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import gzip
+import json
+import re
 import statistics
 import sys
 import time
@@ -78,6 +89,8 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                    help="profile each case and print its op time by kind")
     args = ap.parse_args(argv)
 
     from multilora.lora.backend import choose_backend
@@ -140,8 +153,38 @@ def main(argv=None):
         print(f"{mode:8} {k:>8} {st['backend']:>8} {1e3 * med:10.1f} {rel:6.2f}")
         rows.append(dict(mode=mode, adapters=k, backend=st["backend"], asked=be, median_s=med,
                          times=st["times"], vs_no_adapter=rel))
+    if args.trace:
+        for (mode, k, be), st, row in zip(state.keys(), state.values(), rows):
+            row["op_ms_by_kind"] = trace_case(args.trace / f"{mode}_k{k}_{st['backend']}", fwd, weights, st, cfg)
+            print(f"\n{mode}, {k} adapters, {st['backend']}: op time per step by kind "
+                  f"(both cores; wall {1e3 * row['median_s']:.0f} ms)")
+            total = sum(row["op_ms_by_kind"].values())
+            for kind, ms in list(row["op_ms_by_kind"].items())[:10]:
+                print(f"  {ms:8.1f} ms {100 * ms / total:5.1f} %  {kind}")
     if args.json:
-        save_json(args.json, dict(machine=machine_info(), args=vars(args) | {"json": str(args.json)}, rows=rows))
+        save_json(args.json, dict(machine=machine_info(), args={k: str(v) for k, v in vars(args).items()},
+                                  rows=rows))
+
+
+def trace_case(folder: Path, fwd, weights, st, cfg, steps: int = 3) -> dict[str, float]:
+    """Op time per step (ms) by kind: XLA op name family + the jnp op it was made from."""
+    hlo = fwd.lower(weights, st["lora"], st["kv"], st["batch"], cfg=cfg, backend=st["backend"]).compile().as_text()
+    jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
+    for _ in range(steps):
+        logits, st["kv"] = fwd(weights, st["lora"], st["kv"], st["batch"], cfg=cfg, backend=st["backend"])
+        logits.block_until_ready()
+    jax.profiler.stop_trace()
+    trace = json.load(gzip.open(sorted(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))[-1]))
+    origin = {m.group(1): m.group(2).rsplit("/", 1)[-1]
+              for m in re.finditer(r"^\s*%(\S+) = .*?op_name=\"([^\"]+)\"", hlo, re.M)}
+    by_kind: collections.Counter = collections.Counter()
+    for ev in trace["traceEvents"]:
+        name = ev.get("name", "")
+        if ev.get("ph") != "X" or name not in origin:
+            continue  # runtime frames (executor, thread pool, Python), not XLA ops
+        family = "matmul" if name.startswith("ynn_fusion") else re.sub(r"\.\d+$", "", name)
+        by_kind[f"{family}: {origin[name]}"] += ev["dur"] / 1e3 / steps
+    return dict(by_kind.most_common())
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     n, kvh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     t = batch.token_ids_T.shape[0]
     cos_TH, sin_TH = rope_cos_sin(batch.positions_T, rope_inv_freq(cfg))
-    x_TD = jnp.take(weights.embed_VD, batch.token_ids_T, axis=0)
+    x_TD = jnp.take(weights.embed_VD, batch.token_ids_T, axis=0, mode="clip")
 
     def layer(carry, xs):
         x_TD, k_cache, v_cache = carry
@@ -175,7 +175,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     layer_ids = jnp.arange(cfg.num_layers)
     (x_TD, k_cache, v_cache), _ = jax.lax.scan(
         layer, (x_TD, kv.k_LPpKH, kv.v_LPpKH), (weights.layers, lora, layer_ids))
-    x_QD = jnp.take(x_TD, batch.logits_idx_Q, axis=0)
+    x_QD = jnp.take(x_TD, batch.logits_idx_Q, axis=0, mode="clip")
     x_QD = rms_norm(x_QD, weights.final_norm_D, cfg.rms_norm_eps)
     if weights.lm_head_DV is None:
         logits = jnp.einsum("qd,vd->qv", x_QD, weights.embed_VD, preferred_element_type=jnp.float32)

@@ -56,4 +56,4 @@ def add_base(y_TO: jax.Array, base_output_TO: jax.Array | None) -> jax.Array:
 
 
 def token_scaling_T1(info: LoRABatchInfo, dtype) -> jax.Array:
-    return jnp.take(info.scalings_S, info.slot_T)[:, None].astype(dtype)
+    return jnp.take(info.scalings_S, info.slot_T, mode="clip")[:, None].astype(dtype)

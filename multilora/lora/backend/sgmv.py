@@ -22,25 +22,25 @@ LOOP_MIN_WIDTH = 1024  # below this input width a loop iteration costs more than
 
 def _to_tiles(x_TX: jax.Array, info: LoRABatchInfo) -> jax.Array:
     x_pad = jnp.concatenate([x_TX, jnp.zeros((1, x_TX.shape[1]), x_TX.dtype)], axis=0)
-    return jnp.take(x_pad, info.tile_rows_GM, axis=0)  # (G, M, X)
+    return jnp.take(x_pad, info.tile_rows_GM, axis=0, mode="clip")  # (G, M, X)
 
 
 def _from_tiles(y_GMX: jax.Array, info: LoRABatchInfo) -> jax.Array:
     g, m, x = y_GMX.shape
     y_pad = jnp.concatenate([y_GMX.reshape(g * m, x), jnp.zeros((1, x), y_GMX.dtype)], axis=0)
-    return jnp.take(y_pad, info.token_pos_T, axis=0)
+    return jnp.take(y_pad, info.token_pos_T, axis=0, mode="clip")
 
 
 def shrink_tiles(x_TD, lora_a_SRD, info: LoRABatchInfo) -> jax.Array:
     x_GMD = _to_tiles(x_TD, info)
-    a_GRD = jnp.take(lora_a_SRD, info.tile_slot_G, axis=0).astype(x_TD.dtype)
+    a_GRD = jnp.take(lora_a_SRD, info.tile_slot_G, axis=0, mode="clip").astype(x_TD.dtype)
     h_GMR = jnp.einsum("gmd,grd->gmr", x_GMD, a_GRD)
-    scale_G11 = jnp.take(info.scalings_S, info.tile_slot_G)[:, None, None].astype(h_GMR.dtype)
+    scale_G11 = jnp.take(info.scalings_S, info.tile_slot_G, mode="clip")[:, None, None].astype(h_GMR.dtype)
     return h_GMR * scale_G11
 
 
 def expand_tiles(h_GMR, lora_b_SOR, info: LoRABatchInfo) -> jax.Array:
-    b_GOR = jnp.take(lora_b_SOR, info.tile_slot_G, axis=0).astype(h_GMR.dtype)
+    b_GOR = jnp.take(lora_b_SOR, info.tile_slot_G, axis=0, mode="clip").astype(h_GMR.dtype)
     y_GMO = jnp.einsum("gmr,gor->gmo", h_GMR, b_GOR)
     return _from_tiles(y_GMO, info)
 
