@@ -31,12 +31,14 @@ class UnsupportedModelError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (rope_type "llama3")."""
+    """Rotary frequency scaling: "llama3" (Llama 3.1's smooth per-band scaling) or "linear"
+    (every frequency divided by factor, i.e. positions interpolated)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +55,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: biases on q, k and v
+    attention_bias: bool = False  # biases on q, k and v (Qwen2; Llama with attention_bias)
+    o_proj_bias: bool = False     # and on o_proj (Llama with attention_bias; never Qwen2)
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -130,6 +133,7 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
+            o_proj_bias=attention_bias and arch != "Qwen2ForCausalLM",
             architecture=arch,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -150,9 +154,11 @@ def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind == "default":
         return None
+    if kind == "linear":
+        return RopeScaling(factor=float(rs["factor"]), rope_type="linear")
     if kind != "llama3":
         raise UnsupportedModelError(
-            f"unsupported rope_scaling type {kind!r}; supported: 'llama3' (or none)")
+            f"unsupported rope_scaling type {kind!r}; supported: 'llama3', 'linear' (or none)")
     return RopeScaling(
         factor=float(rs["factor"]),
         low_freq_factor=float(rs["low_freq_factor"]),

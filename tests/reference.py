@@ -28,7 +28,7 @@ TINY_CONFIGS = {
     "tied": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=48,
                  intermediate_size=128, num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3,
                  max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
-                 tie_word_embeddings=True, hidden_act="silu"),
+                 tie_word_embeddings=True, hidden_act="silu", attention_bias=True),  # biases on q/k/v/o
 }
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -47,12 +47,12 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**cfg_dict)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    with torch.no_grad():  # HF init is tiny; widen it so that errors show in the logits
-        for p in model.parameters():
+    with torch.no_grad():  # HF init is tiny (biases zero); widen it so that errors show in the logits
+        for name, p in model.named_parameters():
             if p.ndim == 2:
                 p.normal_(0.0, 0.08)
-            if p.ndim == 1 and kind == "qwen2":
-                p.normal_(0.0, 0.2) if p.shape[0] != cfg_dict["hidden_size"] else None
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 

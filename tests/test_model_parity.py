@@ -243,6 +243,31 @@ def test_unsupported_architecture_is_named():
         ModelConfig.from_hf_dict(no_arch)
 
 
+@pytest.mark.parametrize("scaling", [
+    None,
+    dict(rope_type="linear", factor=4.0),
+    dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+         original_max_position_embeddings=64),
+])
+def test_rope_frequencies_match_transformers(scaling):
+    """The rotary inverse frequencies equal transformers' own for each supported scaling."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from multilora.model.layers import rope_inv_freq
+    hf = copy.deepcopy(reference.TINY_CONFIGS["llama"])
+    hf.pop("rope_scaling")
+    if scaling is not None:
+        hf["rope_scaling"] = scaling
+    config = AutoConfig.for_model(**hf)
+    if scaling is None:
+        want = 1.0 / (hf["rope_theta"] ** (np.arange(0, 16, 2, dtype=np.float64) / 16))
+    else:
+        want = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")[0].numpy()
+    got = rope_inv_freq(ModelConfig.from_hf_dict(hf))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
 @pytest.mark.parametrize("type_key", ["rope_type", "type"])
 def test_yarn_rope_scaling_is_refused(key, type_key):

@@ -27,6 +27,8 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     rs = cfg.rope_scaling
     if rs is None:
         return inv.astype(np.float32)
+    if rs.rope_type == "linear":
+        return (inv / rs.factor).astype(np.float32)
     low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
     high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
     wavelen = 2 * math.pi / inv

@@ -42,6 +42,7 @@ class LayerWeights:
     bq_LO: Optional[jax.Array] = None
     bk_LO: Optional[jax.Array] = None
     bv_LO: Optional[jax.Array] = None
+    bo_LD: Optional[jax.Array] = None
 
 
 @jax.tree_util.register_dataclass
@@ -157,7 +158,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
                                      batch.kv_page_seq_X, batch.seq_idx_T, batch.positions_T,
                                      cfg.sliding_window)
         attn_TO = attn.reshape(t, n * h)
-        o = _proj(attn_TO, lw.wo_LOD)
+        o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD)
         if be is not None:
             o = be.run_lora_b_gemm(be.run_lora_a_gemm(attn_TO, ll.o_a_LSRO, info), ll.o_b_LSDR, info, o)
         x_TD = x_TD + o

@@ -36,6 +36,7 @@ _BIAS_MAP = {
     "bk_LO": "self_attn.k_proj.bias",
     "bv_LO": "self_attn.v_proj.bias",
 }
+_O_BIAS = ("bo_LD", "self_attn.o_proj.bias")
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
@@ -109,7 +110,10 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig | None = None, dtype="f
     dt = resolve_dtype(dtype)
     mesh = mesh or make_mesh(1)
     idx = _TensorIndex(model_dir)
-    bar = Progress(len(_LAYER_MAP) + (3 if cfg.attention_bias else 0) + 3, "loading weights", progress)
+    biases = dict(_BIAS_MAP) if cfg.attention_bias else {}
+    if cfg.o_proj_bias:
+        biases[_O_BIAS[0]] = _O_BIAS[1]
+    bar = Progress(len(_LAYER_MAP) + len(biases) + 3, "loading weights", progress)
 
     def host(name: str, transpose: bool = False, shape=None) -> np.ndarray:
         a = idx.get(name)
@@ -126,8 +130,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig | None = None, dtype="f
 
     try:
         host_layers = {f: stacked(n, t) for f, (n, t) in _LAYER_MAP.items()}
-        if cfg.attention_bias:
-            host_layers.update({f: stacked(n, False) for f, n in _BIAS_MAP.items()})
+        host_layers.update({f: stacked(n, False) for f, n in biases.items()})
         d, f_ = cfg.hidden_size, cfg.intermediate_size
         expect = {"wq_LDO": (d, cfg.q_dim), "wk_LDO": (d, cfg.kv_dim), "wv_LDO": (d, cfg.kv_dim),
                   "wo_LOD": (cfg.q_dim, d), "w_gate_LDF": (d, f_), "w_up_LDF": (d, f_), "w_down_LFD": (f_, d)}

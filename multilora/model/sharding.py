@@ -61,6 +61,7 @@ WEIGHT_AXES = {
     "bq_LO": ("layers", "q_out"),
     "bk_LO": ("layers", "kv_out"),
     "bv_LO": ("layers", "kv_out"),
+    "bo_LD": ("layers", "embed"),
     "w_gate_LDF": ("layers", "embed", "ffn"),
     "w_up_LDF": ("layers", "embed", "ffn"),
     "w_down_LFD": ("layers", "ffn", "embed"),

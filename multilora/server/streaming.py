@@ -1,0 +1,149 @@
+"""Server-sent events for streamed completions: the OpenAI chunk streams of /v1/completions and
+/v1/chat/completions, merging several prompts' streams, and a response that aborts its requests
+whenever it ends (finished, failed, or the client gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from multilora.server import protocol as P
+from multilora.server.async_engine import RequestStream
+
+if TYPE_CHECKING:
+    from multilora.server.app import _Server
+
+
+async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """(prompt index, delta) from several streams as they come."""
+    if len(streams) == 1:
+        async for d in streams[0]:
+            yield 0, d
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream):
+        try:
+            async for d in s:
+                q.put_nowait((i, d))
+        finally:
+            q.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, d = await q.get()
+            if d is None:
+                remaining -= 1
+                continue
+            yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-event stream that watches for the client leaving whatever the ASGI server's
+    spec version, and always aborts its requests when it ends (a no-op for finished ones), even
+    when the body generator never started."""
+
+    def __init__(self, body: AsyncIterator[str], streams: Sequence[RequestStream]):
+        super().__init__(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send):
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.create_task(watch())
+        streaming = asyncio.create_task(self.stream_response(send))
+        try:
+            done, _ = await asyncio.wait({watcher, streaming}, return_when=asyncio.FIRST_COMPLETED)
+            if streaming in done:
+                with contextlib.suppress(OSError):  # the client went away while we wrote
+                    streaming.result()
+        finally:
+            for task in (watcher, streaming):
+                task.cancel()
+            await asyncio.gather(watcher, streaming, return_exceptions=True)
+            for st in self._streams:
+                st.abort()
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+
+
+def _sse(obj: BaseModel | dict) -> str:
+    data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+def _error_event(message: str) -> str:
+    return _sse(P.error_body(500, message, code="engine_error"))
+
+
+async def completion_stream(srv: "_Server", streams: list[RequestStream], model: str, rid: str, created: int,
+                             include_usage: bool) -> AsyncIterator[str]:
+    completion_tokens = 0
+    offsets = [0] * len(streams)
+    try:
+        async for i, d in _merge(streams):
+            completion_tokens += len(d.token_ids)
+            if d.finished and d.finish_reason == "error":
+                yield _error_event(f"the request failed: {streams[i].error or 'engine error'}")
+                continue
+            if not (d.text or d.finished or d.logprobs):
+                continue
+            lp = None
+            if d.logprobs is not None:
+                lp = srv.completion_logprobs(d.logprobs, offsets[i])
+            offsets[i] += len(d.text)
+            chunk = P.CompletionChunk(id=rid, created=created, model=model, choices=[
+                P.CompletionChoice(index=i, text=d.text, logprobs=lp,
+                                   finish_reason=d.finish_reason if d.finished else None)])
+            yield _sse(chunk)
+        if include_usage:
+            prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+            yield _sse(P.CompletionChunk(id=rid, created=created, model=model, choices=[], usage=P.UsageInfo(
+                prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens)))
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away (or we are done): free what is still running
+        for s in streams:
+            s.abort()
+
+
+async def chat_stream(srv: "_Server", stream: RequestStream, model: str, rid: str, created: int,
+                       include_usage: bool, logprobs: bool) -> AsyncIterator[str]:
+    completion_tokens = 0
+    try:
+        yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+            P.ChatStreamChoice(index=0, delta=P.DeltaMessage(role="assistant", content=""))]))
+        async for d in stream:
+            completion_tokens += len(d.token_ids)
+            if d.finished and d.finish_reason == "error":
+                yield _error_event(f"the request failed: {stream.error or 'engine error'}")
+                continue
+            if not (d.text or d.finished or d.logprobs):
+                continue
+            lp = srv.chat_logprobs(d.logprobs) if (logprobs and d.logprobs is not None) else None
+            yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+                P.ChatStreamChoice(index=0, delta=P.DeltaMessage(content=d.text if d.text else None),
+                                   logprobs=lp, finish_reason=d.finish_reason if d.finished else None)]))
+        if include_usage:
+            n = len(stream.prompt_token_ids)
+            yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=P.UsageInfo(
+                prompt_tokens=n, completion_tokens=completion_tokens, total_tokens=n + completion_tokens)))
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.abort()
