@@ -52,17 +52,18 @@ def onehot_einsum(x_TD, w_XLD, slot_T):
     return jnp.einsum("td,tX,Xld->tl", x_TD, jax.nn.one_hot(slot_T, w_XLD.shape[0], dtype=x_TD.dtype), w_XLD)
 
 
-def onehot_lora(x_TD, a_SRD, b_SOR, info):
+def onehot_lora(x_TD, a_SRD, b_SRO, info):
     h_TR = onehot_einsum(x_TD, a_SRD, info.slot_T)
     h_TR = h_TR * jnp.take(info.scalings_S, info.slot_T)[:, None].astype(h_TR.dtype)
-    return onehot_einsum(h_TR, b_SOR, info.slot_T)
+    one_hot_TS = jax.nn.one_hot(info.slot_T, b_SRO.shape[0], dtype=h_TR.dtype)
+    return jnp.einsum("tr,ts,sro->to", h_TR, one_hot_TS, b_SRO)
 
 
 def backend_lora(name):
     be = backends.get_backend(name)
 
-    def op(x_TD, a_SRD, b_SOR, info):
-        return be.run_lora_b_gemm(be.run_lora_a_gemm(x_TD, a_SRD, info), b_SOR, info)
+    def op(x_TD, a_SRD, b_SRO, info):
+        return be.run_lora_b_gemm(be.run_lora_a_gemm(x_TD, a_SRD, info), b_SRO, info)
     return op
 
 
@@ -70,21 +71,21 @@ def base_matmul(x_TD, w_DD):
     return x_TD @ w_DD
 
 
-def scan_floor(x_TD, a_SRD, b_SOR, info):
+def scan_floor(x_TD, a_SRD, b_SRO, info):
     return x_TD[:, :1] * 2.0
 
 
 def scanned(op):
     """jit(K applications of op in a lax.scan over K inputs and K batch infos)."""
-    def f(x_KTD, a_SRD, b_SOR, info_K):
+    def f(x_KTD, a_SRD, b_SRO, info_K):
         def body(carry, x_info):
             x_TD, info = x_info
-            return carry, op(x_TD, a_SRD, b_SOR, info)
+            return carry, op(x_TD, a_SRD, b_SRO, info)
         return jax.lax.scan(body, 0, (x_KTD, info_K))[1]
     return jax.jit(f)
 
 
-def base_op(x_TD, w_DD, b_SOR, info):
+def base_op(x_TD, w_DD, b_SRO, info):
     return base_matmul(x_TD, w_DD)
 
 
@@ -100,7 +101,7 @@ def make_case(dim: int, num_tokens: int, num_adapters: int, rank: int, inner: in
     x = rng.standard_normal((inner, num_tokens, dim), np.float32)
     w = rng.standard_normal((dim, dim), np.float32) / np.sqrt(dim)
     a = rng.standard_normal((num_slots, rank, dim), np.float32) / np.sqrt(dim)
-    b = rng.standard_normal((num_slots, dim, rank), np.float32) / np.sqrt(rank)
+    b = rng.standard_normal((num_slots, rank, dim), np.float32) / np.sqrt(rank)
     a[NO_ADAPTER] = 0.0
     b[NO_ADAPTER] = 0.0
     scalings = np.full((num_slots,), 2.0, np.float32)

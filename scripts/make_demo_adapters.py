@@ -260,16 +260,16 @@ def slot_fields(cfg, p):
     def a(m):
         return p[m][0] if m in p else jnp.zeros((L, R, shapes[m][0]), jnp.float32)
 
-    def b(m):
-        return p[m][1] if m in p else jnp.zeros((L, shapes[m][1], R), jnp.float32)
+    def b(m):  # the slots keep B as (rank, out)
+        return jnp.swapaxes(p[m][1], 1, 2) if m in p else jnp.zeros((L, R, shapes[m][1]), jnp.float32)
 
     return dict(
         qkv_a_LSRD=jnp.concatenate([a("q_proj"), a("k_proj"), a("v_proj")], axis=1),
-        q_b_LSOR=b("q_proj"), k_b_LSOR=b("k_proj"), v_b_LSOR=b("v_proj"),
-        o_a_LSRO=a("o_proj"), o_b_LSDR=b("o_proj"),
+        q_b_LSRO=b("q_proj"), k_b_LSRO=b("k_proj"), v_b_LSRO=b("v_proj"),
+        o_a_LSRO=a("o_proj"), o_b_LSRD=b("o_proj"),
         gate_up_a_LSRD=jnp.concatenate([a("gate_proj"), a("up_proj")], axis=1),
-        gate_b_LSFR=b("gate_proj"), up_b_LSFR=b("up_proj"),
-        down_a_LSRF=a("down_proj"), down_b_LSDR=b("down_proj"),
+        gate_b_LSRF=b("gate_proj"), up_b_LSRF=b("up_proj"),
+        down_a_LSRF=a("down_proj"), down_b_LSRD=b("down_proj"),
     )
 
 

@@ -41,16 +41,16 @@ def np_shrink(x_TD, a_SRD, scalings_S, slot_T):
     return h
 
 
-def np_expand(h_TR, b_SOR, slot_T):
-    y = np.zeros((h_TR.shape[0], b_SOR.shape[1]), np.float64)
+def np_expand(h_TR, b_SRO, slot_T):
+    y = np.zeros((h_TR.shape[0], b_SRO.shape[2]), np.float64)
     for t, s in enumerate(slot_T):
         if s != NO_ADAPTER:
-            y[t] = h_TR[t].astype(np.float64) @ b_SOR[s].T.astype(np.float64)
+            y[t] = h_TR[t].astype(np.float64) @ b_SRO[s].astype(np.float64)
     return y
 
 
-def np_lora(x_TD, a_SRD, b_SOR, scalings_S, slot_T):
-    return np_expand(np_shrink(x_TD, a_SRD, scalings_S, slot_T), b_SOR, slot_T)
+def np_lora(x_TD, a_SRD, b_SRO, scalings_S, slot_T):
+    return np_expand(np_shrink(x_TD, a_SRD, scalings_S, slot_T), b_SRO, slot_T)
 
 
 def np_stacked(x_TD, a_SRD, bs, scalings_S, slot_T):
@@ -91,10 +91,10 @@ def make_a(rng, s, r, d, ranks, blocks=1):
 
 
 def make_b(rng, s, o, r, ranks):
-    """B (S, O, R): columns past each slot's rank are zero; slot 0 zero."""
-    b = rng.standard_normal((s, o, r)).astype(np.float32)
+    """B (S, R, O): rows past each slot's rank are zero; slot 0 zero."""
+    b = rng.standard_normal((s, r, o)).astype(np.float32)
     for i in range(s):
-        b[i, :, ranks[i]:] = 0.0
+        b[i, ranks[i]:] = 0.0
     b[NO_ADAPTER] = 0.0
     return b
 

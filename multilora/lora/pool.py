@@ -30,16 +30,16 @@ def lora_buffer_shapes(cfg: ModelConfig, num_slots: int, max_rank: int) -> dict[
     qo, kvo = cfg.q_dim, cfg.kv_dim
     return {
         "qkv_a_LSRD": (L, S, 3 * R, D),
-        "q_b_LSOR": (L, S, qo, R),
-        "k_b_LSOR": (L, S, kvo, R),
-        "v_b_LSOR": (L, S, kvo, R),
+        "q_b_LSRO": (L, S, R, qo),
+        "k_b_LSRO": (L, S, R, kvo),
+        "v_b_LSRO": (L, S, R, kvo),
         "o_a_LSRO": (L, S, R, qo),
-        "o_b_LSDR": (L, S, D, R),
+        "o_b_LSRD": (L, S, R, D),
         "gate_up_a_LSRD": (L, S, 2 * R, D),
-        "gate_b_LSFR": (L, S, F, R),
-        "up_b_LSFR": (L, S, F, R),
+        "gate_b_LSRF": (L, S, R, F),
+        "up_b_LSRF": (L, S, R, F),
         "down_a_LSRF": (L, S, R, F),
-        "down_b_LSDR": (L, S, D, R),
+        "down_b_LSRD": (L, S, R, D),
     }
 
 
@@ -76,8 +76,8 @@ def adapter_slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, max_rank:
 
     def put_b(field, module):
         if module in mods:
-            b_LOR = mods[module][1]
-            out[field][:, :, :b_LOR.shape[2]] = b_LOR
+            b_LOR = mods[module][1]  # PEFT's (out, rank); the slots keep (rank, out)
+            out[field][:, :b_LOR.shape[2], :] = b_LOR.transpose(0, 2, 1)
 
     for i, m in enumerate(("q_proj", "k_proj", "v_proj")):
         put_a("qkv_a_LSRD", m, i)
@@ -85,9 +85,9 @@ def adapter_slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, max_rank:
         put_a("gate_up_a_LSRD", m, i)
     put_a("o_a_LSRO", "o_proj")
     put_a("down_a_LSRF", "down_proj")
-    for field, m in (("q_b_LSOR", "q_proj"), ("k_b_LSOR", "k_proj"), ("v_b_LSOR", "v_proj"),
-                     ("o_b_LSDR", "o_proj"), ("gate_b_LSFR", "gate_proj"), ("up_b_LSFR", "up_proj"),
-                     ("down_b_LSDR", "down_proj")):
+    for field, m in (("q_b_LSRO", "q_proj"), ("k_b_LSRO", "k_proj"), ("v_b_LSRO", "v_proj"),
+                     ("o_b_LSRD", "o_proj"), ("gate_b_LSRF", "gate_proj"), ("up_b_LSRF", "up_proj"),
+                     ("down_b_LSRD", "down_proj")):
         put_b(field, m)
     return LoRAWeights(**out)
 

@@ -61,16 +61,16 @@ class LoRAWeights:
     B: out x R), padded to max_lora_rank with zeros. q/k/v and gate/up A are stacked along R."""
 
     qkv_a_LSRD: jax.Array  # R = 3 * max_rank
-    q_b_LSOR: jax.Array
-    k_b_LSOR: jax.Array
-    v_b_LSOR: jax.Array
+    q_b_LSRO: jax.Array
+    k_b_LSRO: jax.Array
+    v_b_LSRO: jax.Array
     o_a_LSRO: jax.Array
-    o_b_LSDR: jax.Array
+    o_b_LSRD: jax.Array
     gate_up_a_LSRD: jax.Array  # R = 2 * max_rank
-    gate_b_LSFR: jax.Array
-    up_b_LSFR: jax.Array
+    gate_b_LSRF: jax.Array
+    up_b_LSRF: jax.Array
     down_a_LSRF: jax.Array
-    down_b_LSDR: jax.Array
+    down_b_LSRD: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -144,7 +144,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         k = _proj(hid, lw.wk_LDO, lw.bk_LO)
         v = _proj(hid, lw.wv_LDO, lw.bv_LO)
         if be is not None:
-            dq, dk, dv = be.run_qkv_lora(hid, ll.qkv_a_LSRD, (ll.q_b_LSOR, ll.k_b_LSOR, ll.v_b_LSOR), info)
+            dq, dk, dv = be.run_qkv_lora(hid, ll.qkv_a_LSRD, (ll.q_b_LSRO, ll.k_b_LSRO, ll.v_b_LSRO), info)
             q, k, v = q + dq.astype(q.dtype), k + dk.astype(k.dtype), v + dv.astype(v.dtype)
         q_TNH = apply_rope(q.reshape(t, n, h), cos_TH, sin_TH)
         k_TKH = apply_rope(k.reshape(t, kvh, h), cos_TH, sin_TH)
@@ -160,17 +160,17 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         attn_TO = attn.reshape(t, n * h)
         o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD)
         if be is not None:
-            o = be.run_lora_b_gemm(be.run_lora_a_gemm(attn_TO, ll.o_a_LSRO, info), ll.o_b_LSDR, info, o)
+            o = be.run_lora_b_gemm(be.run_lora_a_gemm(attn_TO, ll.o_a_LSRO, info), ll.o_b_LSRD, info, o)
         x_TD = x_TD + o
         hid = rms_norm(x_TD, lw.mlp_norm_LD, cfg.rms_norm_eps)
         gate, up = _proj(hid, lw.w_gate_LDF), _proj(hid, lw.w_up_LDF)
         if be is not None:
-            dg, du = be.run_gate_up_lora(hid, ll.gate_up_a_LSRD, (ll.gate_b_LSFR, ll.up_b_LSFR), info)
+            dg, du = be.run_gate_up_lora(hid, ll.gate_up_a_LSRD, (ll.gate_b_LSRF, ll.up_b_LSRF), info)
             gate, up = gate + dg.astype(gate.dtype), up + du.astype(up.dtype)
         act_TF = swiglu(gate, up)
         down = _proj(act_TF, lw.w_down_LFD)
         if be is not None:
-            down = be.run_lora_b_gemm(be.run_lora_a_gemm(act_TF, ll.down_a_LSRF, info), ll.down_b_LSDR, info, down)
+            down = be.run_lora_b_gemm(be.run_lora_a_gemm(act_TF, ll.down_a_LSRF, info), ll.down_b_LSRD, info, down)
         return (x_TD + down, k_cache, v_cache), None
 
     layer_ids = jnp.arange(cfg.num_layers)

@@ -69,16 +69,16 @@ WEIGHT_AXES = {
 
 LORA_AXES = {
     "qkv_a_LSRD": ("layers", "slots", "rank", "embed"),
-    "q_b_LSOR": ("layers", "slots", "q_out", "rank"),
-    "k_b_LSOR": ("layers", "slots", "kv_out", "rank"),
-    "v_b_LSOR": ("layers", "slots", "kv_out", "rank"),
+    "q_b_LSRO": ("layers", "slots", "rank", "q_out"),
+    "k_b_LSRO": ("layers", "slots", "rank", "kv_out"),
+    "v_b_LSRO": ("layers", "slots", "rank", "kv_out"),
     "o_a_LSRO": ("layers", "slots", "rank", "q_out"),
-    "o_b_LSDR": ("layers", "slots", "embed", "rank"),
+    "o_b_LSRD": ("layers", "slots", "rank", "embed"),
     "gate_up_a_LSRD": ("layers", "slots", "rank", "embed"),
-    "gate_b_LSFR": ("layers", "slots", "ffn", "rank"),
-    "up_b_LSFR": ("layers", "slots", "ffn", "rank"),
+    "gate_b_LSRF": ("layers", "slots", "rank", "ffn"),
+    "up_b_LSRF": ("layers", "slots", "rank", "ffn"),
     "down_a_LSRF": ("layers", "slots", "rank", "ffn"),
-    "down_b_LSDR": ("layers", "slots", "embed", "rank"),
+    "down_b_LSRD": ("layers", "slots", "rank", "embed"),
 }
 
 KV_AXES = ("layers", "pages", "page", "kv_heads", "head_dim")

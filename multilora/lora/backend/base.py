@@ -1,7 +1,8 @@
 """The LoRA compute interface, kept by name from sglang-jax.
 
 Legend: T tokens, D in features, O out features, S adapter slots, R (padded) rank.
-Weights arrive in PEFT's layout: lora_a_SRD (rank x in), lora_b_SOR (out x rank). Stacked groups
+A keeps PEFT's layout, lora_a_SRD (rank x in); B is stored transposed from PEFT's (out x rank), as
+lora_b_SRO (rank x out), so that every expand reads it as a plain (rank, out) matrix. Stacked groups
 (q/k/v, gate/up) put their A matrices one after another along R so that one shrink serves them.
 """
 
@@ -23,9 +24,9 @@ class BaseLoRABackend:
         """Shrink: h_TR = (x_TD @ A[slot_t].T) * scaling[slot_t]."""
         raise NotImplementedError
 
-    def run_lora_b_gemm(self, h_TR: jax.Array, lora_b_SOR: jax.Array, info: LoRABatchInfo,
+    def run_lora_b_gemm(self, h_TR: jax.Array, lora_b_SRO: jax.Array, info: LoRABatchInfo,
                         base_output_TO: jax.Array | None = None) -> jax.Array:
-        """Expand: y_TO = h_TR @ B[slot_t].T, added to base_output_TO when given."""
+        """Expand: y_TO = h_TR @ B[slot_t], added to base_output_TO when given."""
         raise NotImplementedError
 
     def run_qkv_lora(self, x_TD: jax.Array, qkv_a_SRD: jax.Array,
@@ -41,8 +42,8 @@ class BaseLoRABackend:
     def _stacked(self, x_TD, a_SRD, lora_b, info):
         h_TR = self.run_lora_a_gemm(x_TD, a_SRD, info)
         r = a_SRD.shape[1] // len(lora_b)
-        return tuple(self.run_lora_b_gemm(h_TR[:, i * r:(i + 1) * r], b_SOR, info)
-                     for i, b_SOR in enumerate(lora_b))
+        return tuple(self.run_lora_b_gemm(h_TR[:, i * r:(i + 1) * r], b_SRO, info)
+                     for i, b_SRO in enumerate(lora_b))
 
     def prepare_lora_batch(self, slot_T: np.ndarray, scalings_S: np.ndarray,
                            ranks_S: np.ndarray) -> LoRABatchInfo:

@@ -23,8 +23,8 @@ class BgmvLoRABackend(BaseLoRABackend):
         # Base rows must never depend on slot 0's contents (vLLM's CPU build read a real slot).
         return jnp.where((info.slot_T == NO_ADAPTER)[:, None], 0.0, h_TR)
 
-    def run_lora_b_gemm(self, h_TR, lora_b_SOR, info: LoRABatchInfo, base_output_TO=None):
-        b_TOR = jnp.take(lora_b_SOR, info.slot_T, axis=0, mode="clip")
-        y_TO = jnp.einsum("tr,tor->to", h_TR, b_TOR.astype(h_TR.dtype))
+    def run_lora_b_gemm(self, h_TR, lora_b_SRO, info: LoRABatchInfo, base_output_TO=None):
+        b_TRO = jnp.take(lora_b_SRO, info.slot_T, axis=0, mode="clip")
+        y_TO = jnp.einsum("tr,tro->to", h_TR, b_TRO.astype(h_TR.dtype))
         y_TO = jnp.where((info.slot_T == NO_ADAPTER)[:, None], 0.0, y_TO)
         return add_base(y_TO, base_output_TO)

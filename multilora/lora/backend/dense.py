@@ -26,17 +26,19 @@ class DenseLoRABackend(BaseLoRABackend):
     name = "dense"
 
     def run_lora_a_gemm(self, x_TD, lora_a_SRD, info: LoRABatchInfo):
+        # The shrink reads the whole pool in place (slot 0 included: no sliced copy) and then
+        # selects, so whatever slot 0 holds (even NaN) never reaches a result.
         s, r, d = lora_a_SRD.shape
-        a_XD = lora_a_SRD[NO_ADAPTER + 1:].reshape((s - 1) * r, d).astype(x_TD.dtype)  # X = (S-1)*R
-        h_TX = x_TD @ a_XD.T
-        onehot_TS = _slot_onehot_TS(info, s, h_TX.dtype)
-        scale_T1 = (onehot_TS @ info.scalings_S[NO_ADAPTER + 1:].astype(h_TX.dtype))[:, None]
-        return jnp.einsum("tsr,ts->tr", h_TX.reshape(-1, s - 1, r), onehot_TS) * scale_T1
+        h_TSR = (x_TD @ lora_a_SRD.reshape(s * r, d).astype(x_TD.dtype).T).reshape(-1, s, r)
+        onehot_TS = _slot_onehot_TS(info, s, h_TSR.dtype)
+        scale_T1 = (onehot_TS @ info.scalings_S[NO_ADAPTER + 1:].astype(h_TSR.dtype))[:, None]
+        picked_TSR = jnp.where(onehot_TS[:, :, None] > 0, h_TSR[:, NO_ADAPTER + 1:], 0.0)
+        return jnp.sum(picked_TSR, axis=1) * scale_T1
 
-    def run_lora_b_gemm(self, h_TR, lora_b_SOR, info: LoRABatchInfo, base_output_TO=None):
-        s, o, r = lora_b_SOR.shape
+    def run_lora_b_gemm(self, h_TR, lora_b_SRO, info: LoRABatchInfo, base_output_TO=None):
+        # B is (S, R, O): the adapter slots are one contiguous (S-1)*R x O matrix, no transpose.
+        s, r, o = lora_b_SRO.shape
         onehot_TS = _slot_onehot_TS(info, s, h_TR.dtype)
         h_TX = (onehot_TS[:, :, None] * h_TR[:, None, :]).reshape(-1, (s - 1) * r)
-        b_XO = jnp.transpose(lora_b_SOR[NO_ADAPTER + 1:], (0, 2, 1)).reshape((s - 1) * r, o)
-        b_XO = b_XO.astype(h_TR.dtype)
+        b_XO = lora_b_SRO[NO_ADAPTER + 1:].reshape((s - 1) * r, o).astype(h_TR.dtype)
         return add_base(h_TX @ b_XO, base_output_TO)

@@ -20,8 +20,8 @@ class ReferenceLoRABackend(BaseLoRABackend):
         h_TR = h_TR * token_scaling_T1(info, h_TR.dtype)
         return jnp.where((info.slot_T == NO_ADAPTER)[:, None], 0.0, h_TR)
 
-    def run_lora_b_gemm(self, h_TR, lora_b_SOR, info: LoRABatchInfo, base_output_TO=None):
-        y_TSO = jnp.einsum("tr,sor->tso", h_TR, lora_b_SOR.astype(h_TR.dtype))
+    def run_lora_b_gemm(self, h_TR, lora_b_SRO, info: LoRABatchInfo, base_output_TO=None):
+        y_TSO = jnp.einsum("tr,sro->tso", h_TR, lora_b_SRO.astype(h_TR.dtype))
         y_TO = jnp.take_along_axis(y_TSO, info.slot_T[:, None, None], axis=1)[:, 0]
         y_TO = jnp.where((info.slot_T == NO_ADAPTER)[:, None], 0.0, y_TO)
         return add_base(y_TO, base_output_TO)

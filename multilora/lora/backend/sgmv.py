@@ -39,9 +39,9 @@ def shrink_tiles(x_TD, lora_a_SRD, info: LoRABatchInfo) -> jax.Array:
     return h_GMR * scale_G11
 
 
-def expand_tiles(h_GMR, lora_b_SOR, info: LoRABatchInfo) -> jax.Array:
-    b_GOR = jnp.take(lora_b_SOR, info.tile_slot_G, axis=0, mode="clip").astype(h_GMR.dtype)
-    y_GMO = jnp.einsum("gmr,gor->gmo", h_GMR, b_GOR)
+def expand_tiles(h_GMR, lora_b_SRO, info: LoRABatchInfo) -> jax.Array:
+    b_GRO = jnp.take(lora_b_SRO, info.tile_slot_G, axis=0, mode="clip").astype(h_GMR.dtype)
+    y_GMO = jnp.einsum("gmr,gro->gmo", h_GMR, b_GRO)
     return _from_tiles(y_GMO, info)
 
 
@@ -51,9 +51,10 @@ def _use_loop(info: LoRABatchInfo, num_tokens: int, width: int) -> bool:
     return g * m > 2 * num_tokens and width >= LOOP_MIN_WIDTH
 
 
-def tile_loop(in_TX, w_SYX, info: LoRABatchInfo, scale: bool) -> jax.Array:
-    """out[t] = in[t] @ w[slot_t].T (* scaling) over the used tiles only (a prefix of the tile
-    list); padding rows read and write row T, which is dropped."""
+def tile_loop(in_TX, w_S__, info: LoRABatchInfo, scale: bool, w_is_out_in: bool) -> jax.Array:
+    """out[t] = in[t] @ w[slot_t] (* scaling) over the used tiles only (a prefix of the tile
+    list); padding rows read and write row T, which is dropped. w is (S, in, out), or (S, out,
+    in) with w_is_out_in (A, stored rank x in: the dot reads it transposed, nothing is copied)."""
     t = in_TX.shape[0]
     in_pad = jnp.concatenate([in_TX, jnp.zeros((1, in_TX.shape[1]), in_TX.dtype)], axis=0)
 
@@ -61,13 +62,13 @@ def tile_loop(in_TX, w_SYX, info: LoRABatchInfo, scale: bool) -> jax.Array:
         slot = info.tile_slot_G[g]
         rows_M = info.tile_rows_GM[g]
         in_MX = in_pad.at[rows_M].get(mode="promise_in_bounds")
-        w_YX = jax.lax.dynamic_index_in_dim(w_SYX, slot, keepdims=False).astype(in_TX.dtype)
-        out_MY = in_MX @ w_YX.T
+        w = jax.lax.dynamic_index_in_dim(w_S__, slot, keepdims=False).astype(in_TX.dtype)
+        out_MY = in_MX @ (w.T if w_is_out_in else w)
         if scale:
             out_MY = out_MY * info.scalings_S[slot].astype(out_MY.dtype)
         return out_pad.at[rows_M].set(out_MY, mode="promise_in_bounds")
 
-    out_pad = jnp.zeros((t + 1, w_SYX.shape[1]), in_TX.dtype)
+    out_pad = jnp.zeros((t + 1, w_S__.shape[1] if w_is_out_in else w_S__.shape[2]), in_TX.dtype)
     used = jnp.sum(info.tile_slot_G != NO_ADAPTER)
     return jax.lax.fori_loop(0, used, body, out_pad)[:t]
 
@@ -77,13 +78,13 @@ class SgmvLoRABackend(BaseLoRABackend):
 
     def run_lora_a_gemm(self, x_TD, lora_a_SRD, info: LoRABatchInfo):
         if _use_loop(info, x_TD.shape[0], x_TD.shape[1]):
-            return tile_loop(x_TD, lora_a_SRD, info, scale=True)
+            return tile_loop(x_TD, lora_a_SRD, info, scale=True, w_is_out_in=True)
         return _from_tiles(shrink_tiles(x_TD, lora_a_SRD, info), info)
 
-    def run_lora_b_gemm(self, h_TR, lora_b_SOR, info: LoRABatchInfo, base_output_TO=None):
-        if _use_loop(info, h_TR.shape[0], lora_b_SOR.shape[1]):
-            return add_base(tile_loop(h_TR, lora_b_SOR, info, scale=False), base_output_TO)
-        return add_base(expand_tiles(_to_tiles(h_TR, info), lora_b_SOR, info), base_output_TO)
+    def run_lora_b_gemm(self, h_TR, lora_b_SRO, info: LoRABatchInfo, base_output_TO=None):
+        if _use_loop(info, h_TR.shape[0], lora_b_SRO.shape[2]):
+            return add_base(tile_loop(h_TR, lora_b_SRO, info, scale=False, w_is_out_in=False), base_output_TO)
+        return add_base(expand_tiles(_to_tiles(h_TR, info), lora_b_SRO, info), base_output_TO)
 
     def _stacked(self, x_TD, a_SRD, lora_b, info):
         if _use_loop(info, x_TD.shape[0], x_TD.shape[1]):
@@ -91,5 +92,5 @@ class SgmvLoRABackend(BaseLoRABackend):
         # Stay in tile space between the shrink and the expands: one regroup, not one per output.
         h_GMR = shrink_tiles(x_TD, a_SRD, info)
         r = a_SRD.shape[1] // len(lora_b)
-        return tuple(expand_tiles(h_GMR[..., i * r:(i + 1) * r], b_SOR, info)
-                     for i, b_SOR in enumerate(lora_b))
+        return tuple(expand_tiles(h_GMR[..., i * r:(i + 1) * r], b_SRO, info)
+                     for i, b_SRO in enumerate(lora_b))
