@@ -4,7 +4,8 @@ The cache of one layer is k_PpKH: P pages of p slots. A token's K/V is first wri
 slot_mapping entry (page * p + offset); attention then reads whole pages through block tables.
 Prefill: blocks of packed query tokens walk only the pages their own sequences hold (an online
 softmax over chunks of keys). Decode: one token per sequence, each gathers only its own pages.
-Legend: T tokens, B sequences, C pages per sequence, p page size, K kv heads, G = N/K, H head dim.
+Legend: T tokens, B sequences, C pages per sequence, p page size, K kv heads, G = N/K, H head dim;
+prefill's loop: J query blocks of M rows, Y keys per iteration.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ def prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X,
     one run, in order, tagged by kv_page_seq_X); a token sees the keys of its own sequence at
     positions <= its own.
 
-    Queries go in blocks of QUERY_BLOCK rows; block b needs only the page range from its first
-    sequence's first page to the last page any of its tokens sees, a range the loop walks in
-    chunks of KEYS_PER_ITER keys with an online softmax. The trip count is the largest range
+    Queries go in blocks (J) of QUERY_BLOCK rows (M); block j needs only the page range from its
+    first sequence's first page to the last page any of its tokens sees, a range the loop walks
+    in chunks of KEYS_PER_ITER keys (Y) with an online softmax. The trip count is the largest range
     of the step (dynamic), so a step of short prompts scores each block against a few pages,
     not against every page of the step, and a long-context chunk costs what causality asks."""
     t, n, h = q_TNH.shape
@@ -55,50 +56,50 @@ def prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X,
     mq = min(QUERY_BLOCK, t)
     nb = -(-t // mq)
     pad = nb * mq - t
-    q_BMKGH = jnp.pad(q_TNH, ((0, pad), (0, 0), (0, 0))).reshape(nb, mq, kvh, g, h)
-    seq_BM = jnp.pad(seq_idx_T, (0, pad), constant_values=-1).reshape(nb, mq)
-    pos_BM = jnp.pad(positions_T, (0, pad)).reshape(nb, mq)
+    q_JMKGH = jnp.pad(q_TNH, ((0, pad), (0, 0), (0, 0))).reshape(nb, mq, kvh, g, h)
+    seq_JM = jnp.pad(seq_idx_T, (0, pad), constant_values=-1).reshape(nb, mq)
+    pos_JM = jnp.pad(positions_T, (0, pad)).reshape(nb, mq)
 
     # Each token's sequence's first page in X (kv_page_seq_X ascends: runs in sequence order,
     # padding pages last); padding tokens (sequence -1) own no page and need none.
-    seq_start_BM = jnp.searchsorted(kv_page_seq_X, seq_BM, side="left").astype(jnp.int32)
-    real_BM = seq_BM >= 0
-    need_end_BM = jnp.where(real_BM, seq_start_BM + pos_BM // p + 1, 0)
-    blk_end_B = jnp.max(need_end_BM, axis=1)
-    blk_start_B = jnp.min(jnp.where(real_BM, seq_start_BM, x), axis=1)
+    seq_start_JM = jnp.searchsorted(kv_page_seq_X, seq_JM, side="left").astype(jnp.int32)
+    real_JM = seq_JM >= 0
+    need_end_JM = jnp.where(real_JM, seq_start_JM + pos_JM // p + 1, 0)
+    blk_end_J = jnp.max(need_end_JM, axis=1)
+    blk_start_J = jnp.min(jnp.where(real_JM, seq_start_JM, x), axis=1)
     kc = max(1, min(x, KEYS_PER_ITER // p))  # pages per iteration
-    iters = jnp.max(jnp.maximum(blk_end_B - blk_start_B, 0) + kc - 1) // kc
+    iters = jnp.max(jnp.maximum(blk_end_J - blk_start_J, 0) + kc - 1) // kc
     key_pos_Xp = kv_page_pos_of(kv_page_seq_X, p).reshape(x, p)
 
     def body(j, carry):
-        m_BMKG, l_BMKG, acc_BMKGH = carry
-        page_i_BC = blk_start_B[:, None] + j * kc + jnp.arange(kc)[None, :]
-        in_range_BC = page_i_BC < blk_end_B[:, None]
-        page_i_BC = jnp.clip(page_i_BC, 0, x - 1)
-        pages_BC = jnp.take(kv_pages_X, page_i_BC)
-        key_seq_BY = jnp.repeat(jnp.take(kv_page_seq_X, page_i_BC), p, axis=1)
-        in_range_BY = jnp.repeat(in_range_BC, p, axis=1)
-        key_pos_BY = jnp.take(key_pos_Xp, page_i_BC, axis=0).reshape(nb, kc * p)
-        k_BYKH = k_LPpKH[layer, pages_BC].reshape(nb, kc * p, kvh, h)
-        v_BYKH = v_LPpKH[layer, pages_BC].reshape(nb, kc * p, kvh, h)
-        visible_BMY = (in_range_BY[:, None, :] & (key_seq_BY[:, None, :] == seq_BM[:, :, None])
-                       & (key_pos_BY[:, None, :] <= pos_BM[:, :, None])
-                       & _window_ok(key_pos_BY[:, None, :], pos_BM[:, :, None], sliding_window))
-        vis = visible_BMY[:, :, None, None, :]
-        s = jnp.einsum("bmkgh,bykh->bmkgy", q_BMKGH, k_BYKH, preferred_element_type=jnp.float32)
+        m_JMKG, l_JMKG, acc_JMKGH = carry
+        page_i_JC = blk_start_J[:, None] + j * kc + jnp.arange(kc)[None, :]
+        in_range_JC = page_i_JC < blk_end_J[:, None]
+        page_i_JC = jnp.clip(page_i_JC, 0, x - 1)
+        pages_JC = jnp.take(kv_pages_X, page_i_JC)
+        key_seq_JY = jnp.repeat(jnp.take(kv_page_seq_X, page_i_JC), p, axis=1)
+        in_range_JY = jnp.repeat(in_range_JC, p, axis=1)
+        key_pos_JY = jnp.take(key_pos_Xp, page_i_JC, axis=0).reshape(nb, kc * p)
+        k_JYKH = k_LPpKH[layer, pages_JC].reshape(nb, kc * p, kvh, h)
+        v_JYKH = v_LPpKH[layer, pages_JC].reshape(nb, kc * p, kvh, h)
+        visible_JMY = (in_range_JY[:, None, :] & (key_seq_JY[:, None, :] == seq_JM[:, :, None])
+                       & (key_pos_JY[:, None, :] <= pos_JM[:, :, None])
+                       & _window_ok(key_pos_JY[:, None, :], pos_JM[:, :, None], sliding_window))
+        vis = visible_JMY[:, :, None, None, :]
+        s = jnp.einsum("jmkgh,jykh->jmkgy", q_JMKGH, k_JYKH, preferred_element_type=jnp.float32)
         s = jnp.where(vis, s * h ** -0.5, MASKED)
-        m_new = jnp.maximum(m_BMKG, jnp.max(s, axis=-1))
+        m_new = jnp.maximum(m_JMKG, jnp.max(s, axis=-1))
         probs = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m_BMKG - m_new)
-        l_new = alpha * l_BMKG + jnp.sum(probs, axis=-1)
-        pv = jnp.einsum("bmkgy,bykh->bmkgh", probs.astype(v_BYKH.dtype), v_BYKH,
+        alpha = jnp.exp(m_JMKG - m_new)
+        l_new = alpha * l_JMKG + jnp.sum(probs, axis=-1)
+        pv = jnp.einsum("jmkgy,jykh->jmkgh", probs.astype(v_JYKH.dtype), v_JYKH,
                         preferred_element_type=jnp.float32)
-        return m_new, l_new, alpha[..., None] * acc_BMKGH + pv
+        return m_new, l_new, alpha[..., None] * acc_JMKGH + pv
 
     init = (jnp.full((nb, mq, kvh, g), MASKED, jnp.float32), jnp.zeros((nb, mq, kvh, g), jnp.float32),
             jnp.zeros((nb, mq, kvh, g, h), jnp.float32))
-    _, l_BMKG, acc_BMKGH = jax.lax.fori_loop(0, iters, body, init)
-    out = acc_BMKGH / jnp.where(l_BMKG == 0, 1.0, l_BMKG)[..., None]
+    _, l_JMKG, acc_JMKGH = jax.lax.fori_loop(0, iters, body, init)
+    out = acc_JMKGH / jnp.where(l_JMKG == 0, 1.0, l_JMKG)[..., None]
     return out.reshape(nb * mq, n, h)[:t].astype(q_TNH.dtype)
 
 

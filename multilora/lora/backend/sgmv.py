@@ -51,7 +51,7 @@ def _use_loop(info: LoRABatchInfo, num_tokens: int, width: int) -> bool:
     return g * m > 2 * num_tokens and width >= LOOP_MIN_WIDTH
 
 
-def tile_loop(in_TX, w_S__, info: LoRABatchInfo, scale: bool, w_is_out_in: bool) -> jax.Array:
+def tile_loop(in_TX, w_slots, info: LoRABatchInfo, scale: bool, w_is_out_in: bool) -> jax.Array:
     """out[t] = in[t] @ w[slot_t] (* scaling) over the used tiles only (a prefix of the tile
     list); padding rows read and write row T, which is dropped. w is (S, in, out), or (S, out,
     in) with w_is_out_in (A, stored rank x in: the dot reads it transposed, nothing is copied)."""
@@ -62,13 +62,13 @@ def tile_loop(in_TX, w_S__, info: LoRABatchInfo, scale: bool, w_is_out_in: bool)
         slot = info.tile_slot_G[g]
         rows_M = info.tile_rows_GM[g]
         in_MX = in_pad.at[rows_M].get(mode="promise_in_bounds")
-        w = jax.lax.dynamic_index_in_dim(w_S__, slot, keepdims=False).astype(in_TX.dtype)
+        w = jax.lax.dynamic_index_in_dim(w_slots, slot, keepdims=False).astype(in_TX.dtype)
         out_MY = in_MX @ (w.T if w_is_out_in else w)
         if scale:
             out_MY = out_MY * info.scalings_S[slot].astype(out_MY.dtype)
         return out_pad.at[rows_M].set(out_MY, mode="promise_in_bounds")
 
-    out_pad = jnp.zeros((t + 1, w_S__.shape[1] if w_is_out_in else w_S__.shape[2]), in_TX.dtype)
+    out_pad = jnp.zeros((t + 1, w_slots.shape[1] if w_is_out_in else w_slots.shape[2]), in_TX.dtype)
     used = jnp.sum(info.tile_slot_G != NO_ADAPTER)
     return jax.lax.fori_loop(0, used, body, out_pad)[:t]
 
