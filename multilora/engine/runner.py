@@ -239,6 +239,15 @@ class ModelRunner:
         return StepResult(tokens, lp)
 
 
+def jit_slot_writer(write_slot, buffer_shardings, slot_shardings, replicated):
+    """The LoRA slot writer (multilora.lora.pool.write_slot) jitted for one set of buffers:
+    donated, so a slot is rewritten in place, and pinned to the buffers' shardings in and out
+    (the new slot arrives split like the buffers, the slot index replicated). One compile serves
+    every slot: the index is traced."""
+    return jax.jit(write_slot, donate_argnums=0, in_shardings=(buffer_shardings, replicated, slot_shardings),
+                   out_shardings=buffer_shardings)
+
+
 def _replicated_like(s: jax.sharding.Sharding) -> jax.sharding.Sharding:
     if isinstance(s, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())

@@ -1,8 +1,8 @@
 """Device slots for adapters: stacked A/B buffers padded to max_lora_rank, one slot per adapter
 in a batch plus slot 0 ("no adapter", all zeros).
 
-Putting an adapter into a slot rewrites buffer contents in place (a jitted update with the
-buffers donated, the slot index traced), so shapes never change and nothing recompiles.
+Putting an adapter into a slot rewrites buffer contents in place (an update that the runner
+jits, buffers donated, slot index traced), so shapes never change and nothing recompiles.
 Under tensor parallelism the buffers are sharded by LORA_AXES (B by output features where its
 base layer is column-parallel, A by input features where it is row-parallel); a slot write takes
 the new slot already split the same way and keeps every buffer's sharding (out_shardings), so
@@ -99,14 +99,6 @@ def write_slot(lora: LoRAWeights, slot: jax.Array, new: LoRAWeights) -> LoRAWeig
         lora, new)
 
 
-def jit_write_slot(buffer_shardings: LoRAWeights, slot_shardings: LoRAWeights, mesh):
-    """write_slot jitted for one set of buffers: donated, and pinned to their shardings in and out
-    (the new slot arrives split like the buffers, the slot index replicated)."""
-    return jax.jit(write_slot, donate_argnums=0,
-                   in_shardings=(buffer_shardings, replicated(mesh), slot_shardings),
-                   out_shardings=buffer_shardings)
-
-
 class LoRASlots:
     """The device buffers plus each slot's scaling and rank (host arrays fed to every batch)."""
 
@@ -115,7 +107,8 @@ class LoRASlots:
         self.shardings = lora_shardings(cfg, mesh)
         self.weights = init_lora_weights(cfg, lora_cfg, dtype, mesh)
         self._slot_shardings = lora_shardings(cfg, mesh, without_axis(LORA_AXES, "slots"))
-        self._write = jit_write_slot(self.shardings, self._slot_shardings, mesh)
+        from multilora.engine.runner import jit_slot_writer  # jit lives in the runner
+        self._write = jit_slot_writer(write_slot, self.shardings, self._slot_shardings, replicated(mesh))
         self.scalings_S = np.zeros((lora_cfg.num_slots,), np.float32)
         self.ranks_S = np.zeros((lora_cfg.num_slots,), np.int32)
 
