@@ -250,3 +250,17 @@ def test_base_rows_never_read_slot_0(backend, case):
             assert np.all(g[base_rows] == 0.0), f"{what}: base rows got {g[base_rows][0, :4]}"
             assert_close(g, w, what)
     assert_close(got["expand_base"], want["expand_base"], f"{backend} expand + base ({case})")
+
+
+def test_auto_picks_per_shape():
+    """`auto`'s rule per compiled shape (see choose_backend and BENCHMARKS.md), and a clear error
+    for an unknown name."""
+    from multilora.lora.backend import choose_backend
+    assert choose_backend("auto", 512, False, 9) == "sgmv"   # prefill: tiles
+    assert choose_backend("auto", 64, True, 9) == "sgmv"     # 64 rows fill 8 adapters' tiles of 8
+    assert choose_backend("auto", 32, True, 9) == "dense"    # half-full tiles; the pool is small
+    assert choose_backend("auto", 64, True, 65) == "bgmv"    # 64 slots: per-token gathers
+    assert choose_backend("auto", 1, True, 9) == "bgmv"
+    assert choose_backend("sgmv", 1, True, 9) == "sgmv"      # an explicit choice stands
+    with pytest.raises(ValueError, match="choose one of auto, bgmv"):
+        choose_backend("onehot", 64, True, 9)

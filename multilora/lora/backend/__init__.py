@@ -5,6 +5,7 @@ from multilora.lora.backend.bgmv import BgmvLoRABackend
 from multilora.lora.backend.dense import DenseLoRABackend
 from multilora.lora.backend.reference import ReferenceLoRABackend
 from multilora.lora.backend.sgmv import SgmvLoRABackend
+from multilora.lora.batch import sgmv_tile_rows
 
 BACKENDS: dict[str, type[BaseLoRABackend]] = {
     "bgmv": BgmvLoRABackend,
@@ -23,14 +24,20 @@ def get_backend(name: str) -> BaseLoRABackend:
 
 
 def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int | None = None) -> str:
-    """Resolve "auto" for one compiled shape (tokens and slots are both static there):
-    decode reads the whole small pool once (`dense`) when the adapters are few next to the
-    tokens, else gathers per token (`bgmv`); prefill groups tokens into tiles (`sgmv`)."""
+    """Resolve "auto" for one compiled shape (tokens and slots are both static there).
+    Prefill groups tokens into tiles (`sgmv`). Decode does too when the tokens would fill every
+    adapter's tile on average (T >= M * adapters), reads the whole small pool once (`dense`)
+    when the adapters are still few next to the tokens (4 * adapters <= T), and otherwise
+    gathers per token (`bgmv`). Measured in BENCHMARKS.md (forward_step: 64 rows with 8
+    adapters sgmv 6 % ahead of dense; 32 rows dense 6 % ahead; 64 rows with 64 slots bgmv)."""
     if name != "auto":
         get_backend(name)
         return name
     if is_decode or num_tokens <= 64:
-        if num_slots is not None and 1 < num_slots and (num_slots - 1) * 4 <= num_tokens:
+        adapters = 0 if num_slots is None else num_slots - 1
+        if adapters and num_tokens >= sgmv_tile_rows(num_tokens, num_slots) * adapters:
+            return "sgmv"
+        if adapters and adapters * 4 <= num_tokens:
             return "dense"
         return "bgmv"
     return "sgmv"

@@ -4,7 +4,8 @@ matmuls).
 
 Its bytes are the whole pool read once, S x R x (D + O), where bgmv reads one copy per token,
 T x R x (D + O): with a small pool and a large decode batch (S well under T) it reads less.
-Its work grows with S, so `auto` takes it only for decode shapes with S <= T / 4.
+Its work grows with S, so `auto` takes it only for decode shapes with 4 (S-1) <= T (and sgmv
+instead once the tokens fill every adapter's tile).
 """
 
 from __future__ import annotations
