@@ -154,11 +154,17 @@ def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind == "default":
         return None
-    if kind == "linear":
-        return RopeScaling(factor=float(rs["factor"]), rope_type="linear")
-    if kind != "llama3":
+    needs = {"linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    if kind not in needs:
         raise UnsupportedModelError(
             f"unsupported rope_scaling type {kind!r}; supported: 'llama3', 'linear' (or none)")
+    missing = [k for k in needs[kind] if not isinstance(rs.get(k), (int, float)) or isinstance(rs.get(k), bool)]
+    if missing:
+        raise UnsupportedModelError(f"rope_scaling type {kind!r} needs numeric {', '.join(needs[kind])}; "
+                                    f"missing or not a number: {', '.join(missing)}")
+    if kind == "linear":
+        return RopeScaling(factor=float(rs["factor"]), rope_type="linear")
     return RopeScaling(
         factor=float(rs["factor"]),
         low_freq_factor=float(rs["low_freq_factor"]),

@@ -268,6 +268,17 @@ def test_rope_frequencies_match_transformers(scaling):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("scaling,missing", [
+    (dict(rope_type="linear"), "factor"),
+    (dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor="4"), "high_freq_factor"),
+])
+def test_rope_scaling_without_its_numbers_is_named(scaling, missing):
+    hf = copy.deepcopy(reference.TINY_CONFIGS["llama"])
+    hf["rope_scaling"] = scaling
+    with pytest.raises(UnsupportedModelError, match=f"missing or not a number: .*{missing}"):
+        ModelConfig.from_hf_dict(hf)
+
+
 @pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
 @pytest.mark.parametrize("type_key", ["rope_type", "type"])
 def test_yarn_rope_scaling_is_refused(key, type_key):
