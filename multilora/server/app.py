@@ -511,7 +511,7 @@ async def _call(coro):
 def _usage(results: list[dict]) -> P.UsageInfo:
     prompt = sum(r["prompt_tokens"] for r in results)
     completion = sum(len(r["token_ids"]) for r in results)
-    return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return P.UsageInfo.of(prompt, completion)
 
 
 # ---- the command line ----------------------------------------------------------------------------

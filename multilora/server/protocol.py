@@ -43,6 +43,11 @@ class UsageInfo(_Response):
     completion_tokens: int = 0
     total_tokens: int = 0
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
 
 class _SamplingFields(_Request):
     """Fields both generation routes share (OpenAI's, then vLLM's extras)."""

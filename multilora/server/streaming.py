@@ -114,9 +114,8 @@ async def completion_stream(srv: "_Server", streams: list[RequestStream], model:
             yield _sse(chunk)
         if include_usage:
             prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
-            yield _sse(P.CompletionChunk(id=rid, created=created, model=model, choices=[], usage=P.UsageInfo(
-                prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens)))
+            yield _sse(P.CompletionChunk(id=rid, created=created, model=model, choices=[],
+                                         usage=P.UsageInfo.of(prompt_tokens, completion_tokens)))
         yield "data: [DONE]\n\n"
     finally:  # the client went away (or we are done): free what is still running
         for s in streams:
@@ -141,9 +140,8 @@ async def chat_stream(srv: "_Server", stream: RequestStream, model: str, rid: st
                 P.ChatStreamChoice(index=0, delta=P.DeltaMessage(content=d.text if d.text else None),
                                    logprobs=lp, finish_reason=d.finish_reason if d.finished else None)]))
         if include_usage:
-            n = len(stream.prompt_token_ids)
-            yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=P.UsageInfo(
-                prompt_tokens=n, completion_tokens=completion_tokens, total_tokens=n + completion_tokens)))
+            yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                             usage=P.UsageInfo.of(len(stream.prompt_token_ids), completion_tokens)))
         yield "data: [DONE]\n\n"
     finally:
         stream.abort()
