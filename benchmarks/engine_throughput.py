@@ -22,13 +22,23 @@ from benchmarks.common import (fixed_prompts, machine_info, make_random_adapters
                                make_random_model, save_json)
 
 
+MAX_NUM_SEQS, MAX_MODEL_LEN, PAGE_SIZE = 64, 128, 16  # the engine's settings below
+
+
 def workload_buckets(n_requests: int, max_tokens_step: int = 512):
     """The shapes this workload uses (64 prompts of ~48 tokens, 64 new): a benchmark on a slow
-    compiler (GPU) compiles just these instead of the full default set."""
+    compiler (GPU) compiles just these instead of the full default set. Steps (decode rows,
+    prefill chunks or both) of up to n_requests tokens, or of 128 / 256 / max_tokens_step, over
+    at least 64 pages (every page of 8 sequences of this workload fits in 64)."""
+    import dataclasses
+
     from multilora.engine.runner import Buckets
+    full = Buckets.make(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=max_tokens_step,
+                        max_model_len=MAX_MODEL_LEN, page_size=PAGE_SIZE,
+                        num_pages=MAX_NUM_SEQS * -(-MAX_MODEL_LEN // PAGE_SIZE) + 1)
     seqs = tuple(b for b in (8, 16, 32, 64, 128) if b < n_requests) + (n_requests,)
-    return Buckets(decode_seqs=seqs, decode_pages=(8,), prefill_tokens=(64, 128, 256, max_tokens_step),
-                   prefill_pages=(64,), prefill_seqs=16)
+    tokens = tuple(sorted({t for t in seqs + (128, 256) if t < max_tokens_step} | {max_tokens_step}))
+    return dataclasses.replace(full, tokens=tokens, pages=tuple(x for x in full.pages if x >= 64))
 
 
 def run_multilora(model_dir, adapters, prompts, new_tokens, backend, max_loras, dtype="float32",
@@ -38,8 +48,8 @@ def run_multilora(model_dir, adapters, prompts, new_tokens, backend, max_loras, 
     mods = {f"a{i}": str(p) for i, p in enumerate(adapters)}
     t0 = time.time()
     eng = Engine(str(model_dir), mods, max_loras_per_batch=max(1, min(k, max_loras)) if k else 0,
-                 max_lora_rank=16, lora_backend=backend, max_num_seqs=64, max_num_batched_tokens=512,
-                 max_model_len=128, page_size=16, dtype=dtype,
+                 max_lora_rank=16, lora_backend=backend, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=512,
+                 max_model_len=MAX_MODEL_LEN, page_size=PAGE_SIZE, dtype=dtype,
                  buckets=workload_buckets(len(prompts)) if fixed_buckets else None)
     init_s = time.time() - t0
     names = [f"a{i % k}" if k else None for i in range(len(prompts))]

@@ -1,9 +1,13 @@
-"""One model step, timed alone: the serving workload's decode step (B sequences of ~C pages) and
-prefill step (T packed tokens of ~48-token prompts), on SmolLM2-135M's shape with random weights,
-with no adapters and with S-1 adapters in S slots, per LoRA backend. Medians of interleaved runs,
-so variants of one invocation share the machine's noise.
+"""One model step, timed alone: the serving workload's decode step (B single-token sequences of
+~C cached tokens) and prefill step (T packed tokens of ~48-token prompts), and optionally a mixed
+step (those decode rows beside prefill chunks filling the rest of T), on SmolLM2-135M's shape with
+random weights, with no adapters and with S-1 adapters in S slots, per LoRA backend. Every step
+is the engine's one step kind: T tokens over X pages in all, X by default the power of two the
+runner's buckets would pick. Medians of interleaved runs, so variants of one invocation share the
+machine's noise.
 
-    python benchmarks/forward_step.py                       # decode 64 x 8 pages, prefill 512
+    python benchmarks/forward_step.py                       # decode 64 x 80 tokens, prefill 512
+    python benchmarks/forward_step.py --modes decode prefill mixed
     python benchmarks/forward_step.py --json benchmarks/results/forward_step.json
     python benchmarks/forward_step.py --trace /tmp/fs-trace   # + where each step's time goes
 
@@ -34,7 +38,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import SMOLLM2_135M, machine_info, save_json  # noqa: E402
 from multilora.config import LoRAConfig, ModelConfig  # noqa: E402
-from multilora.engine.batching import SeqChunk, build_batch  # noqa: E402
+from multilora.engine.batching import SeqChunk, build_batch, pages_needed  # noqa: E402
 from multilora.lora.pool import init_lora_weights  # noqa: E402
 from multilora.model.sharding import make_mesh  # noqa: E402
 from multilora.model.llama import LayerWeights, Weights, forward, init_kv_cache  # noqa: E402
@@ -64,8 +68,8 @@ def random_lora(cfg, num_slots, rank, seed=1):
     return jax.tree.map(fill, lw)
 
 
-def workload_chunks(mode, n_seqs, ctx, page_size, num_adapters, rng, prompt=48):
-    chunks, page = [], 1
+def workload_chunks(mode, n_seqs, ctx, page_size, num_adapters, rng, prompt=48, first_page=1):
+    chunks, page = [], first_page
     for i in range(n_seqs):
         start = ctx - 1 if mode == "decode" else 0
         n = 1 if mode == "decode" else prompt
@@ -76,16 +80,36 @@ def workload_chunks(mode, n_seqs, ctx, page_size, num_adapters, rng, prompt=48):
     return chunks
 
 
+def prefill_chunks(budget, page_size, num_adapters, rng, first_page):
+    """~48-token prompts filling `budget` tokens, each on its own pages from first_page on."""
+    chunks, toks = [], 0
+    while toks + 48 <= budget:
+        chunks += workload_chunks("prefill", 1, 0, page_size, num_adapters, rng,
+                                  first_page=first_page + sum(c.num_pages for c in chunks))
+        toks += 48
+    return chunks
+
+
+def pow2_pages(need: int) -> int:
+    """The runner's pages bucket for a step of `need` pages (powers of two from 4)."""
+    return max(4, 1 << max(need - 1, 0).bit_length())
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decode-seqs", type=int, default=64)
     ap.add_argument("--decode-ctx", type=int, default=80, help="tokens in each sequence's cache")
-    ap.add_argument("--decode-pages", type=int, default=8, help="the bucket's pages per sequence")
-    ap.add_argument("--prefill-tokens", type=int, default=512)
-    ap.add_argument("--prefill-pages", type=int, default=64)
+    ap.add_argument("--decode-pages", type=int, default=None,
+                    help="the decode step's pages in all (default: the power of two its pages need)")
+    ap.add_argument("--prefill-tokens", type=int, default=512,
+                    help="tokens of the prefill step (and of the mixed step, its decode rows included)")
+    ap.add_argument("--prefill-pages", type=int, default=None,
+                    help="the prefill (and mixed) step's pages in all (default: the power of two they need)")
+    ap.add_argument("--max-num-seqs", type=int, default=64,
+                    help="logits rows per step: min(tokens, this), as in the engine")
     ap.add_argument("--adapters", type=int, nargs="+", default=[0, 8])
     ap.add_argument("--backends", nargs="+", default=["auto"])
-    ap.add_argument("--modes", nargs="+", default=["decode", "prefill"])
+    ap.add_argument("--modes", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill", "mixed"])
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", type=Path, default=None)
@@ -93,7 +117,7 @@ def main(argv=None):
                     help="profile each case and print its op time by kind")
     args = ap.parse_args(argv)
 
-    from multilora.lora.backend import choose_backend
+    from multilora.lora.backend import choose_backend, get_backend
     cfg = ModelConfig.from_hf_dict(SMOLLM2_135M)
     weights = random_weights(cfg)
     page_size = 16
@@ -109,35 +133,39 @@ def main(argv=None):
         s = k + 1
         if mode == "decode":
             chunks = workload_chunks(mode, args.decode_seqs, args.decode_ctx, page_size, k, rng)
-            t = b = args.decode_seqs
-            x = args.decode_pages
-        else:
-            chunks, toks = [], 0
-            while toks + 48 <= args.prefill_tokens:
-                chunks += workload_chunks(mode, 1, 0, page_size, k, rng)
-                toks += 48
-            for i, c in enumerate(chunks):  # distinct pages
-                c.block_table[:] = [1 + 4 * i + j for j in range(len(c.block_table))]
-            t, b, x = args.prefill_tokens, 16, args.prefill_pages
+            t, x = args.decode_seqs, args.decode_pages
+        elif mode == "prefill":
+            chunks = prefill_chunks(args.prefill_tokens, page_size, k, rng, first_page=1)
+            t, x = args.prefill_tokens, args.prefill_pages
+        else:  # decode rows first, then prefill chunks on the pages after theirs
+            chunks = workload_chunks("decode", args.decode_seqs, args.decode_ctx, page_size, k, rng)
+            chunks += prefill_chunks(args.prefill_tokens - args.decode_seqs, page_size, k, rng,
+                                     first_page=1 + sum(c.num_pages for c in chunks))
+            t, x = args.prefill_tokens, args.prefill_pages
+        need = sum(pages_needed(c, page_size) for c in chunks)
+        x = x or pow2_pages(need)
         scal = np.full(s, 2.0, np.float32)
         scal[0] = 0
         ranks = np.full(s, args.rank, np.int32)
         ranks[0] = 0
-        batch = build_batch(chunks, mode=mode, num_tokens=t, num_seqs=b, num_pages=x, page_size=page_size,
-                            scalings_S=scal, ranks_S=ranks)
         lora = None
         backend = "bgmv"
+        prepare = None
         if k:
             lora = random_lora(cfg, s, args.rank)
-            backend = choose_backend(be, t, mode == "decode", s)
-        else:
-            batch.lora = None
-        kv = init_kv_cache(cfg, 1 + 64 * 8, page_size, jnp.float32)
+            # As the runner: a step of at most max_num_seqs tokens counts as a decode shape.
+            backend = choose_backend(be, t, t <= args.max_num_seqs, s)
+            lora_be = get_backend(backend)
+            prepare = lambda slot_T: lora_be.prepare_lora_batch(slot_T, scal, ranks)  # noqa: E731
+        batch = build_batch(chunks, num_tokens=t, num_pages=x, num_logits=min(t, args.max_num_seqs),
+                            page_size=page_size, prepare_lora=prepare)
+        num_cache_pages = 1 + max(max(c.block_table) for c in chunks)
+        kv = init_kv_cache(cfg, num_cache_pages, page_size, jnp.float32)
         t0 = time.perf_counter()
         logits, kv = fwd(weights, lora, kv, batch, cfg=cfg, backend=backend)
         logits.block_until_ready()
         state[(mode, k, be)] = dict(batch=batch, lora=lora, kv=kv, backend=backend, times=[],
-                                    compile_s=time.perf_counter() - t0)
+                                    tokens=t, pages=x, compile_s=time.perf_counter() - t0)
     for _ in range(args.repeats):
         for key, st in state.items():
             t0 = time.perf_counter()
@@ -146,13 +174,13 @@ def main(argv=None):
             st["times"].append(time.perf_counter() - t0)
     rows = []
     base = {m: statistics.median(state[(m, 0, "-")]["times"]) for m in args.modes if (m, 0, "-") in state}
-    print(f"{'mode':8} {'adapters':>8} {'backend':>8} {'median ms':>10} {'vs 0':>6}")
+    print(f"{'mode':8} {'T':>5} {'X':>5} {'adapters':>8} {'backend':>8} {'median ms':>10} {'vs 0':>6}")
     for (mode, k, be), st in state.items():
         med = statistics.median(st["times"])
         rel = med / base[mode] if mode in base else float("nan")
-        print(f"{mode:8} {k:>8} {st['backend']:>8} {1e3 * med:10.1f} {rel:6.2f}")
-        rows.append(dict(mode=mode, adapters=k, backend=st["backend"], asked=be, median_s=med,
-                         times=st["times"], vs_no_adapter=rel))
+        print(f"{mode:8} {st['tokens']:>5} {st['pages']:>5} {k:>8} {st['backend']:>8} {1e3 * med:10.1f} {rel:6.2f}")
+        rows.append(dict(mode=mode, tokens=st["tokens"], pages=st["pages"], adapters=k, backend=st["backend"],
+                         asked=be, median_s=med, times=st["times"], vs_no_adapter=rel))
     if args.trace:
         for (mode, k, be), st, row in zip(state.keys(), state.values(), rows):
             row["op_ms_by_kind"] = trace_case(args.trace / f"{mode}_k{k}_{st['backend']}", fwd, weights, st, cfg)

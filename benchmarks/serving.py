@@ -159,9 +159,17 @@ class PhaseTimer:
         return inner
 
 
+def step_kind(chunks) -> str:
+    """A step's kind from its chunks: all single-token (decode rows only) "decode", none
+    "prefill", both "mixed" (the engine runs all three as one step type)."""
+    single = sum(len(c.token_ids) == 1 for c in chunks)
+    return "decode" if single == len(chunks) else "prefill" if single == 0 else "mixed"
+
+
 def instrument_steps(eng, records: list, profile: "PhaseTimer | None"):
-    """Record every runner.execute (mode, rows, distinct slots, context tokens, seconds); with a
-    PhaseTimer also time each phase. All by wrapping instance attributes: the package is untouched."""
+    """Record every runner.execute (mode: the step's kind, rows, decode rows, distinct slots,
+    context tokens, seconds); with a PhaseTimer also time each phase. All by wrapping instance
+    attributes: the package is untouched."""
     import jax
 
     import multilora.engine.runner as runner_mod
@@ -169,10 +177,14 @@ def instrument_steps(eng, records: list, profile: "PhaseTimer | None"):
     runner = eng.runner
     orig_execute = runner.execute
 
-    def execute(mode, chunks, rows):
+    current = {"kind": None}  # the step being run, for the forward's label in the profile
+
+    def execute(chunks, rows):
+        current["kind"] = mode = step_kind(chunks)
         t0 = time.perf_counter()
-        res = orig_execute(mode, chunks, rows)
-        records.append(dict(mode=mode, rows=len(chunks), distinct=len({c.slot for c in chunks if c.slot}),
+        res = orig_execute(chunks, rows)
+        records.append(dict(mode=mode, rows=len(chunks), decode_rows=sum(len(c.token_ids) == 1 for c in chunks),
+                            distinct=len({c.slot for c in chunks if c.slot}),
                             ctx=sum(c.start_pos + len(c.token_ids) for c in chunks),
                             tokens=sum(len(c.token_ids) for c in chunks), s=time.perf_counter() - t0))
         return res
@@ -184,7 +196,7 @@ def instrument_steps(eng, records: list, profile: "PhaseTimer | None"):
     runner.execute = p.wrap("execute", execute)
     eng.step = p.wrap("step", eng.step)
     eng.scheduler.schedule = p.wrap("schedule", eng.scheduler.schedule)
-    eng.scheduler.commit = p.wrap("schedule", eng.scheduler.commit)
+    eng.scheduler.postprocess = p.wrap("schedule", eng.scheduler.postprocess)
     eng._write_slots = p.wrap("adapter slots (all)", eng._write_slots)
     eng.registry.host_copy = p.wrap("adapter host copy (disk read)", eng.registry.host_copy)
     if eng.slots is not None:
@@ -208,8 +220,9 @@ def instrument_steps(eng, records: list, profile: "PhaseTimer | None"):
             p.t["host->device"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             out = jax.block_until_ready(fn(weights, lora_w, kv, batch))
-            p.t[f"forward ({key[0]})"] += time.perf_counter() - t0
-            p.n[f"forward ({key[0]})"] += 1
+            label = f"forward ({current['kind']})"  # key is (tokens, pages): one shape family
+            p.t[label] += time.perf_counter() - t0
+            p.n[label] += 1
             return out
         return call
 
@@ -220,13 +233,13 @@ def instrument_steps(eng, records: list, profile: "PhaseTimer | None"):
 
 
 def run_engine(model, adapters, prompts, names, new_tokens, mlpb, mll, dtype, backend, profile=False):
-    from benchmarks.engine_throughput import workload_buckets
     from multilora import Engine, SamplingParams
     mods = {f"a{i}": str(p) for i, p in enumerate(adapters)}
     t0 = time.time()
+    # The engine's own step shapes (Buckets.make from these settings), all compiled at start-up.
     eng = Engine(str(model), mods, max_loras_per_batch=mlpb, max_loaded_loras=mll, max_lora_rank=16,
                  lora_backend=backend, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=128,
-                 page_size=16, dtype=dtype, buckets=workload_buckets(len(prompts)))
+                 page_size=16, dtype=dtype)
     init_s = time.time() - t0
     lora = [f"a{i}" if i is not None else None for i in names]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -302,9 +315,10 @@ def time_prefill_attention(cfg, res, t=512, x=64, page=16):
 
 
 def floor_summary(res, bandwidth, kv_bytes_per_token, adapter_bytes, cfg=None, peak_flops=None):
-    """Decode steps: bytes a step must read (base weights + distinct adapters + the KV it
-    attends to) / measured bandwidth, against the measured step (runner.execute) time; with a
-    measured matmul peak, also the compute time of the step's FLOPs and the roofline (the larger)."""
+    """Decode steps (decode rows only): bytes a step must read (base weights + distinct adapters
+    + the KV it attends to) / measured bandwidth, against the measured step (runner.execute)
+    time; with a measured matmul peak, also the compute time of the step's FLOPs and the roofline
+    (the larger). Prefill and mixed steps are counted beside them."""
     dec = [s for s in res["steps"] if s["mode"] == "decode"]
     if not dec:
         return None
@@ -318,7 +332,9 @@ def floor_summary(res, bandwidth, kv_bytes_per_token, adapter_bytes, cfg=None, p
         extra = dict(mean_compute_ms=1e3 * statistics.mean(comp), mean_roofline_ms=1e3 * statistics.mean(roof),
                      pct_of_roofline=100 * sum(roof) / sum(meas))
     pre = [s for s in res["steps"] if s["mode"] == "prefill"]
-    return dict(decode_steps=len(dec), decode_s=sum(meas), mean_rows=statistics.mean(s["rows"] for s in dec),
+    mix = [s for s in res["steps"] if s["mode"] == "mixed"]
+    return dict(mixed_steps=len(mix), mixed_s=sum(s["s"] for s in mix),
+                decode_steps=len(dec), decode_s=sum(meas), mean_rows=statistics.mean(s["rows"] for s in dec),
                 mean_distinct=statistics.mean(s["distinct"] for s in dec),
                 mean_step_ms=1e3 * statistics.mean(meas), median_step_ms=1e3 * statistics.median(meas),
                 mean_floor_ms=1e3 * statistics.mean(floors), pct_of_floor=100 * sum(floors) / sum(meas),
@@ -633,8 +649,9 @@ def agreement(results) -> str:
 
 def floor_table(results) -> str:
     lines = ["| adapters (slots) | dist | decode steps | mean rows | distinct adapters / step | mean step ms | "
-             "bytes floor ms | % of bytes floor | FLOPs ms | % of roofline | decode tok/s | prefill steps (s) |",
-             "|---:" * 12 + "|"]
+             "bytes floor ms | % of bytes floor | FLOPs ms | % of roofline | decode tok/s | prefill steps (s) | "
+             "mixed steps (s) |",
+             "|---:" * 13 + "|"]
     for r in results:
         f = r.get("floor")
         if r["system"] != "multilora-engine" or not f:
@@ -643,7 +660,8 @@ def floor_table(results) -> str:
                      f"{f['mean_rows']:.1f} | {f['mean_distinct']:.1f} | {f['mean_step_ms']:.1f} | "
                      f"{f['mean_floor_ms']:.1f} | {f['pct_of_floor']:.0f} % | "
                      f"{f.get('mean_compute_ms', float('nan')):.1f} | {f.get('pct_of_roofline', float('nan')):.0f} % | "
-                     f"{f['decode_tok_per_s']:.0f} | {f['prefill_steps']} ({f['prefill_s']:.1f}) |")
+                     f"{f['decode_tok_per_s']:.0f} | {f['prefill_steps']} ({f['prefill_s']:.1f}) | "
+                     + (f"{f['mixed_steps']} ({f['mixed_s']:.1f}) |" if "mixed_steps" in f else "- |"))
     return "\n".join(lines)
 
 
@@ -665,7 +683,7 @@ def profile_table(res) -> str:
     ex = p.get("execute", 0)
     fwd = sum(v for k, v in p.items() if k.startswith("forward"))
     inner = p.get("build batch (numpy)", 0) + p.get("host->device", 0) + fwd + p.get("sample", 0)
-    rows = [("scheduling (schedule + commit)", p.get("schedule", 0)),
+    rows = [("scheduling (schedule + postprocess)", p.get("schedule", 0)),
             ("adapter slots: host copies (disk read)", p.get("adapter host copy (disk read)", 0)),
             ("adapter slots: device writes", p.get("adapter slot write", 0)),
             ("adapter slots: other bookkeeping", p.get("adapter slots (all)", 0)

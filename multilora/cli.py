@@ -7,63 +7,7 @@ import json
 import logging
 import sys
 
-
-def parse_lora_modules(items) -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"--lora-modules expects name=path, got {item!r}")
-        out[name] = path
-    return out
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH")
-    p.add_argument("--max-loras-per-batch", type=int, default=8)
-    p.add_argument("--max-lora-rank", type=int, default=64)
-    p.add_argument("--max-loaded-loras", type=int, default=None)
-    p.add_argument("--lora-backend", default="auto", choices=["auto", "bgmv", "sgmv", "dense", "reference"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-prefill-seqs", type=int, default=16)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="devices to split the model over (with several processes: all of them)")
-    p.add_argument("--seed", type=int, default=0)
-
-
-def add_distributed_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("several processes (hosts); see docs/distributed.md")
-    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
-                   help="process 0's address for jax.distributed (same on every process)")
-    g.add_argument("--num-processes", type=int, default=1)
-    g.add_argument("--process-id", type=int, default=0,
-                   help="this process's index; 0 takes the requests and prints the outputs")
-
-
-def distributed_kwargs(args) -> dict | None:
-    if getattr(args, "coordinator_address", None) is None and getattr(args, "num_processes", 1) <= 1:
-        return None
-    return dict(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-                process_id=args.process_id)
-
-
-def engine_kwargs(args) -> dict:
-    return dict(model=args.model, lora_modules=parse_lora_modules(args.lora_modules),
-                max_loras_per_batch=args.max_loras_per_batch, max_lora_rank=args.max_lora_rank,
-                max_loaded_loras=args.max_loaded_loras, lora_backend=args.lora_backend,
-                dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_prefill_seqs=args.max_prefill_seqs, page_size=args.page_size,
-                num_pages=args.num_pages, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-                seed=args.seed, distributed=distributed_kwargs(args))
+from multilora.args import add_distributed_args, add_engine_args, engine_kwargs
 
 
 def cmd_generate(args) -> int:

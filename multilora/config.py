@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -185,3 +185,57 @@ class LoRAConfig:
     def num_slots(self) -> int:
         """Slot 0 is "no adapter" (all zeros), so there is one more slot than adapters."""
         return self.max_loras_per_batch + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything an Engine is built with besides the model and its adapters: one object that
+    the CLI, the server and Python callers fill (multilora.args maps it to command-line flags).
+    None means "derived": see the field comments."""
+
+    # adapters
+    max_loras_per_batch: int = 8          # device slots for adapters (0: LoRA disabled)
+    max_lora_rank: Optional[int] = None   # None: the largest rank given at start, at least 16
+    max_loaded_loras: Optional[int] = None  # host copies kept (LRU); None: all registered
+    lora_backend: str = "auto"
+    # model and memory
+    dtype: str = "float32"
+    max_model_len: Optional[int] = None   # None: the model's max_position_embeddings
+    page_size: int = 16
+    num_pages: Optional[int] = None       # None: from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 2.0
+    enable_prefix_caching: bool = True
+    # batching
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_prefill_seqs: int = 16
+    # placement and the rest
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    compilation_cache_dir: Optional[str] = None  # None: $MULTILORA_COMPILATION_CACHE or ~/.cache
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "page_size",
+                     "tensor_parallel_size"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        if self.max_lora_rank is not None and (not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1):
+            raise ValueError(f"max_lora_rank must be a positive integer or None, got {self.max_lora_rank!r}")
+        if not isinstance(self.max_loras_per_batch, int) or self.max_loras_per_batch < 0:
+            raise ValueError(f"max_loras_per_batch must be an integer >= 0, got {self.max_loras_per_batch!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def replace(self, **changes) -> "EngineConfig":
+        unknown = set(changes) - set(self.field_names())
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {', '.join(sorted(unknown))}; "
+                            f"EngineConfig has {', '.join(self.field_names())}")
+        return dataclasses.replace(self, **changes)

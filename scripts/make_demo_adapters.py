@@ -395,9 +395,10 @@ def pack_step(examples: list[Example], states: list[np.ndarray], tokens: int, se
     pad = rows - q
     scalings = np.array([0.0] + [ALPHA / RANK] * len(ADAPTERS), np.float32)
     ranks = np.array([0] + [RANK] * len(ADAPTERS), np.int32)
-    batch = build_batch(chunks, mode="prefill", num_tokens=tokens, num_seqs=seqs,
-                        num_pages=tokens // PAGE_SIZE + seqs, page_size=PAGE_SIZE,
-                        scalings_S=scalings, ranks_S=ranks)
+    from multilora.lora.batch import make_lora_batch_info
+    batch = build_batch(chunks, num_tokens=tokens, num_pages=tokens // PAGE_SIZE + seqs,
+                        num_logits=seqs, page_size=PAGE_SIZE,
+                        prepare_lora=lambda slot_T: make_lora_batch_info(slot_T, scalings, ranks))
     batch = dataclasses.replace(batch, logits_idx_Q=np.array(idx + [0] * pad, np.int32))
     return (h_TD, batch, np.array(tgt + [0] * pad, np.int32),
             np.array([1.0] * q + [0.0] * pad, np.float32), np.array(ada + [0] * pad, np.int32))
@@ -522,8 +523,7 @@ def main(argv=None) -> int:
 
     t_start = time.time()
     # Small fixed buckets: this engine only answers short batches of short questions.
-    buckets = Buckets(decode_seqs=(64,), decode_pages=(8,), prefill_tokens=(512,), prefill_pages=(64,),
-                      prefill_seqs=16)
+    buckets = Buckets(tokens=(64, 512), pages=(64, 512), max_num_seqs=64, max_pages_seq=8, page_size=16)
     engine = Engine(args.model, max_loras_per_batch=len(ADAPTERS), max_lora_rank=RANK, max_num_seqs=64,
                     max_num_batched_tokens=512, max_prefill_seqs=16, max_model_len=128, warmup=False,
                     buckets=buckets, seed=SEED)

@@ -19,7 +19,9 @@ from safetensors.numpy import load_file, save_file
 
 from multilora.config import LoRAConfig, ModelConfig
 from multilora.engine.batching import SeqChunk, build_batch
+from multilora.engine.runner import jit_slot_writer
 from multilora.lora.adapter import AdapterError, load_adapter
+from multilora.lora.backend import get_backend
 from multilora.lora.pool import LoRASlots
 from multilora.model.llama import forward, init_kv_cache
 from multilora.model.loader import load_weights
@@ -187,7 +189,8 @@ def test_bad_adapter_error_names_adapter_and_reason(case, tmp_path, tiny_adapter
 def test_failed_loads_leave_device_slots_intact(tmp_path, tiny_models, tiny_adapters, llama_cfg):
     mesh = make_mesh(1)
     cfg, weights = load_weights(tiny_models["llama"], mesh=mesh)
-    slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=2, max_lora_rank=8), jnp.float32, mesh)
+    slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=2, max_lora_rank=8), jnp.float32, mesh,
+                      jit_writer=jit_slot_writer)
     slots.load(1, load_adapter("a", tiny_adapters[GOOD], cfg, 8))
     slots.load(2, load_adapter("d", tiny_adapters[("llama", "d_regex_patterns")], cfg, 8))
 
@@ -197,8 +200,11 @@ def test_failed_loads_leave_device_slots_intact(tmp_path, tiny_models, tiny_adap
     fwd = jax.jit(forward, static_argnames=("cfg", "backend"))
 
     def run():
-        batch = build_batch(chunks, mode="prefill", num_tokens=32, num_seqs=4, num_pages=8, page_size=4,
-                            scalings_S=slots.scalings_S, ranks_S=slots.ranks_S, all_logits=True)
+        be = get_backend("bgmv")
+        batch = build_batch(chunks, num_tokens=32, num_pages=8, num_logits=4, page_size=4,
+                            prepare_lora=lambda slot_T: be.prepare_lora_batch(slot_T, slots.scalings_S,
+                                                                              slots.ranks_S),
+                            all_logits=True)
         logits, _ = fwd(weights, slots.weights, init_kv_cache(cfg, 12, 4, jnp.float32), batch, cfg=cfg,
                         backend="bgmv")
         return np.asarray(logits)

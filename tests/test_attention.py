@@ -1,14 +1,16 @@
 """Prefill attention (query blocks walking their own sequences' pages with an online softmax)
-against the plain formulation: every token against every page of the step, masked."""
+against the plain formulation: every token against every page of the step, masked; and decode
+attention (a softmax over page segments) against each single-token sequence's query scored
+against its own keys, gathered through its block table."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from multilora.engine.batching import SeqChunk, build_batch
+from multilora.engine.batching import SeqChunk, build_batch, decode_first, pages_needed
 from multilora.model import attention
-from multilora.model.attention import MASKED, kv_page_pos_of, prefill_attention
+from multilora.model.attention import MASKED, decode_attention, kv_page_pos_of, prefill_attention
 
 
 def all_pages_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, seq_idx_T,
@@ -38,9 +40,9 @@ def _case(rng, lens, starts, page_size, num_tokens, num_pages, n=4, kvh=2, h=8, 
         chunks.append(SeqChunk(list(range(ln)), st, pages, 0))
         page += need
     total_pages = page + 2
-    batch = build_batch(chunks, mode="prefill", num_tokens=num_tokens, num_seqs=len(lens) + 2,
-                        num_pages=num_pages, page_size=page_size, scalings_S=np.zeros(1, np.float32),
-                        ranks_S=np.zeros(1, np.int32))
+    chunks = [chunks[i] for i in decode_first(chunks)]  # single-token chunks first
+    batch = build_batch(chunks, num_tokens=num_tokens, num_pages=num_pages,
+                        num_logits=len(lens) + 2, page_size=page_size)
     k = rng.standard_normal((layers, total_pages, page_size, kvh, h)).astype(np.float32)
     v = rng.standard_normal((layers, total_pages, page_size, kvh, h)).astype(np.float32)
     q = rng.standard_normal((num_tokens, n, h)).astype(np.float32)
@@ -78,3 +80,105 @@ def test_prefill_loop_chunks_smaller_than_ranges(monkeypatch):
     real = np.asarray(b.seq_idx_T) >= 0
     np.testing.assert_allclose(np.asarray(prefill_attention(*args))[real],
                                np.asarray(all_pages_attention(*args))[real], atol=2e-5, rtol=1e-5)
+
+
+# --- decode attention --------------------------------------------------------------------------
+
+def plain_decode_attention(q_TNH, k_LPpKH, v_LPpKH, layer, chunks, page_size, sliding_window=None):
+    """Each single-token chunk's query (row b of the step, chunks decode-first) against its own
+    sequence's keys at positions <= its own, read through its block table: a masked softmax in
+    float64. Rows of the other chunks and padding rows are zero."""
+    q = np.asarray(q_TNH, np.float64)
+    k_all, v_all = np.asarray(k_LPpKH, np.float64)[layer], np.asarray(v_LPpKH, np.float64)[layer]
+    t, n, h = q.shape
+    kvh = k_all.shape[2]
+    g = n // kvh
+    out = np.zeros((t, n, h))
+    for b, c in enumerate(chunks):
+        if len(c.token_ids) != 1:
+            break  # decode rows are the leading single-token chunks
+        pos = c.start_pos
+        key_pos = np.arange(pos + 1)
+        pages = np.asarray(c.block_table)[key_pos // page_size]
+        k_YKH, v_YKH = k_all[pages, key_pos % page_size], v_all[pages, key_pos % page_size]
+        visible = np.ones(pos + 1, bool)
+        if sliding_window is not None:
+            visible &= key_pos > pos - sliding_window
+        for head in range(n):
+            kh = head // g
+            s = k_YKH[:, kh] @ q[b, head] * h ** -0.5
+            s = np.where(visible, s, -np.inf)
+            w = np.exp(s - s.max())
+            out[b, head] = (w / w.sum()) @ v_YKH[:, kh]
+    return out
+
+
+def _decode_case(rng, decode_pos, prefill, page_size, num_tokens, num_pages, n, kvh, h=8, layers=2):
+    """Decode chunks (one token at each position of decode_pos), then prefill chunks
+    ((length, start) pairs), every sequence's pages drawn from one shuffled free list, so the
+    sequences' pages interleave and none is contiguous or in order."""
+    need = [-(-(p + 1) // page_size) for p in decode_pos] + [-(-(s + ln) // page_size) for ln, s in prefill]
+    total_pages = sum(need) + 5
+    free = list(rng.permutation(np.arange(1, total_pages)))  # page 0: padding only
+    tables = []
+    for m in need:
+        extra = int(rng.integers(0, 2))  # a block table may hold more pages than the step needs
+        tables.append([int(x) for x in free[:m + extra]])
+        del free[:m + extra]
+    chunks = [SeqChunk([7], p, tables[i], 0) for i, p in enumerate(decode_pos)]
+    chunks += [SeqChunk(list(range(ln)), s, tables[len(decode_pos) + i], 0)
+               for i, (ln, s) in enumerate(prefill)]
+    assert decode_first(chunks) == list(range(len(chunks)))
+    batch = build_batch(chunks, num_tokens=num_tokens, num_pages=num_pages,
+                        num_logits=len(chunks), page_size=page_size)
+    k = rng.standard_normal((layers, total_pages, page_size, kvh, h)).astype(np.float32)
+    v = rng.standard_normal((layers, total_pages, page_size, kvh, h)).astype(np.float32)
+    q = rng.standard_normal((num_tokens, n, h)).astype(np.float32)
+    return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), batch, chunks
+
+
+# decode_pos: each decode sequence's position (its length - 1); prefill: (length, start) chunks.
+@pytest.mark.parametrize("decode_pos,prefill,page_size,num_tokens,num_pages,n,kvh,window", [
+    # lengths 1, 16 (an exact multiple of the page size), 17, 37, 5; two prefill chunks after them
+    ([0, 15, 16, 36, 4], [(9, 0), (6, 11)], 8, 32, 32, 4, 2, None),
+    # the same with a sliding window shorter than most of the sequences
+    ([0, 15, 16, 36, 4], [(9, 0), (6, 11)], 8, 32, 32, 4, 2, 6),
+    # page size 4: lengths 12 and 4 (multiples), 1, 23, 50; GQA 3:1; a window of one page + 1
+    ([11, 3, 0, 22, 49], [(13, 2)], 4, 64, 48, 6, 2, 5),
+    # decode only, single kv head, many padding pages and tokens
+    ([63, 0, 31, 7], [], 16, 16, 16, 4, 1, None),
+    # one decode row beside a long prefill chunk behind a long cache; kv heads = heads
+    ([40], [(30, 100)], 16, 64, 16, 2, 2, None),
+    # no decode rows at all: every row zero
+    ([], [(5, 0), (8, 3)], 4, 16, 8, 4, 2, None),
+])
+def test_decode_matches_plain(decode_pos, prefill, page_size, num_tokens, num_pages, n, kvh, window):
+    rng = np.random.default_rng(len(decode_pos) * 100 + page_size + (window or 0))
+    q, k, v, b, chunks = _decode_case(rng, decode_pos, prefill, page_size, num_tokens, num_pages, n, kvh)
+    assert int(b.num_decode) == len(decode_pos)
+    used_pages = int(np.sum(np.asarray(b.kv_page_seq_X) < len(chunks)))
+    assert used_pages < num_pages, "the case should carry padding pages"
+    layer = 1
+    got = np.asarray(jax.jit(decode_attention, static_argnums=8)(
+        q, k, v, layer, b.kv_pages_X, b.kv_page_seq_X, b.positions_T, b.num_decode, window))
+    want = plain_decode_attention(q, k, v, layer, chunks, page_size, window)
+    assert got.shape == q.shape and np.isfinite(got).all()
+    nd = len(decode_pos)
+    np.testing.assert_allclose(got[:nd], want[:nd], atol=2e-5, rtol=0)
+    # Prefill rows and padding rows come back zero (the prefill kernel computes the former).
+    np.testing.assert_array_equal(got[nd:], 0.0)
+
+
+def test_decode_ignores_other_sequences_pages():
+    """A decode row's output depends on its own pages only: rewriting every other page of the
+    cache (other sequences', padding page 0, unused ones) leaves it unchanged."""
+    rng = np.random.default_rng(7)
+    q, k, v, b, chunks = _decode_case(rng, [9, 2, 20], [(12, 0)], 4, 32, 24, 4, 2)
+    args = (b.kv_pages_X, b.kv_page_seq_X, b.positions_T, b.num_decode)
+    before = np.asarray(decode_attention(q, k, v, 0, *args))
+    own = set(chunks[0].block_table[:pages_needed(chunks[0], 4)])
+    others = np.array([p for p in range(k.shape[1]) if p not in own])
+    k2 = k.at[:, others].set(100.0 * rng.standard_normal(k[:, others].shape).astype(np.float32))
+    v2 = v.at[:, others].set(100.0 * rng.standard_normal(v[:, others].shape).astype(np.float32))
+    after = np.asarray(decode_attention(q, k2, v2, 0, *args))
+    np.testing.assert_allclose(after[0], before[0], atol=2e-5, rtol=0)

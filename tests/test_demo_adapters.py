@@ -43,12 +43,13 @@ def model_dir() -> Path:
 def engine(model_dir):
     from multilora import Engine
     from multilora.engine.runner import Buckets
-    # Two compiled shapes are all this test needs.
-    buckets = Buckets(decode_seqs=(16,), decode_pages=(8,), prefill_tokens=(512,), prefill_pages=(48,),
-                      prefill_seqs=16)
+    # Two compiled shapes are all this test needs: steps of up to 16 tokens (decode) and of up to
+    # 512 (prefill chunks, alone or beside decode rows), over up to every page of 16 sequences of
+    # max_model_len (8 pages of 16 tokens each).
+    buckets = Buckets(tokens=(16, 512), pages=(128,), max_num_seqs=16, max_pages_seq=8, page_size=16)
     return Engine(str(model_dir), lora_modules=demo_lora_modules(), max_loras_per_batch=2, max_lora_rank=8,
                   max_num_seqs=16, max_num_batched_tokens=512, max_prefill_seqs=16, max_model_len=128,
-                  warmup=False, buckets=buckets)
+                  page_size=16, warmup=False, buckets=buckets)
 
 
 @pytest.fixture(scope="module")

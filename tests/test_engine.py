@@ -483,7 +483,38 @@ def test_stop_strings(tok_case):
 
 
 # ---- last: nothing compiled after warm-up in any engine of this file -----------------------------
-def test_no_compile_after_warmup(engine):
-    assert engine in _ENGINES
-    for eng in _ENGINES:   # every engine this module built, after all of the above
-        assert eng.runner.warm and eng.runner.compiles_after_warmup == 0
+def test_no_compile_after_warmup(engine, model_dir, short_dirs):
+    """XLA's own compile events, counted while a warmed-up engine runs every kind of step: prompt
+    lengths from 1 token to a chunked long one, decode rows beside prefill chunks, base rows and
+    adapters together, an adapter swapped into a slot, sampled and greedy rows, logprobs. Not one
+    backend compile may happen (the runner's own counter only sees the buckets it knows of)."""
+    import jax
+
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    eng = make_engine(model_dir, {"a": short_dirs["a"], "b": short_dirs["b"]}, lora_backend="auto")
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        prompts = prompts_of(77, [1, 5, 17, 40, 63, 9, 30, 2])
+        params = [GREEDY, SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3),
+                  SamplingParams(max_tokens=4, temperature=0.0, logprobs=3)] * 3
+        eng.load_lora_adapter("x1", str(short_dirs["x1"]))
+        first = eng.add_request(prompts[3], GREEDY, lora="a")
+        for _ in range(3):
+            eng.step()  # it decodes while the others' prefill chunks join it
+        outs = eng.generate(prompts, params[:len(prompts)], lora=["a", None, "b", "x1", None, "a", "b", None])
+        assert [o.finish_reason in ("length", "stop") for o in outs] == [True] * len(prompts)
+        eng.unload_lora_adapter("x1")
+        while eng.has_unfinished():
+            eng.step()
+        eng.release_finished(first)
+        assert_clean(eng)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == [], f"{len(compiles)} XLA compiles after warm-up"
+    for e in _ENGINES:   # and the runner's counter, for every engine this module built
+        assert e.runner.warm and e.runner.compiles_after_warmup == 0

@@ -1,10 +1,11 @@
 """Model parity: multilora's forward against transformers + PEFT at fp32, every row of mixed
 batches (base-model rows beside full adapter slots), for each tiny config and each backend.
 
-Covers one mixed prefill batch, chunked prefill followed by decode steps over shuffled pages,
+Covers one mixed prefill batch, chunked prefill followed by decode steps over shuffled pages, a
+mixed step (decode rows and prefill chunks in one batch) against the same work in separate steps,
 ranks below max_lora_rank, slots rewritten and cleared, and config errors. The forward is jitted
-once per (config, backend, mode) over fixed bucket shapes; reference logits are memoized for the
-session (tests/reference.PeftReference).
+once per (config, backend, step shape) over two fixed step shapes; reference logits are memoized
+for the session (tests/reference.PeftReference).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multilora.config import LoRAConfig, ModelConfig, UnsupportedModelError
-from multilora.engine.batching import SeqChunk, build_batch
+from multilora.engine.batching import SeqChunk, build_batch, decode_first
+from multilora.engine.runner import jit_slot_writer
 from multilora.lora.adapter import load_adapter
+from multilora.lora.backend import get_backend
 from multilora.lora.batch import NO_ADAPTER
 from multilora.lora.pool import LoRASlots
 from multilora.model.llama import forward, init_kv_cache
@@ -34,11 +37,12 @@ KINDS = tuple(reference.TINY_CONFIGS)
 ADAPTERS = tuple(reference.ADAPTER_SPECS)  # in the main slots, adapter i lives in slot i + 1
 MAX_RANK = 16                              # the largest rank among ADAPTER_SPECS
 
-# Fixed buckets, so each (config, backend, mode) compiles once.
+# Fixed step shapes (T tokens, X pages of the step in all), so each (config, backend) compiles
+# twice: steps of single-token chunks only (decode) land on the small T, the others on the big one.
 PAGE_SIZE = 4
 NUM_PAGES = 64
-PREFILL_TOKENS, PREFILL_SEQS, PREFILL_PAGES = 64, 8, 32  # PREFILL_PAGES: all the step's pages
-DECODE_SEQS, DECODE_PAGES = 8, 8                         # DECODE_PAGES: pages per sequence
+STEP_TOKENS = (8, 64)
+STEP_PAGES = 32
 
 MESH = make_mesh(1)
 
@@ -80,16 +84,25 @@ def _page_lists(seed: int, lengths) -> list[list[int]]:
     return out
 
 
-def _step(cfg, weights, slots, kv, chunks, mode, backend):
-    if mode == "prefill":
-        t, b, pages = PREFILL_TOKENS, PREFILL_SEQS, PREFILL_PAGES
-    else:
-        t, b, pages = DECODE_SEQS, DECODE_SEQS, DECODE_PAGES
-    batch = build_batch(chunks, mode=mode, num_tokens=t, num_seqs=b, num_pages=pages,
-                        page_size=PAGE_SIZE, scalings_S=slots.scalings_S, ranks_S=slots.ranks_S,
+def _step(cfg, weights, slots, kv, chunks, backend):
+    """One step of the chunks, in any order (build_batch gets them single-token chunks first).
+    Returns each chunk's logits rows (one per token), in the given order, and the cache."""
+    order = decode_first(chunks)
+    ordered = [chunks[i] for i in order]
+    t = next(t for t in STEP_TOKENS if t >= sum(len(c.token_ids) for c in chunks))
+    be = get_backend(backend)
+    batch = build_batch(ordered, num_tokens=t, num_pages=STEP_PAGES, num_logits=t, page_size=PAGE_SIZE,
+                        prepare_lora=lambda slot_T: be.prepare_lora_batch(slot_T, slots.scalings_S, slots.ranks_S),
                         all_logits=True)
+    assert int(batch.num_decode) == sum(len(c.token_ids) == 1 for c in chunks)
     logits, kv = FWD(weights, slots.weights, kv, batch, cfg=cfg, backend=backend)
-    return np.asarray(logits), kv
+    logits = np.asarray(logits)
+    assert logits.shape == (t, cfg.vocab_size)
+    ends = np.cumsum([len(c.token_ids) for c in ordered])
+    rows = [None] * len(chunks)
+    for j, i in enumerate(order):
+        rows[i] = logits[ends[j] - len(ordered[j].token_ids):ends[j]]
+    return rows, kv
 
 
 def _check_rows(got, want, what):
@@ -99,17 +112,15 @@ def _check_rows(got, want, what):
         f"(atol {ATOL}); |want| max {np.abs(want).max():.3f}")
 
 
-def _check_prefill(logits, chunks, tokens_of, ref, slot_names, what):
-    """Rows of a packed prefill: chunk i's rows equal the reference over its full sequence at the
-    chunk's positions."""
-    t = 0
-    for i, c in enumerate(chunks):
+def _check_prefill(rows, chunks, tokens_of, ref, slot_names, what):
+    """A step's rows (as _step returns them; prefill chunks, or decode rows and prefill chunks
+    mixed): chunk i's rows equal the reference over its full sequence at the chunk's positions."""
+    for i, (c, got) in enumerate(zip(chunks, rows)):
         n = len(c.token_ids)
         adapter = _adapter_of(c.slot, slot_names)
         want = ref.logits(adapter, tokens_of(i))[c.start_pos:c.start_pos + n]
-        _check_rows(logits[t:t + n], want, f"{what}: seq {i} (slot {c.slot}, adapter {adapter}, "
-                                           f"positions {c.start_pos}..{c.start_pos + n - 1})")
-        t += n
+        _check_rows(got, want, f"{what}: seq {i} (slot {c.slot}, adapter {adapter}, "
+                               f"positions {c.start_pos}..{c.start_pos + n - 1})")
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +132,7 @@ def served(tiny_models, tiny_adapters):
         if kind not in cache:
             cfg, weights = load_weights(tiny_models[kind], mesh=MESH)
             slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=len(ADAPTERS), max_lora_rank=MAX_RANK),
-                              jnp.float32, MESH)
+                              jnp.float32, MESH, jit_writer=jit_slot_writer)
             for i, name in enumerate(ADAPTERS):
                 slots.load(i + 1, load_adapter(name, tiny_adapters[(kind, name)], cfg, MAX_RANK))
             cache[kind] = (cfg, weights, slots)
@@ -140,9 +151,8 @@ def test_mixed_prefill_matches_peft(kind, backend, served, peft_refs):
     assert slots.num_slots - 1 == len(ADAPTERS)  # every slot full: a base row sits beside them
     pages = _page_lists(10, [n for n, _ in MIXED])
     chunks = [SeqChunk(toks, 0, pg, slot) for toks, pg, (_, slot) in zip(MIXED_TOKENS, pages, MIXED)]
-    logits, _ = _step(cfg, weights, slots, _fresh_kv(cfg), chunks, "prefill", backend)
-    assert logits.shape == (PREFILL_TOKENS, cfg.vocab_size)
-    _check_prefill(logits, chunks, lambda i: MIXED_TOKENS[i], peft_refs[kind], MAIN_SLOT_NAMES,
+    rows, _ = _step(cfg, weights, slots, _fresh_kv(cfg), chunks, backend)
+    _check_prefill(rows, chunks, lambda i: MIXED_TOKENS[i], peft_refs[kind], MAIN_SLOT_NAMES,
                    f"{kind}/{backend} mixed prefill")
 
 
@@ -161,11 +171,11 @@ def test_chunked_prefill_then_decode_matches_peft(kind, backend, served, peft_re
         for toks, pg, (n, slot, c1) in zip(MULTI_TOKENS, pages, MULTI):
             lo, hi = (0, c1) if part == 0 else (c1, n)
             chunks.append(SeqChunk(toks[lo:hi], lo, pg, slot))
-        logits, kv = _step(cfg, weights, slots, kv, chunks, "prefill", backend)
-        _check_prefill(logits, chunks, lambda i: MULTI_TOKENS[i], ref, MAIN_SLOT_NAMES,
+        rows, kv = _step(cfg, weights, slots, kv, chunks, backend)
+        _check_prefill(rows, chunks, lambda i: MULTI_TOKENS[i], ref, MAIN_SLOT_NAMES,
                        f"{what} prefill chunk {part + 1}")
 
-    # Decode: one token per sequence, sequences in a new order each step.
+    # Decode: steps of single-token chunks, one per sequence, in a new order each step.
     order_rng = np.random.default_rng(30)
     for step in range(DECODE_STEPS):
         order = order_rng.permutation(len(MULTI))
@@ -174,13 +184,83 @@ def test_chunked_prefill_then_decode_matches_peft(kind, backend, served, peft_re
             n, slot, _ = MULTI[i]
             pos = n + step
             chunks.append(SeqChunk([MULTI_TOKENS[i][pos]], pos, pages[i], slot))
-        logits, kv = _step(cfg, weights, slots, kv, chunks, "decode", backend)
+        rows, kv = _step(cfg, weights, slots, kv, chunks, backend)
         for row, i in enumerate(order):
             n, slot, _ = MULTI[i]
             adapter = _adapter_of(slot, MAIN_SLOT_NAMES)
             want = ref.logits(adapter, MULTI_TOKENS[i])[n + step]
-            _check_rows(logits[row:row + 1], want[None], f"{what} decode step {step}: seq {i} "
-                                                         f"(slot {slot}, adapter {adapter}, position {n + step})")
+            _check_rows(rows[row], want[None], f"{what} decode step {step}: seq {i} "
+                                               f"(slot {slot}, adapter {adapter}, position {n + step})")
+
+
+# A mixed step: sequences decoding one token (position, slot) beside other sequences' prefill
+# chunks (start, length, slot), base rows and adapters in both groups. Decode positions: a
+# one-token prompt (position 0), a token opening a new page (8), one closing a page (11: length
+# 12), others mid-page. Prefill chunks: first chunks and chunks behind a cached first part.
+MIXED_DECODE = [(8, 1), (0, 0), (6, 3), (11, 0), (5, 2)]
+MIXED_PREFILL = [(0, 9, 4), (5, 6, 0), (3, 7, 2), (0, 4, 1)]
+# Every sequence's tokens: its prompt/context, the step's tokens, and one more decoded after it.
+MIXED_STEP_TOKENS = _tokens(4, [pos + 2 for pos, _ in MIXED_DECODE]
+                            + [st + n + 1 for st, n, _ in MIXED_PREFILL])
+
+
+def _mixed_step_chunks(pages):
+    """(before: what is cached ahead of the step, step: the mixed step's chunks interleaved
+    decode/prefill, after: one more token of every sequence) over the sequences of
+    MIXED_DECODE + MIXED_PREFILL, tokens MIXED_STEP_TOKENS."""
+    before, step, after = [], [], []
+    seqs = [(pos, 1, slot) for pos, slot in MIXED_DECODE] + list(MIXED_PREFILL)
+    for i, ((start, n, slot), toks, pg) in enumerate(zip(seqs, MIXED_STEP_TOKENS, pages)):
+        if start:
+            before.append((i, SeqChunk(toks[:start], 0, pg, slot)))
+        step.append((i, SeqChunk(toks[start:start + n], start, pg, slot)))
+        after.append((i, SeqChunk([toks[start + n]], start + n, pg, slot)))
+    # The step's chunks go in interleaved (decode, prefill, decode, ...): _step orders them
+    # decode-first for build_batch and hands the rows back in this order.
+    nd = len(MIXED_DECODE)
+    dec, pre = step[:nd], step[nd:]
+    step = [c for i in range(max(len(dec), len(pre))) for c in dec[i:i + 1] + pre[i:i + 1]]
+    return before, step, after
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_mixed_step_matches_separate_steps_and_peft(kind, backend, served, peft_refs):
+    """One step of decode rows and prefill chunks together (adapters and base rows in both
+    groups) gives the logits of the same work done as a decode step and a prefill step, and
+    PEFT's; the K/V it writes serve a following decode step of every sequence."""
+    cfg, weights, slots = served(kind)
+    ref = peft_refs[kind]
+    what = f"{kind}/{backend}"
+    pages = _page_lists(50, [len(t) for t in MIXED_STEP_TOKENS])
+    before, step, after = _mixed_step_chunks(pages)
+    tokens_of = lambda seqs: (lambda j: MIXED_STEP_TOKENS[seqs[j][0]])  # noqa: E731
+    chunks_of = lambda seqs: [c for _, c in seqs]  # noqa: E731
+
+    rows, kv0 = _step(cfg, weights, slots, _fresh_kv(cfg), chunks_of(before), backend)
+    _check_prefill(rows, chunks_of(before), tokens_of(before), ref, MAIN_SLOT_NAMES, f"{what} context")
+
+    # The mixed step.
+    mixed, kv_mixed = _step(cfg, weights, slots, kv0, chunks_of(step), backend)
+    kinds = [len(c.token_ids) == 1 for c in chunks_of(step)]
+    assert kinds[:2] == [True, False] and sum(kinds) == len(MIXED_DECODE)  # interleaved
+    _check_prefill(mixed, chunks_of(step), tokens_of(step), ref, MAIN_SLOT_NAMES, f"{what} mixed step")
+
+    # The same work in two steps from the same cache: the decode rows, then the prefill chunks.
+    dec = [(i, c) for i, c in step if len(c.token_ids) == 1]
+    pre = [(i, c) for i, c in step if len(c.token_ids) > 1]
+    dec_rows, kv_sep = _step(cfg, weights, slots, kv0, chunks_of(dec), backend)
+    pre_rows, kv_sep = _step(cfg, weights, slots, kv_sep, chunks_of(pre), backend)
+    separate = dict(zip([i for i, _ in dec] + [i for i, _ in pre], dec_rows + pre_rows))
+    for (i, c), got in zip(step, mixed):
+        _check_rows(got, separate[i], f"{what}: seq {i} (slot {c.slot}, {len(c.token_ids)} tokens) "
+                                      f"mixed step against separate steps")
+
+    # The mixed step's cache and the separate steps' cache serve the next token alike.
+    for name, kv in (("mixed", kv_mixed), ("separate", kv_sep)):
+        rows, _ = _step(cfg, weights, slots, kv, chunks_of(after), backend)
+        _check_prefill(rows, chunks_of(after), tokens_of(after), ref, MAIN_SLOT_NAMES,
+                       f"{what} decode after the {name} step(s)")
 
 
 REWRITE_KIND = "llama"
@@ -194,7 +274,8 @@ def test_small_ranks_slot_rewrite_and_clear(backend, tiny_models, tiny_adapters,
     lower rank and other targets (nothing of the old one may survive); a cleared slot is base."""
     kind = REWRITE_KIND
     cfg, weights = load_weights(tiny_models[kind], mesh=MESH)
-    slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=2, max_lora_rank=32), jnp.float32, MESH)
+    slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=2, max_lora_rank=32), jnp.float32, MESH,
+                      jit_writer=jit_slot_writer)
     ref = peft_refs[kind]
     pages = _page_lists(40, [n for n, _ in REWRITE_SEQS])
     chunks = [SeqChunk(t, 0, pg, s) for t, pg, (_, s) in zip(REWRITE_TOKENS, pages, REWRITE_SEQS)]
@@ -203,8 +284,8 @@ def test_small_ranks_slot_rewrite_and_clear(backend, tiny_models, tiny_adapters,
         slots.load(slot, load_adapter(name, tiny_adapters[(kind, name)], cfg, 32))
 
     def check(slot_names, phase):
-        logits, _ = _step(cfg, weights, slots, _fresh_kv(cfg), chunks, "prefill", backend)
-        _check_prefill(logits, chunks, lambda i: REWRITE_TOKENS[i], ref, slot_names,
+        rows, _ = _step(cfg, weights, slots, _fresh_kv(cfg), chunks, backend)
+        _check_prefill(rows, chunks, lambda i: REWRITE_TOKENS[i], ref, slot_names,
                        f"{kind}/{backend} {phase}")
 
     load(1, "c_mlp_r16")

@@ -10,8 +10,8 @@ device for a mixed batch (base rows and three adapters), weights, adapter slots 
 as the rules table says (also after slot writes and steps), no all-gather of the cache in a
 compiled step, no compile after warm-up.
 
-Compiling is the cost: each engine compiles only the largest bucket of each kind (BUCKETS), and
-all engines share the same shapes.
+Compiling is the cost: each engine compiles one step shape (BUCKETS: every step, decode, prefill
+or mixed, pads to it), and all engines share the same shapes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN, PAGE_SIZE = 64, 8
 KW = dict(max_loras_per_batch=4, max_lora_rank=16, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
           max_num_batched_tokens=64, page_size=PAGE_SIZE)
-BUCKETS = dict(decode_seqs=(8,), decode_pages=(8,), prefill_tokens=(64,), prefill_pages=(24,), prefill_seqs=8)
+# One step shape for every step (decode rows, prefill chunks or both, padded to 64 tokens): 32 pages
+# hold every page of the 8 sequences at once (26 at the longest).
+BUCKETS = dict(tokens=(64,), pages=(32,), max_num_seqs=8, max_pages_seq=MAX_MODEL_LEN // PAGE_SIZE,
+               page_size=PAGE_SIZE)
 MAX_NEW = 8
 ADAPTERS = {"a": "a_all_r8", "b": "b_attn_r4_rslora", "c": "c_mlp_r16"}
 LORAS = [None, "a", "b", "c", None, "c", "a", "b"]

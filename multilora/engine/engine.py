@@ -3,10 +3,16 @@
     engine = Engine(model="path/to/hf_checkpoint", lora_modules={"name": "path/to/adapter"})
     outs = engine.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0.0), lora="name")
 
-One step: the scheduler picks the chunks, the registry makes their adapters resident in device
-slots (writing the missing ones), the runner computes and samples, then tokens are appended,
-stop conditions checked and finished requests give back their pages and adapter references.
-The engine is single-threaded; the server drives it from one thread.
+Options: an EngineConfig (multilora.config), or its fields as keyword arguments:
+
+    Engine(model, config=EngineConfig(max_num_seqs=32))  ==  Engine(model, max_num_seqs=32)
+
+One step is three calls: `plan = scheduler.schedule()` (decode rows and prefill chunks together,
+pages and prefix-cache hits granted), `runner.execute(...)` (the runner owns every device array;
+the plan's adapters are made resident in device slots first), `scheduler.postprocess(plan, ...)`
+(tokens appended, full pages cached); then the engine checks stops, detokenizes and reports
+deltas. One Request object carries a request's whole state. The engine is single-threaded; the
+server drives it from one thread.
 
 Several devices: `tensor_parallel_size=N` builds an N-device mesh and places weights, adapter
 slots and the KV cache by the rules table (multilora.model.sharding). Several processes:
@@ -28,12 +34,12 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from multilora.config import LoRAConfig, ModelConfig
+from multilora.config import EngineConfig, LoRAConfig, ModelConfig
 from multilora.engine.batching import SeqChunk
 from multilora.engine.kv_pages import PagePool
 from multilora.engine.request import Request, RequestStatus, SamplingParams
 from multilora.engine.runner import Buckets, ModelRunner, SampleRow
-from multilora.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from multilora.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from multilora.engine.tokenizer import Detokenizer, load_tokenizer
 from multilora.lora.adapter import AdapterError, load_adapter
 from multilora.lora.registry import AdapterRegistry
@@ -62,6 +68,7 @@ class RequestOutput:
     lora: Optional[str] = None
     logprobs: Optional[list[Logprob]] = None
     error: Optional[str] = None
+    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
 
 
 @dataclasses.dataclass
@@ -74,52 +81,34 @@ class StreamDelta:
     finished: bool
     finish_reason: Optional[str] = None
     logprobs: Optional[list[Logprob]] = None
+    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
 
 
 class PromptTooLongError(ValueError):
     pass
 
 
-@dataclasses.dataclass
-class _Tracked:
-    request: Request
-    detok: Optional[Detokenizer]
-    text: str = ""
-    sent_tokens: int = 0
-    sent_text: int = 0
-    sent_logprobs: int = 0
-    error: Optional[str] = None
-
-
 class Engine:
-    def __init__(self, model: Optional[str] = None, lora_modules: Optional[dict[str, str]] = None, *,
-                 max_loras_per_batch: int = 8, max_lora_rank: int = 64,
-                 max_loaded_loras: Optional[int] = None, lora_backend: str = "auto",
-                 dtype: str = "float32", max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 max_prefill_seqs: int = 16, page_size: int = 16, num_pages: Optional[int] = None,
-                 kv_cache_memory_gb: float = 2.0, max_model_len: Optional[int] = None,
-                 tensor_parallel_size: int = 1, seed: int = 0, warmup: bool = True,
-                 progress: bool = False, compilation_cache_dir: Optional[str] = None,
-                 buckets: Optional[Buckets] = None, distributed: Optional[dict] = None):
+    def __init__(self, model: Optional[str] = None, lora_modules: Optional[dict[str, str]] = None,
+                 config: Optional[EngineConfig] = None, *, warmup: bool = True, progress: bool = False,
+                 buckets: Optional[Buckets] = None, distributed: Optional[dict] = None, **options):
         import jax
         import jax.numpy as jnp
 
+        from multilora.engine.runner import jit_slot_writer
         from multilora.lora.backend import BACKEND_CHOICES
         from multilora.lora.pool import LoRASlots
         from multilora.model.llama import init_kv_cache
         from multilora.model.loader import load_weights, resolve_dtype
         from multilora.model.sharding import KV_AXES, make_mesh, rules_for, sharding
 
-        if lora_backend not in BACKEND_CHOICES:
-            raise ValueError(f"unknown lora_backend {lora_backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
-        for name, val in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                          ("max_prefill_seqs", max_prefill_seqs), ("page_size", page_size),
-                          ("max_lora_rank", max_lora_rank)):
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be a positive integer, got {val!r}")
-        if max_loras_per_batch < 0:
-            raise ValueError(f"max_loras_per_batch must be >= 0, got {max_loras_per_batch}")
-        _enable_compilation_cache(compilation_cache_dir)
+        config = (config or EngineConfig()).replace(**options)
+        self.config = c = config
+        if c.lora_backend not in BACKEND_CHOICES:
+            raise ValueError(f"unknown lora_backend {c.lora_backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
+        lora_modules = dict(lora_modules or {})
+        max_loras_per_batch, page_size = c.max_loras_per_batch, c.page_size
+        _enable_compilation_cache(c.compilation_cache_dir)
         self._sync = None  # set at the end when several processes run
         if distributed:  # before anything touches a device
             from multilora.engine.distributed import initialize
@@ -130,39 +119,44 @@ class Engine:
         self.model_path = str(model)
         self.model_name = Path(model).name
         self.cfg = ModelConfig.from_dir(model)
-        self.dtype = resolve_dtype(dtype)
-        self.mesh = make_mesh(tensor_parallel_size, num_kv_heads=self.cfg.num_kv_heads)
+        self.dtype = resolve_dtype(c.dtype)
+        self.mesh = make_mesh(c.tensor_parallel_size, num_kv_heads=self.cfg.num_kv_heads)
         self.rules = rules_for(self.cfg, self.mesh)  # fails early if the heads do not divide
-        _, weights = load_weights(model, self.cfg, dtype, self.mesh, progress=progress)
+        # Read the adapters given at start before anything big: a bad one fails fast, and the
+        # default max_lora_rank follows their ranks.
+        max_lora_rank = c.max_lora_rank or _default_max_rank(lora_modules)
+        _, weights = load_weights(model, self.cfg, c.dtype, self.mesh, progress=progress)
         self.tokenizer = load_tokenizer(model)
         self.eos_token_ids = set(self.cfg.eos_token_ids) | _generation_eos(model)
 
-        self.max_model_len = int(max_model_len or self.cfg.max_position_embeddings)
+        self.max_model_len = int(c.max_model_len or self.cfg.max_position_embeddings)
         if self.max_model_len > self.cfg.max_position_embeddings:
             log.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                         self.max_model_len, self.cfg.max_position_embeddings)
-        max_num_batched_tokens = max(max_num_batched_tokens, 16)
-        max_prefill_seqs = min(max_prefill_seqs, max_num_seqs)
+        max_num_seqs = c.max_num_seqs
+        max_num_batched_tokens = max(c.max_num_batched_tokens, 16)
+        max_prefill_seqs = min(c.max_prefill_seqs, max_num_seqs)
         max_pages_seq = -(-self.max_model_len // page_size)
+        num_pages = c.num_pages
         if num_pages is None:
             bytes_per_page = (2 * self.cfg.num_layers * page_size * self.cfg.num_kv_heads
                               * self.cfg.head_dim * jnp.dtype(self.dtype).itemsize)
-            by_memory = int(kv_cache_memory_gb * 2**30 // bytes_per_page)
+            by_memory = int(c.kv_cache_memory_gb * 2**30 // bytes_per_page)
             num_pages = max(min(by_memory, max_num_seqs * max_pages_seq + 1), max_pages_seq + 1)
         if num_pages < max_pages_seq + 1:
             raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_model_len="
                              f"{self.max_model_len} ({max_pages_seq} pages of {page_size} + 1 reserved)")
-        self.pages = PagePool(num_pages, page_size)
+        self.pages = PagePool(num_pages, page_size, enable_prefix_caching=c.enable_prefix_caching)
         # Split by KV heads (replicated when tp does not divide them), created in place.
         kv_sharding = sharding(self.mesh, self.rules, KV_AXES)
         kv = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=kv_sharding),
                           jax.eval_shape(lambda: init_kv_cache(self.cfg, num_pages, page_size, self.dtype)))
 
         self.lora_cfg = LoRAConfig(max_loras_per_batch=max_loras_per_batch, max_lora_rank=max_lora_rank)
-        self.slots = (LoRASlots(self.cfg, self.lora_cfg, self.dtype, self.mesh)
+        self.slots = (LoRASlots(self.cfg, self.lora_cfg, self.dtype, self.mesh, jit_writer=jit_slot_writer)
                       if max_loras_per_batch > 0 else None)
         self.registry = AdapterRegistry(
-            max(max_loras_per_batch, 1), max_loaded_loras,
+            max(max_loras_per_batch, 1), c.max_loaded_loras,
             lambda name, path: load_adapter(name, path, self.cfg, max_lora_rank))
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -172,20 +166,20 @@ class Engine:
         # outside them compiles on demand with a warning.
         self.buckets = buckets or Buckets.make(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_prefill_seqs=max_prefill_seqs, max_model_len=self.max_model_len, page_size=page_size)
-        self.runner = ModelRunner(self.cfg, weights, kv, self.slots, self.buckets, lora_backend)
-        self._requests: dict[str, _Tracked] = {}
+            max_model_len=self.max_model_len, page_size=page_size, num_pages=num_pages)
+        self.runner = ModelRunner(self.cfg, weights, kv, self.slots, self.buckets, c.lora_backend)
+        self._requests: dict[str, Request] = {}
         self._finished_unreported: list[str] = []  # finished since the last step's deltas
         self._ids = itertools.count()
         self._arrival = itertools.count()
-        self.seed = seed
-        self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "preemptions": 0,
-                      "prompt_tokens": 0, "generated_tokens": 0}
-        for name, path in (lora_modules or {}).items():
+        self.seed = c.seed
+        self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "mixed_steps": 0,
+                      "preemptions": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        for name, path in lora_modules.items():
             self.load_lora_adapter(name, path)
         if warmup:
             secs = self.runner.warmup(progress=progress)
-            log.info("compiled %d step shapes in %.1fs", len(self.runner._steps), secs)
+            log.info("compiled %d step shapes in %.1fs", self.runner.num_compiled_steps, secs)
         # Several processes: from here on, state changes go through process 0 (every process
         # built the same engine from the same arguments up to this point).
         if jax.process_count() > 1:
@@ -213,7 +207,7 @@ class Engine:
         if self._sync is not None:
             self._sync.record("unload", name=name)
         for slot in slots:
-            self.slots.clear(slot)
+            self.runner.clear_slot(slot)
 
     def list_lora_adapters(self) -> list[dict]:
         return [dict(name=e.name, path=e.path, id=e.id, pinned=e.pinned, rank=e.rank,
@@ -225,7 +219,7 @@ class Engine:
         writes = self.registry.assign_slots(needed, in_use)
         for i, (slot, entry) in enumerate(writes):
             try:
-                self.slots.load(slot, self.registry.host_copy(entry))
+                self.runner.write_slot(slot, self.registry.host_copy(entry))
             except BaseException:
                 # The registry already counts these as resident, but their slots were never
                 # written: forget them, or a later batch would run on the slots' old contents.
@@ -270,11 +264,13 @@ class Engine:
             self.registry.acquire(lora)  # raises for unknown or unloading adapters
         req = Request(request_id=request_id, prompt_token_ids=ids, params=params,
                       arrival=next(self._arrival), adapter=lora)
+        if lora is not None:
+            req.lora_hash = self.registry.entries[lora].content_hash
         req.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
         seed = params.seed if params.seed is not None else zlib.crc32(f"{self.seed}:{request_id}".encode())
         req.sample_seed = seed
-        detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
-        self._requests[request_id] = _Tracked(req, detok)
+        req.detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self._requests[request_id] = req
         self.scheduler.add(req)
         self.stats["prompt_tokens"] += len(ids)
         if self._sync is not None:
@@ -283,13 +279,13 @@ class Engine:
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
-        tr = self._requests.get(request_id)
-        if tr is None or tr.request.finished:
+        req = self._requests.get(request_id)
+        if req is None or req.finished:
             return False
         if self._sync is not None:
             self._sync.guard("abort_request")
             self._sync.record("abort", request_id=request_id)
-        self._finish(tr, "abort")
+        self._finish(req, "abort")
         return True
 
     def has_unfinished(self) -> bool:
@@ -303,88 +299,82 @@ class Engine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
-    def _finish(self, tr: _Tracked, reason: str, stop_reason=None) -> None:
-        req = tr.request
+    def _finish(self, req: Request, reason: str, stop_reason=None) -> None:
         self.scheduler.remove(req)
         req.finish_reason, req.stop_reason = reason, stop_reason
         self._finished_unreported.append(req.request_id)
         if req.adapter is not None:
             for slot in self.registry.release(req.adapter):
-                self.slots.clear(slot)
+                self.runner.clear_slot(slot)
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
-        """One scheduler step; returns what it added to each touched request (and finished ones)."""
+        """One mixed step; returns what it added to each touched request (and finished ones)."""
         if self._sync is not None and not self._sync.exchange(self):
             return []  # several processes, and the leader has stopped
-        out = self.scheduler.schedule()
-        self.stats["preemptions"] += len(out.preempted)
-        if out.kind == "idle":
+        plan = self.scheduler.schedule()
+        self.stats["preemptions"] += len(plan.preempted)
+        if plan.chunks:
+            self._make_resident(plan)
+        if not plan.chunks:
             return self._collect([])  # still report aborts since the last step
-        needed = {c.request.adapter for c in out.chunks if c.request.adapter is not None}
-        if needed:
-            self._write_slots_or_fail(needed, out)
-            out.chunks = [c for c in out.chunks if not c.request.finished]
-            if not out.chunks:
-                return self._collect([])
         chunks = [SeqChunk(c.request.all_token_ids[c.start:c.start + c.num_tokens], c.start,
                            c.request.block_table, self.registry.slot_of(c.request.adapter))
-                  for c in out.chunks]
+                  for c in plan.chunks]
         rows = [SampleRow(temperature=c.request.params.temperature, top_k=c.request.params.top_k,
                           top_p=c.request.params.top_p, seed=c.request.sample_seed,
                           step=len(c.request.output_token_ids),
-                          logprobs=c.request.params.logprobs is not None) for c in out.chunks]
-        result = self.runner.execute(out.kind, chunks, rows)
-        self.scheduler.commit(out)
+                          logprobs=c.request.params.logprobs is not None) for c in plan.chunks]
+        result = self.runner.execute(chunks, rows)
+        sampled = self.scheduler.postprocess(plan, result.tokens)
         self.stats["steps"] += 1
-        self.stats[f"{out.kind}_steps"] += 1
-        touched: list[str] = []
-        for i, c in enumerate(out.chunks):
-            req = c.request
-            if not c.completes_prefill:
-                continue
-            token = int(result.tokens[i])
-            req.output_token_ids.append(token)
+        self.stats[f"{plan.kind}_steps"] += 1
+        index = {id(c.request): i for i, c in enumerate(plan.chunks)}
+        for req in sampled:
+            i = index[id(req)]
             if result.logprobs is not None and req.params.logprobs is not None:
                 chosen, top_ids, top_vals = result.logprobs
                 n = req.params.logprobs
-                req.output_logprobs.append(Logprob(token, float(chosen[i]),
+                req.output_logprobs.append(Logprob(req.output_token_ids[-1], float(chosen[i]),
                                                    list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))))
             self.stats["generated_tokens"] += 1
-            touched.append(req.request_id)
-            self._check_stop(self._requests[req.request_id])
-        return self._collect(touched)
+            self._check_stop(req)
+        return self._collect([r.request_id for r in sampled])
 
-    def _write_slots_or_fail(self, needed: set[str], out: SchedulerOutput) -> None:
+    def _make_resident(self, plan: StepPlan) -> None:
+        """Every adapter of the plan in a device slot. An adapter that cannot be read again (an
+        evicted host copy whose folder went bad) fails its requests, which leave the plan."""
+        needed = {c.request.adapter for c in plan.chunks if c.request.adapter is not None}
         while needed:  # each failure takes one adapter out, so this ends
             try:
-                return self._write_slots(needed)
-            except AdapterError as e:  # an evicted host copy whose folder went bad: fail its requests
+                self._write_slots(needed)
+                break
+            except AdapterError as e:
                 bad = e.adapter_name
-                for c in out.chunks:
+                for c in plan.chunks:
                     if c.request.adapter == bad and not c.request.finished:
-                        tr = self._requests[c.request.request_id]
-                        tr.error = str(e)
-                        self._finish(tr, "error")
+                        c.request.error = str(e)
+                        self._finish(c.request, "error")
                 needed = needed - {bad}
+        plan.chunks = [c for c in plan.chunks if not c.request.finished]
 
-    def _check_stop(self, tr: _Tracked) -> None:
-        req, p = tr.request, tr.request.params
+    def _check_stop(self, req: Request) -> None:
+        p = req.params
         token = req.output_token_ids[-1]
-        if tr.detok is not None:
-            tr.text = tr.detok.decode(req.output_token_ids)
+        if req.detok is not None:
+            req.text = req.detok.decode(req.output_token_ids)
         if not p.ignore_eos and token in self.eos_token_ids:
-            return self._finish(tr, "stop", None)
+            return self._finish(req, "stop", None)
         if token in p.stop_token_ids:
-            return self._finish(tr, "stop", token)
-        if p.stop and tr.detok is not None:
+            return self._finish(req, "stop", token)
+        if p.stop and req.detok is not None:
             for s in p.stop:
-                k = tr.text.find(s, max(0, tr.sent_text - len(s)))
+                k = req.text.find(s, max(0, req.sent_text - len(s)))
                 if k >= 0:
-                    tr.text = tr.text[:k]
-                    return self._finish(tr, "stop", s)
+                    req.text = req.text[:k]
+                    return self._finish(req, "stop", s)
         if len(req.output_token_ids) >= req.max_tokens:
-            return self._finish(tr, "length")
+            return self._finish(req, "length")
 
     def _collect(self, touched: list[str]) -> list[StreamDelta]:
         deltas = []
@@ -393,38 +383,37 @@ class Engine:
         rids = dict.fromkeys([*touched, *self._finished_unreported])
         self._finished_unreported = []
         for rid in rids:
-            tr = self._requests.get(rid)
-            if tr is None:  # popped or released already
+            req = self._requests.get(rid)
+            if req is None:  # popped or released already
                 continue
-            req = tr.request
-            text = tr.text
-            if not req.finished and tr.detok is not None:
+            text = req.text
+            if not req.finished and req.detok is not None:
                 # hold back what could be the start of a stop string (the detokenizer already
                 # holds back partial characters)
                 hold = max((len(s) - 1 for s in req.params.stop), default=0)
-                text = text[:max(tr.sent_text, len(text) - hold)]
-            d = StreamDelta(rid, req.output_token_ids[tr.sent_tokens:], text[tr.sent_text:],
+                text = text[:max(req.sent_text, len(text) - hold)]
+            d = StreamDelta(rid, req.output_token_ids[req.sent_tokens:], text[req.sent_text:],
                             req.finished, req.finish_reason,
-                            req.output_logprobs[tr.sent_logprobs:] if req.params.logprobs is not None else None)
-            tr.sent_tokens = len(req.output_token_ids)
-            tr.sent_text = max(tr.sent_text, len(text))
-            tr.sent_logprobs = len(req.output_logprobs)
+                            req.output_logprobs[req.sent_logprobs:] if req.params.logprobs is not None else None,
+                            num_cached_tokens=req.num_cached_tokens)
+            req.sent_tokens = len(req.output_token_ids)
+            req.sent_text = max(req.sent_text, len(text))
+            req.sent_logprobs = len(req.output_logprobs)
             if d.token_ids or d.text or d.finished:
                 deltas.append(d)
         return deltas
 
     def pop_output(self, request_id: str) -> RequestOutput:
         """The final output of a finished request (and forget it)."""
-        tr = self._requests.pop(request_id)
-        req = tr.request
-        return RequestOutput(request_id, req.prompt_token_ids, list(req.output_token_ids), tr.text,
+        req = self._requests.pop(request_id)
+        return RequestOutput(request_id, req.prompt_token_ids, list(req.output_token_ids), req.text,
                              req.finished, req.finish_reason, req.stop_reason, req.adapter,
                              list(req.output_logprobs) if req.params.logprobs is not None else None,
-                             tr.error)
+                             req.error, req.num_cached_tokens)
 
     def release_finished(self, request_id: str) -> None:
-        tr = self._requests.get(request_id)
-        if tr is not None and tr.request.finished:
+        req = self._requests.get(request_id)
+        if req is not None and req.finished:
             del self._requests[request_id]
 
     # ---- offline -----------------------------------------------------------------------------
@@ -484,7 +473,7 @@ class Engine:
         while self._sync.running:
             self.step()
             # Nobody reads a follower's outputs: forget finished requests (host bookkeeping only).
-            for rid in [r for r, tr in self._requests.items() if tr.request.finished]:
+            for rid in [r for r, req in self._requests.items() if req.finished]:
                 del self._requests[rid]
 
     def stop_followers(self) -> None:
@@ -501,6 +490,20 @@ class _Bar:
 
     def update(self, k: int):
         self._p.update(k)
+
+
+def _default_max_rank(lora_modules: dict[str, str], floor: int = 16) -> int:
+    """The largest rank among the adapters given at start (their adapter_config.json), at least
+    `floor` (vLLM's default max_lora_rank): slots are no wider than what is served."""
+    best = floor
+    for path in lora_modules.values():
+        try:
+            cfg = json.loads((Path(path) / "adapter_config.json").read_text())
+            ranks = [cfg.get("r", 8), *(cfg.get("rank_pattern") or {}).values()]
+            best = max(best, *(int(r) for r in ranks if isinstance(r, int) and not isinstance(r, bool)))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue  # registering it reports what is wrong
+    return best
 
 
 def _generation_eos(model_dir: str) -> set[int]:

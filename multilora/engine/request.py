@@ -1,10 +1,15 @@
-"""Requests, their sampling parameters and their state. Plain Python, no jax."""
+"""Requests, their sampling parameters and their state: one object per request carries all of it
+(scheduling, pages and prefix keys, outputs, detokenization and what was already reported).
+Plain Python, no jax."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
+
+# The prefix-cache chain of base-model requests starts from this (adapters' from their contents).
+BASE_MODEL_HASH = b"multilora:base-model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +78,17 @@ class Request:
     skipped_steps: int = 0             # times a later request was admitted ahead of it
     max_tokens: int = 0                # params.max_tokens, bounded by the context
     sample_seed: int = 0               # params.seed, or one derived from the engine seed and id
+    # prefix cache
+    lora_hash: bytes = BASE_MODEL_HASH  # the adapter's content hash: the root of its page keys
+    page_keys: list = dataclasses.field(default_factory=list)  # keys of its first full pages
+    num_cached_tokens: int = 0         # prompt tokens found in the prefix cache at admission
+    # output side: detokenized text and what has been reported so far
+    detok: Any = None
+    text: str = ""
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_logprobs: int = 0
+    error: Optional[str] = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -2,8 +2,8 @@
 compiled at start-up. An adapter swap changes buffer contents, never shapes, so nothing compiles
 after warm-up whatever the prompts or the adapter mix (a compile after warm-up logs a warning).
 
-Buckets: decode steps are (B sequences, C pages per sequence); prefill steps are (T tokens,
-X pages in all), with Q = max_prefill_seqs logits rows.
+Buckets: every step, whatever its mix of decode rows and prefill chunks, is (T tokens, X pages
+in all), with Q = min(T, max_num_seqs) logits rows.
 
 Sharding: the weights, LoRA slots and KV cache arrive placed on the mesh (the rules table); the
 step is compiled for exactly those shardings, returns the cache in the same sharding (so the
@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from multilora.config import ModelConfig
-from multilora.engine.batching import SeqChunk, build_batch
+from multilora.engine.batching import SeqChunk, build_batch, decode_first, pages_needed
 from multilora.engine.sampler import sample
-from multilora.lora.backend import choose_backend
+from multilora.lora.backend import choose_backend, get_backend
 from multilora.lora.pool import LoRASlots
 from multilora.model.llama import KVCache, Weights, forward
 
@@ -43,31 +43,34 @@ def _pow2_range(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+MIN_TOKENS_BUCKET = 4  # below this a step costs the same (the weights are read either way)
+MIN_PAGES_BUCKET = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    decode_seqs: tuple[int, ...]
-    decode_pages: tuple[int, ...]
-    prefill_tokens: tuple[int, ...]
-    prefill_pages: tuple[int, ...]
-    prefill_seqs: int
+    """Every step is one shape family: T packed tokens (decode rows and prefill chunks together)
+    over X pages (the flat list of the step's pages), with Q = min(T, max_num_seqs) logits rows.
+    Powers of two for both: a step pads at most 2x its tokens and 2x its pages (docs/engine.md)."""
+
+    tokens: tuple[int, ...]
+    pages: tuple[int, ...]
+    max_num_seqs: int
+    max_pages_seq: int
+    page_size: int
 
     @classmethod
-    def make(cls, *, max_num_seqs: int, max_num_batched_tokens: int, max_prefill_seqs: int,
-             max_model_len: int, page_size: int) -> "Buckets":
+    def make(cls, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+             page_size: int, num_pages: int) -> "Buckets":
         max_pages_seq = -(-max_model_len // page_size)
-        # Worst prefill step: every sequence's pages plus the chunk's; bounded by what exists.
-        max_prefill_pages = min(max_prefill_seqs * max_pages_seq,
-                                max_prefill_seqs + -(-max_num_batched_tokens // page_size)
-                                + max_pages_seq)
-        decode_pages = tuple(sorted({min(4 ** i, max_pages_seq) for i in range(12)
-                                     if 4 ** (i - 1) < max_pages_seq}))
-        return cls(
-            decode_seqs=_pow2_range(1, max_num_seqs),
-            decode_pages=decode_pages,
-            prefill_tokens=_pow2_range(min(16, max_num_batched_tokens), max_num_batched_tokens),
-            prefill_pages=_pow2_range(4, max_prefill_pages),
-            prefill_seqs=max_prefill_seqs,
-        )
+        # Pages of one step: never more than the pool holds, nor max_num_seqs full sequences.
+        max_pages = max(min(num_pages - 1, max_num_seqs * max_pages_seq), 1)
+        return cls(tokens=_pow2_range(min(MIN_TOKENS_BUCKET, max_num_batched_tokens), max_num_batched_tokens),
+                   pages=_pow2_range(min(MIN_PAGES_BUCKET, max_pages), max_pages),
+                   max_num_seqs=max_num_seqs, max_pages_seq=max_pages_seq, page_size=page_size)
+
+    def logits_rows(self, tokens: int) -> int:
+        return min(tokens, self.max_num_seqs)
 
     def pick(self, options: Sequence[int], need: int, what: str) -> int:
         for v in options:
@@ -75,13 +78,24 @@ class Buckets:
                 return v
         raise ValueError(f"{what}={need} exceeds the largest compiled bucket {options[-1]}")
 
+    def for_step(self, num_tokens: int, num_pages: int) -> tuple[int, int]:
+        return (self.pick(self.tokens, num_tokens, "tokens in a step"),
+                self.pick(self.pages, num_pages, "pages in a step"))
+
     def all_shapes(self):
-        for b in self.decode_seqs:
-            for c in self.decode_pages:
-                yield ("decode", b, b, c)
-        for t in self.prefill_tokens:
-            for x in self.prefill_pages:
-                yield ("prefill", t, self.prefill_seqs, x)
+        """The (T, X) pairs a step can land on: X can't exceed what T tokens' sequences hold
+        (at most T sequences of max_pages_seq pages) and can't be below what more than half of
+        T tokens fill (a step lands on T only with more than T/2 tokens)."""
+        prev_t = 0
+        for t in self.tokens:
+            lo = -(-(prev_t + 1) // self.page_size)
+            hi = min(t, self.max_num_seqs) * self.max_pages_seq
+            prev_x = 0
+            for x in self.pages:
+                if x >= lo and prev_x < hi:
+                    yield (t, x)
+                prev_x = x
+            prev_t = t
 
 
 @dataclasses.dataclass
@@ -101,6 +115,8 @@ class StepResult:
 
 
 class ModelRunner:
+    """Owns every device array (weights, KV cache, LoRA slots and their writer) and runs steps."""
+
     def __init__(self, cfg: ModelConfig, weights: Weights, kv: KVCache, lora: Optional[LoRASlots],
                  buckets: Buckets, lora_backend: str = "auto"):
         self.cfg, self.weights, self.kv, self.lora = cfg, weights, kv, lora
@@ -118,33 +134,41 @@ class ModelRunner:
         self.warm = False
         self.compiles_after_warmup = 0
 
-    # ---- compilation -----------------------------------------------------------------------
-    def _scalings_ranks(self):
-        if self.lora is None:
-            return np.zeros((1,), np.float32), np.zeros((1,), np.int32)
-        return self.lora.scalings_S, self.lora.ranks_S
+    # ---- adapters in slots --------------------------------------------------------------------
+    def write_slot(self, slot: int, adapter) -> None:
+        self.lora.load(slot, adapter)
 
-    def _dummy_batch(self, mode, t, b, x):
-        s, r = self._scalings_ranks()
-        return build_batch([], mode=mode, num_tokens=t, num_seqs=b, num_pages=x,
-                           page_size=self.page_size, scalings_S=s, ranks_S=r)
+    def clear_slot(self, slot: int) -> None:
+        self.lora.clear(slot)
+
+    # ---- compilation -----------------------------------------------------------------------
+    def backend_for(self, num_tokens: int) -> str:
+        return choose_backend(self.lora_backend, num_tokens, num_tokens <= self.buckets.max_num_seqs,
+                              self.lora.num_slots if self.lora is not None else None)
+
+    def _prepare_lora(self, num_tokens: int):
+        if self.lora is None:
+            return None
+        be = get_backend(self.backend_for(num_tokens))
+        s, r = self.lora.scalings_S, self.lora.ranks_S
+        return lambda slot_T: be.prepare_lora_batch(slot_T, s, r)
+
+    def _dummy_batch(self, t, x):
+        return build_batch([], num_tokens=t, num_pages=x, num_logits=self.buckets.logits_rows(t),
+                           page_size=self.page_size, prepare_lora=self._prepare_lora(t))
 
     def _abstract(self, tree):
         """Host arrays -> their shapes, replicated on the mesh: what the steps are compiled for.
         The calls then take the numpy arrays themselves, copied to every device (and under
         several processes, each process copies its own; jit trusts that they agree)."""
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated), tree)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype,
+                                                           sharding=self.replicated), tree)
 
     def _lower_step(self, key):
-        mode, t, b, x = key
-        backend = choose_backend(self.lora_backend, t, mode == "decode",
-                                 self.lora.num_slots if self.lora is not None else None)
+        t, x = key
         lora_w = self.lora.weights if self.lora is not None else None
-        batch = self._dummy_batch(mode, t, b, x)
-        if self.lora is None:
-            batch.lora = None
-        return self._fwd.lower(self.weights, lora_w, self.kv, self._abstract(batch), cfg=self.cfg,
-                               backend=backend)
+        return self._fwd.lower(self.weights, lora_w, self.kv, self._abstract(self._dummy_batch(t, x)),
+                               cfg=self.cfg, backend=self.backend_for(t))
 
     def _compiled_step(self, key):
         fn = self._steps.get(key)
@@ -173,13 +197,17 @@ class ModelRunner:
             fn = self._samplers[key] = self._lower_sampler(key).compile()
         return fn
 
+    @property
+    def num_compiled_steps(self) -> int:
+        return len(self._steps)
+
     def warmup(self, progress: bool = False, threads: int = 2) -> float:
         """Compile every bucket now (and run none): no compile happens after this. XLA compiles
         release the GIL, so two threads keep both cores of a small machine busy."""
         from concurrent.futures import ThreadPoolExecutor
         t0 = time.time()
         shapes = list(self.buckets.all_shapes())
-        rows = sorted(set(self.buckets.decode_seqs) | {self.buckets.prefill_seqs})
+        rows = sorted({self.buckets.logits_rows(t) for t in self.buckets.tokens})
         samplers = [(r, m, lp) for r in rows for m in ("greedy", "sample") for lp in (False, True)]
         jobs = [(self._lower_step, k) for k in shapes] + [(self._lower_sampler, k) for k in samplers]
         done = 0
@@ -193,30 +221,24 @@ class ModelRunner:
         return time.time() - t0
 
     # ---- a step ------------------------------------------------------------------------------
-    def bucket_for(self, mode: str, chunks: Sequence[SeqChunk]) -> tuple:
-        bk = self.buckets
-        if mode == "decode":
-            b = bk.pick(bk.decode_seqs, len(chunks), "running sequences")
-            pages = max(-(-(c.start_pos + 1) // self.page_size) for c in chunks)
-            return ("decode", b, b, bk.pick(bk.decode_pages, pages, "pages per sequence"))
+    def bucket_for(self, chunks: Sequence[SeqChunk]) -> tuple[int, int]:
         tokens = sum(len(c.token_ids) for c in chunks)
-        pages = sum(-(-(c.start_pos + len(c.token_ids)) // self.page_size) for c in chunks)
-        if len(chunks) > bk.prefill_seqs:
-            raise ValueError(f"{len(chunks)} sequences exceed max_prefill_seqs={bk.prefill_seqs}")
-        return ("prefill", bk.pick(bk.prefill_tokens, tokens, "prefill tokens"), bk.prefill_seqs,
-                bk.pick(bk.prefill_pages, pages, "prefill pages"))
+        pages = sum(pages_needed(c, self.page_size) for c in chunks)
+        if len(chunks) > self.buckets.max_num_seqs:
+            raise ValueError(f"{len(chunks)} sequences exceed max_num_seqs={self.buckets.max_num_seqs}")
+        return self.buckets.for_step(tokens, pages)
 
-    def execute(self, mode: str, chunks: Sequence[SeqChunk], rows: Sequence[SampleRow]) -> StepResult:
-        """Run one step; sample one token per chunk (callers ignore those of unfinished prefill
-        chunks)."""
-        key = self.bucket_for(mode, chunks)
+    def execute(self, chunks: Sequence[SeqChunk], rows: Sequence[SampleRow]) -> StepResult:
+        """Run one mixed step (decode rows and prefill chunks together); sample one token per
+        chunk, in the chunks' order (callers ignore those of unfinished prefill chunks)."""
+        order = decode_first(chunks)
+        chunks = [chunks[i] for i in order]
+        rows = [rows[i] for i in order]
+        key = self.bucket_for(chunks)
         fn = self._compiled_step(key)
-        _, t, b, x = key
-        s, r = self._scalings_ranks()
-        batch = build_batch(chunks, mode=mode, num_tokens=t, num_seqs=b, num_pages=x,
-                            page_size=self.page_size, scalings_S=s, ranks_S=r)
-        if self.lora is None:
-            batch.lora = None
+        t, x = key
+        batch = build_batch(chunks, num_tokens=t, num_pages=x, num_logits=self.buckets.logits_rows(t),
+                            page_size=self.page_size, prepare_lora=self._prepare_lora(t))
         lora_w = self.lora.weights if self.lora is not None else None
         logits, self.kv = fn(self.weights, lora_w, self.kv, batch)
         n = len(chunks)
@@ -233,19 +255,23 @@ class ModelRunner:
             seed[i], step[i] = np.uint32(row.seed & 0xFFFFFFFF), row.step
         sampler = self._compiled_sampler(q, "greedy" if greedy else "sample", want_lp)
         tokens, lp = sampler(logits, temp, top_k, top_p, seed, step)
-        tokens = _host(tokens)[:n]
+        inverse = np.argsort(np.asarray(order, np.int64))  # back to the callers' order
+        tokens = _host(tokens)[:n][inverse]
         if lp is not None:
-            lp = tuple(_host(a)[:n] for a in lp)
+            lp = tuple(_host(a)[:n][inverse] for a in lp)
         return StepResult(tokens, lp)
 
 
-def jit_slot_writer(write_slot, buffer_shardings, slot_shardings, replicated):
-    """The LoRA slot writer (multilora.lora.pool.write_slot) jitted for one set of buffers:
-    donated, so a slot is rewritten in place, and pinned to the buffers' shardings in and out
-    (the new slot arrives split like the buffers, the slot index replicated). One compile serves
-    every slot: the index is traced."""
-    return jax.jit(write_slot, donate_argnums=0, in_shardings=(buffer_shardings, replicated, slot_shardings),
-                   out_shardings=buffer_shardings)
+def jit_slot_writer(write_slot, buffers, buffer_shardings, slot_shardings, replicated):
+    """The LoRA slot writer (multilora.lora.pool.write_slot) compiled now for one set of buffers
+    (so that the first adapter written after warm-up compiles nothing): donated, so a slot is
+    rewritten in place, and pinned to the buffers' shardings in and out (the new slot arrives split
+    like the buffers, the slot index replicated). One compile serves every slot: the index is
+    traced."""
+    fn = jax.jit(write_slot, donate_argnums=0, in_shardings=(buffer_shardings, replicated, slot_shardings),
+                 out_shardings=buffer_shardings)
+    slot_abstract = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[:1] + b.shape[2:], np.float32), buffers)
+    return fn.lower(buffers, jax.ShapeDtypeStruct((), np.int32), slot_abstract).compile()
 
 
 def _replicated_like(s: jax.sharding.Sharding) -> jax.sharding.Sharding:

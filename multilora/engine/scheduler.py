@@ -1,23 +1,36 @@
-"""Continuous batching: which requests compute which tokens this step. Plain Python, no jax.
+"""Continuous batching with one mixed step: which requests compute which tokens. Plain Python, no jax.
 
-A step is either a prefill step (chunks of prompts, up to max_num_batched_tokens tokens) or a
-decode step (one token for every running request whose prompt is in the cache). When both kinds
-have work they alternate, so new prompts never stall running streams and vice versa.
+    plan = scheduler.schedule()          # decode rows + prefill chunks, pages granted
+    ...                                  # the runner computes the plan and samples
+    sampled = scheduler.postprocess(plan, tokens)
 
-Budgets: tokens per step, running sequences (max_num_seqs), free KV pages, and distinct adapters
-among running requests (max_loras_per_batch, pinned adapters included): a request whose adapter
-does not fit waits. Later requests may pass a blocked one, but only for `starvation_steps` steps;
-after that nothing passes it (first come, first served within the adapter budget). When pages run
-out in decode, the latest-arrived running request is preempted (its pages freed, recomputed later).
+Every step carries all running requests first (oldest first: one token for each decoding one, a
+chunk for each one still prefilling), then admits waiting requests as prefill chunks, all under
+one token budget (max_num_batched_tokens): chunked prefill rides along with decode, as in vLLM V1
+and Sarathi-Serve, so a stream never waits for a whole prompt's prefill.
+
+Budgets: tokens per step, running sequences (max_num_seqs), prefill chunks per step
+(max_prefill_seqs), free KV pages, and distinct adapters among running requests (adapters_fit,
+pinned adapters included): a request whose adapter does not fit waits. Later requests may pass a
+blocked one, but only for `starvation_steps` steps; after that nothing passes it (first come,
+first served within the adapter budget). When pages run out, the latest-arrived running request
+not yet served this step is preempted (its page references dropped, recomputed later; its full
+pages stay in the prefix cache, so the recompute mostly hits).
+
+Prefix cache (multilora.engine.kv_pages): at admission a request's full prompt pages are looked
+up by their hash chain, which starts from the hash of its adapter's contents, so pages are shared
+among requests of the same adapter (or among base-model requests) and never across adapters. The
+last prompt token is always computed (it gives the logits). After each step, pages that became
+full are registered under their keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
-from multilora.engine.kv_pages import PagePool
+from multilora.engine.kv_pages import PagePool, page_keys
 from multilora.engine.request import Request, RequestStatus
 
 
@@ -34,21 +47,32 @@ class ScheduledChunk:
     request: Request
     start: int        # first token computed this step
     num_tokens: int
+    # After this chunk every known token has K/V: the step samples the next one (fixed when
+    # scheduled; postprocess appends that token).
+    completes_prefill: bool = dataclasses.field(init=False)
 
-    @property
-    def completes_prefill(self) -> bool:
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self):
+        self.completes_prefill = self.start + self.num_tokens == self.request.num_tokens
 
 
 @dataclasses.dataclass
-class SchedulerOutput:
-    kind: str                                   # "prefill" | "decode" | "idle"
+class StepPlan:
     chunks: list[ScheduledChunk]
     preempted: list[Request] = dataclasses.field(default_factory=list)
+    prefix_queried_tokens: int = 0     # prompt tokens looked up in the prefix cache this step
+    prefix_hit_tokens: int = 0         # of those, found
 
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def kind(self) -> str:
+        """"idle", "decode" (single-token chunks only), "prefill" (chunks only) or "mixed"."""
+        if not self.chunks:
+            return "idle"
+        single = sum(c.num_tokens == 1 for c in self.chunks)
+        return "decode" if single == len(self.chunks) else "prefill" if single == 0 else "mixed"
 
 
 class Scheduler:
@@ -59,7 +83,7 @@ class Scheduler:
         self.adapters_fit = adapters_fit
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._last_kind = "decode"
+        self.stats = {"prefix_queried_tokens": 0, "prefix_hit_tokens": 0}
 
     # ---- queue -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -74,115 +98,159 @@ class Scheduler:
         return {r.adapter for r in self.running if r.adapter is not None}
 
     def remove(self, req: Request) -> None:
-        """Take a request out of the queues and give back its pages (finish or abort)."""
+        """Take a request out of the queues and drop its page references (finish or abort)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if req.block_table:
-            self.pages.free(req.block_table)
-            req.block_table = []
+        self._release_pages(req)
         req.status = RequestStatus.FINISHED
 
+    def _release_pages(self, req: Request) -> None:
+        if req.block_table:
+            self.pages.free(req.block_table[::-1])  # tail pages first in line for eviction
+        req.block_table = []
+        req.page_keys = []
+
     # ---- scheduling ------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        prefill_ready = any(r.is_prefilling for r in self.running) or bool(self.waiting)
-        decode_ready = any(not r.is_prefilling for r in self.running)
-        if prefill_ready and (self._last_kind == "decode" or not decode_ready):
-            out = self._schedule_prefill()
-            if out.chunks:
-                self._last_kind = "prefill"
-                return out
-        if decode_ready:
-            self._last_kind = "decode"
-            return self._schedule_decode()
-        return SchedulerOutput("idle", [])
-
-    def _schedule_prefill(self) -> SchedulerOutput:
+    def schedule(self) -> StepPlan:
+        plan = StepPlan([])
         budget = self.cfg.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
-
-        def take(req: Request) -> bool:
-            nonlocal budget
-            n = min(req.num_uncomputed, budget)
-            start = req.num_computed_tokens
-            if n <= 0:
-                return False
-            extra = self.pages.pages_for(start + n) - len(req.block_table)
-            if extra > self.pages.num_free:
-                n = (len(req.block_table) + self.pages.num_free) * self.pages.page_size - start
-                if n <= 0:
-                    return False
-            self.pages.grow(req.block_table, start + n)
-            chunks.append(ScheduledChunk(req, start, n))
+        served: set[int] = set()
+        prefill_chunks = 0
+        # Decode rows first (one token each), then running prefills: an older request admitted
+        # late never holds a stream back for its whole prompt.
+        for req in sorted(self.running, key=lambda r: (r.is_prefilling, r.arrival)):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            prefilling = req.is_prefilling
+            if prefilling and prefill_chunks >= self.cfg.max_prefill_seqs:
+                continue
+            n = self._grant(req, min(req.num_uncomputed, budget), served, plan)
+            if n == 0:
+                continue
+            plan.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            served.add(id(req))
             budget -= n
-            return True
+            prefill_chunks += n > 1
+        self._admit(plan, budget, prefill_chunks)
+        return plan
 
-        for req in self.running:  # unfinished chunked prefills first
-            if req.is_prefilling and budget > 0 and len(chunks) < self.cfg.max_prefill_seqs:
-                take(req)
+    def _grant(self, req: Request, n: int, served: set[int], plan: StepPlan) -> int:
+        """Pages for req's next n tokens: fewer tokens when a prefill chunk can shrink, else
+        preempt the latest-arrived running request not served this step. 0: req itself was
+        preempted (it was the latest)."""
+        start = req.num_computed_tokens
+        while True:
+            need = self.pages.pages_for(start + n) - len(req.block_table)
+            if need <= self.pages.num_free:
+                self.pages.grow(req.block_table, start + n)
+                return n
+            fit = (len(req.block_table) + self.pages.num_free) * self.pages.page_size - start
+            if fit >= 1 and n > 1:
+                n = min(n, fit)
+                continue
+            victim = max((r for r in self.running if id(r) not in served), key=lambda r: r.arrival)
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is req:
+                return 0
+
+    def _admit(self, plan: StepPlan, budget: int, prefill_chunks: int) -> None:
         adapters = self.running_adapters()
         blocked_head: Optional[Request] = None
+        admitted: list[Request] = []
         for req in list(self.waiting):
-            if budget <= 0 or len(chunks) >= self.cfg.max_prefill_seqs \
+            if budget <= 0 or prefill_chunks >= self.cfg.max_prefill_seqs \
                     or len(self.running) >= self.cfg.max_num_seqs:
                 break
             wanted = adapters | ({req.adapter} if req.adapter else set())
-            fits = self.adapters_fit(wanted)
-            if not fits:
+            if not self.adapters_fit(wanted):
                 if blocked_head is None:
                     blocked_head = req
                 continue
-            if blocked_head is not None:
-                if blocked_head.skipped_steps >= self.cfg.starvation_steps:
-                    break  # the blocked request has waited long enough: nothing passes it now
-            if self.pages.pages_for(min(req.num_uncomputed, budget)) > self.pages.num_free:
-                break  # FCFS on pages: don't let smaller prompts overtake a large one
-            if not take(req):
+            if blocked_head is not None and blocked_head.skipped_steps >= self.cfg.starvation_steps:
+                break  # the blocked request has waited long enough: nothing passes it now
+            hits = self._match_prefix(req)
+            n = min(req.num_uncomputed, budget)
+            start = req.num_computed_tokens
+            free_tokens = (len(req.block_table) + self.pages.num_free) * self.pages.page_size - start
+            if free_tokens < n:
+                # FCFS on pages: no smaller prompt overtakes this one; give back what it matched
+                self._release_pages(req)
+                req.num_computed_tokens = 0
                 break
+            self.pages.grow(req.block_table, start + n)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            admitted.append(req)
+            plan.chunks.append(ScheduledChunk(req, start, n))
+            plan.prefix_queried_tokens += req.num_tokens
+            plan.prefix_hit_tokens += hits
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = hits
+            budget -= n
+            prefill_chunks += n > 1
             adapters = wanted
-        if blocked_head is not None and any(c.request.arrival > blocked_head.arrival for c in chunks):
+        if blocked_head is not None and any(r.arrival > blocked_head.arrival for r in admitted):
             blocked_head.skipped_steps += 1
-        return SchedulerOutput("prefill", chunks)
+        self.stats["prefix_queried_tokens"] += plan.prefix_queried_tokens
+        self.stats["prefix_hit_tokens"] += plan.prefix_hit_tokens
 
-    def _schedule_decode(self) -> SchedulerOutput:
-        preempted: list[Request] = []
-        decodable = sorted((r for r in self.running if not r.is_prefilling), key=lambda r: r.arrival)
-        chunks = []
-        i = 0
-        while i < len(decodable):
-            req = decodable[i]
-            need = self.pages.pages_for(req.num_tokens) - len(req.block_table)
-            while need > self.pages.num_free:
-                victim = max(self.running, key=lambda r: r.arrival)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim in decodable:
-                    decodable.remove(victim)
-                if victim is req:
-                    break
-            if req in preempted:
-                continue
-            self.pages.grow(req.block_table, req.num_tokens)
-            chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1))
-            i += 1
-        return SchedulerOutput("decode", chunks, preempted)
+    def _match_prefix(self, req: Request) -> int:
+        """Take the cached pages of req's longest cached prefix (never its last known token);
+        returns the tokens they hold."""
+        if not self.pages.enable_prefix_caching or req.num_computed_tokens or req.block_table:
+            return 0
+        p = self.pages.page_size
+        keys = page_keys(req.lora_hash, req.all_token_ids[:req.num_tokens - 1], p)
+        pages = self.pages.match_prefix(keys) if keys else []
+        req.block_table = list(pages)
+        req.page_keys = keys[:len(pages)]
+        req.num_computed_tokens = len(pages) * p
+        return req.num_computed_tokens
 
     def _preempt(self, req: Request) -> None:
-        """Recompute later: free the pages, put it first in line."""
+        """Recompute later: drop its page references, put it first in line."""
         self.running.remove(req)
-        self.pages.free(req.block_table)
-        req.block_table = []
+        self._release_pages(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
     # ---- after the step --------------------------------------------------------------------
-    def commit(self, out: SchedulerOutput) -> None:
-        """The step ran: its chunks' tokens are in the cache."""
-        for c in out.chunks:
-            c.request.num_computed_tokens = c.start + c.num_tokens
+    def postprocess(self, plan: StepPlan, sampled: Sequence[int]) -> list[Request]:
+        """The step ran: its chunks' tokens are in the cache. Pages that became full join the
+        prefix cache; every chunk that completed its request's known tokens gets its sampled
+        token appended. Returns those requests (in plan order)."""
+        got = []
+        if len(sampled) != len(plan.chunks):
+            raise ValueError(f"{len(sampled)} sampled tokens for {len(plan.chunks)} chunks")
+        for c, token in zip(plan.chunks, sampled):
+            req = c.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = c.start + c.num_tokens
+            self._register_full_pages(req)
+            if c.completes_prefill:
+                req.output_token_ids.append(int(token))
+                got.append(req)
+        return got
+
+    def _register_full_pages(self, req: Request) -> None:
+        if not self.pages.enable_prefix_caching:
+            return
+        p = self.pages.page_size
+        full = req.num_computed_tokens // p
+        have = len(req.page_keys)
+        if full <= have:
+            return
+        new = page_keys(req.lora_hash, req.all_token_ids[:full * p], p,
+                        parent=req.page_keys[-1] if have else None, start_page=have)
+        for i, key in enumerate(new, start=have):
+            self.pages.register(req.block_table[i], key)
+        req.page_keys.extend(new)

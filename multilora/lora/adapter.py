@@ -8,9 +8,11 @@ backend, times a per-module ratio folded into B here (1.0 unless a pattern chang
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import re
+import struct
 from pathlib import Path
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for bf16 adapters)
@@ -45,6 +47,25 @@ class LoRAAdapter:
     @property
     def target_modules(self) -> tuple[str, ...]:
         return tuple(m for m in LORA_MODULES if m in self.modules)
+
+    @property
+    def content_hash(self) -> bytes:
+        """A hash of what the adapter computes (every module's A and B, its rank and scaling),
+        never of its name or path: the root of its requests' prefix-cache keys, so a name
+        reloaded with other weights never reuses stale pages."""
+        cached = self.__dict__.get("_content_hash")
+        if cached is None:
+            h = hashlib.sha256(b"multilora:lora:v1")
+            h.update(struct.pack("<qd", self.rank, self.scaling))
+            for m in sorted(self.modules):
+                a, b = self.modules[m]
+                h.update(m.encode() + b"\0")
+                for arr in (a, b):
+                    arr = np.ascontiguousarray(arr)
+                    h.update(str((arr.dtype.str, arr.shape)).encode())
+                    h.update(arr.reshape(-1).view(np.uint8))
+            cached = self.__dict__["_content_hash"] = h.digest()
+        return cached
 
     @property
     def nbytes(self) -> int:

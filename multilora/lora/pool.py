@@ -102,13 +102,15 @@ def write_slot(lora: LoRAWeights, slot: jax.Array, new: LoRAWeights) -> LoRAWeig
 class LoRASlots:
     """The device buffers plus each slot's scaling and rank (host arrays fed to every batch)."""
 
-    def __init__(self, cfg: ModelConfig, lora_cfg: LoRAConfig, dtype, mesh):
+    def __init__(self, cfg: ModelConfig, lora_cfg: LoRAConfig, dtype, mesh, jit_writer=None):
+        """jit_writer: the runner's jit_slot_writer (jit lives in the runner; it is handed in so
+        that this module does not import the runner). Without it slots are written eagerly."""
         self.cfg, self.lora_cfg = cfg, lora_cfg
         self.shardings = lora_shardings(cfg, mesh)
         self.weights = init_lora_weights(cfg, lora_cfg, dtype, mesh)
         self._slot_shardings = lora_shardings(cfg, mesh, without_axis(LORA_AXES, "slots"))
-        from multilora.engine.runner import jit_slot_writer  # jit lives in the runner
-        self._write = jit_slot_writer(write_slot, self.shardings, self._slot_shardings, replicated(mesh))
+        self._write = (jit_writer(write_slot, self.weights, self.shardings, self._slot_shardings,
+                                  replicated(mesh)) if jit_writer is not None else write_slot)
         self.scalings_S = np.zeros((lora_cfg.num_slots,), np.float32)
         self.ranks_S = np.zeros((lora_cfg.num_slots,), np.int32)
 

@@ -47,6 +47,7 @@ class AdapterEntry:
     unloading: bool = False
     slot: Optional[int] = None
     rank: int = 0
+    content_hash: bytes = b""  # of its weights and scaling: the root of its prefix-cache keys
 
 
 @dataclasses.dataclass
@@ -87,7 +88,8 @@ class AdapterRegistry:
                 f"cannot pin {name!r}: pinned adapters would fill all {self.num_slots} device slots "
                 "and leave none for the others")
         adapter = self._read(name, path)
-        entry = AdapterEntry(name=name, path=str(path), id=next(self._ids), pinned=pinned, rank=adapter.rank)
+        entry = AdapterEntry(name=name, path=str(path), id=next(self._ids), pinned=pinned, rank=adapter.rank,
+                             content_hash=adapter.content_hash)
         self.entries[name] = entry
         self._put_host(name, adapter)
         return entry
@@ -146,6 +148,9 @@ class AdapterRegistry:
         if adapter is None:
             self.stats.host_misses += 1
             adapter = self._read(entry.name, entry.path)  # evicted: read its folder again
+            # The folder may have changed since: new requests key their pages by what is read now.
+            entry.content_hash = adapter.content_hash
+            entry.rank = adapter.rank
             self._put_host(entry.name, adapter)
         else:
             self.stats.host_hits += 1

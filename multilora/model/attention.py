@@ -2,8 +2,10 @@
 
 The cache of one layer is k_PpKH: P pages of p slots. A token's K/V is first written at its
 slot_mapping entry (page * p + offset); attention then reads whole pages through block tables.
-Prefill: blocks of packed query tokens walk only the pages their own sequences hold (an online
-softmax over chunks of keys). Decode: one token per sequence, each gathers only its own pages.
+A step mixes both kinds of sequence in one packed batch over one flat list of the step's pages:
+sequences with one token this step (decode rows, listed first) go through decode_attention, a
+softmax over page segments; longer chunks (prefill) go through prefill_attention, blocks of
+packed query tokens walking only the pages their own sequences hold (an online softmax).
 Legend: T tokens, B sequences, C pages per sequence, p page size, K kv heads, G = N/K, H head dim;
 prefill's loop: J query blocks of M rows, Y keys per iteration.
 """
@@ -21,6 +23,15 @@ def write_kv(cache_LPpKH: jax.Array, layer: jax.Array, slot_mapping_T: jax.Array
     page_size = cache_LPpKH.shape[2]
     page_T, off_T = slot_mapping_T // page_size, slot_mapping_T % page_size
     return cache_LPpKH.at[layer, page_T, off_T].set(new_TKH.astype(cache_LPpKH.dtype))
+
+
+def read_pages(cache_LPpKH: jax.Array, layer, pages: jax.Array) -> jax.Array:
+    """cache[layer, pages] as one gather from the whole cache (layers and pages flattened, a free
+    reshape): indexing [layer, pages] lets XLA slice the layer out first, a copy of that layer's
+    entire cache on every layer of every step."""
+    l, num_pages = cache_LPpKH.shape[:2]
+    flat = cache_LPpKH.reshape((l * num_pages,) + cache_LPpKH.shape[2:])
+    return jnp.take(flat, layer * num_pages + pages, axis=0, mode="clip")
 
 
 def _softmax_attend(scores, v, out_spec, scale):
@@ -80,8 +91,8 @@ def prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X,
         key_seq_JY = jnp.repeat(jnp.take(kv_page_seq_X, page_i_JC), p, axis=1)
         in_range_JY = jnp.repeat(in_range_JC, p, axis=1)
         key_pos_JY = jnp.take(key_pos_Xp, page_i_JC, axis=0).reshape(nb, kc * p)
-        k_JYKH = k_LPpKH[layer, pages_JC].reshape(nb, kc * p, kvh, h)
-        v_JYKH = v_LPpKH[layer, pages_JC].reshape(nb, kc * p, kvh, h)
+        k_JYKH = read_pages(k_LPpKH, layer, pages_JC).reshape(nb, kc * p, kvh, h)
+        v_JYKH = read_pages(v_LPpKH, layer, pages_JC).reshape(nb, kc * p, kvh, h)
         visible_JMY = (in_range_JY[:, None, :] & (key_seq_JY[:, None, :] == seq_JM[:, :, None])
                        & (key_pos_JY[:, None, :] <= pos_JM[:, :, None])
                        & _window_ok(key_pos_JY[:, None, :], pos_JM[:, :, None], sliding_window))
@@ -114,19 +125,36 @@ def kv_page_pos_of(kv_page_seq_X, page_size):
     return (page_in_seq_X[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(-1)
 
 
-def decode_attention(q_BNH, k_LPpKH, v_LPpKH, layer, block_tables_BC, context_lens_B,
-                     sliding_window: int | None = None):
-    b, n, h = q_BNH.shape
-    kvh = k_LPpKH.shape[3]
-    c, p = block_tables_BC.shape[1], k_LPpKH.shape[2]
-    k_BXKH = k_LPpKH[layer, block_tables_BC].reshape(b, c * p, kvh, h)
-    v_BXKH = v_LPpKH[layer, block_tables_BC].reshape(b, c * p, kvh, h)
-    key_pos_X = jnp.arange(c * p)
-    query_pos_B = context_lens_B - 1
-    visible_BX = ((key_pos_X[None, :] < context_lens_B[:, None])
-                  & _window_ok(key_pos_X[None, :], query_pos_B[:, None], sliding_window))
-    q_BKGH = q_BNH.reshape(b, kvh, n // kvh, h)
-    scores = jnp.einsum("bkgh,bxkh->bkgx", q_BKGH, k_BXKH, preferred_element_type=jnp.float32)
-    scores = jnp.where(visible_BX[:, None, None, :], scores * h ** -0.5, MASKED)
-    out = _softmax_attend(scores, v_BXKH, "bkgx,bxkh->bkgh", 1.0)
-    return out.reshape(b, n, h)
+def decode_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, positions_T,
+                     num_decode, sliding_window: int | None = None):
+    """Single-token sequences of a mixed step: rows 0..num_decode-1 are sequences 0..num_decode-1,
+    one query each. Every page of the step's flat page list is scored against the one query of
+    its sequence (pages of longer chunks and padding pages against nothing), and the pages of a
+    sequence are combined with a softmax over segments: the work is the step's pages, not
+    sequences x the longest sequence, and no per-sequence block table is padded.
+    Rows from num_decode on get zeros (the prefill kernel computes them)."""
+    t, n, h = q_TNH.shape
+    kvh, p = k_LPpKH.shape[3], k_LPpKH.shape[2]
+    x = kv_pages_X.shape[0]
+    g = n // kvh
+    is_dec_X = kv_page_seq_X < num_decode
+    row_X = jnp.where(is_dec_X, kv_page_seq_X, t)            # t: no query (dropped by segment ops)
+    q_XKGH = jnp.take(q_TNH, jnp.minimum(row_X, t - 1), axis=0, mode="clip").reshape(x, kvh, g, h)
+    k_XpKH = read_pages(k_LPpKH, layer, kv_pages_X)
+    v_XpKH = read_pages(v_LPpKH, layer, kv_pages_X)
+    key_pos_Xp = kv_page_pos_of(kv_page_seq_X, p).reshape(x, p)
+    q_pos_X = jnp.take(positions_T, jnp.minimum(row_X, t - 1), mode="clip")
+    visible_Xp = (is_dec_X[:, None] & (key_pos_Xp <= q_pos_X[:, None])
+                  & _window_ok(key_pos_Xp, q_pos_X[:, None], sliding_window))
+    s_XKGp = jnp.einsum("xkgh,xpkh->xkgp", q_XKGH, k_XpKH, preferred_element_type=jnp.float32)
+    s_XKGp = jnp.where(visible_Xp[:, None, None, :], s_XKGp * h ** -0.5, MASKED)
+    seg = dict(num_segments=t + 1, indices_are_sorted=True)
+    m_TKG = jax.ops.segment_max(jnp.max(s_XKGp, axis=-1), row_X, **seg)
+    m_XKG = jnp.take(m_TKG, row_X, axis=0, mode="clip")
+    e_XKGp = jnp.where(visible_Xp[:, None, None, :], jnp.exp(s_XKGp - m_XKG[..., None]), 0.0)
+    l_TKG = jax.ops.segment_sum(jnp.sum(e_XKGp, axis=-1), row_X, **seg)
+    pv_XKGH = jnp.einsum("xkgp,xpkh->xkgh", e_XKGp.astype(v_XpKH.dtype), v_XpKH,
+                         preferred_element_type=jnp.float32)
+    acc_TKGH = jax.ops.segment_sum(pv_XKGH, row_X, **seg)
+    out = acc_TKGH[:t] / jnp.where(l_TKG[:t] == 0, 1.0, l_TKG[:t])[..., None]
+    return out.reshape(t, n, h).astype(q_TNH.dtype)

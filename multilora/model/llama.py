@@ -3,11 +3,12 @@
     forward(weights, lora, kv, batch, cfg, backend) -> (logits, kv)
 
 Layers are stacked along a leading L axis and run under lax.scan; the KV cache rides in the scan
-carry and is updated in place (the runner donates it). Every projection adds its per-token LoRA
-delta through the backend; slot 0 adds nothing.
+carry and is updated in place (the runner donates it). One step packs decode rows and prefill
+chunks together (see Batch); every projection adds its per-token LoRA delta through the backend,
+and a step with no adapter row skips the LoRA ops (slot 0 adds nothing either way).
 
-Legend: L layers, T tokens, B sequences, D model dim, N/K query/kv heads, H head dim, F ffn dim,
-V vocab, P pages, p page size, C pages per sequence, S adapter slots, R rank, O out features.
+Legend: L layers, T tokens, D model dim, N/K query/kv heads, H head dim, F ffn dim, V vocab,
+P pages, p page size, X the step's pages, Q logits rows, S adapter slots, R rank, O out features.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from multilora.config import ModelConfig
 from multilora.lora.backend import get_backend
 from multilora.lora.batch import LoRABatchInfo
+from multilora.lora.batch import NO_ADAPTER
 from multilora.model.attention import decode_attention, prefill_attention, write_kv
 from multilora.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 
@@ -87,33 +89,30 @@ class KVCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Batch:
-    """One step's packed tokens. Padding tokens write to page 0 (reserved) and use slot 0.
+    """One step's packed tokens: decode rows and prefill chunks together. Padding tokens write to
+    page 0 (reserved) and use slot 0.
 
     token_ids_T, positions_T: the tokens and their positions in their sequences.
-    seq_idx_T:       which of the step's B sequences a token belongs to (-1 for padding).
+    seq_idx_T:       which of the step's sequences a token belongs to (-1 for padding). The
+                     sequences with one token this step come first: row b is sequence b for
+                     b < num_decode.
     slot_mapping_T:  where each token's K/V is written (page * page_size + offset).
-    Decode reads:
-    block_tables_BC: each sequence's pages (0 for unused entries).
-    context_lens_B:  tokens in each sequence's cache after this step's writes.
-    Prefill reads:
     kv_pages_X:      the pages of all the step's sequences, each sequence's run in order.
-    kv_page_seq_X:   the sequence each of those pages belongs to (B for padding).
+    kv_page_seq_X:   the sequence each of those pages belongs to (T for padding pages).
+    num_decode:      how many sequences have a single token this step (a scalar).
     logits_idx_Q:    which token rows produce logits (each sequence's last token).
-    lora:            the adapters' per-token metadata.
-    mode:            "prefill" or "decode" (static; decode has T == B, one token per sequence).
+    lora:            the adapters' per-token metadata (None when LoRA is disabled).
     """
 
     token_ids_T: jax.Array
     positions_T: jax.Array
     seq_idx_T: jax.Array
     slot_mapping_T: jax.Array
-    block_tables_BC: jax.Array
-    context_lens_B: jax.Array
     kv_pages_X: jax.Array
     kv_page_seq_X: jax.Array
+    num_decode: jax.Array
     logits_idx_Q: jax.Array
     lora: Optional[LoRABatchInfo]
-    mode: str = dataclasses.field(default="prefill", metadata=dict(static=True))
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
@@ -135,6 +134,15 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     t = batch.token_ids_T.shape[0]
     cos_TH, sin_TH = rope_cos_sin(batch.positions_T, rope_inv_freq(cfg))
     x_TD = jnp.take(weights.embed_VD, batch.token_ids_T, axis=0, mode="clip")
+    # Rows with one token this step take the decode path; the prefill kernel sees them as padding.
+    is_decode_T = (batch.seq_idx_T >= 0) & (batch.seq_idx_T < batch.num_decode)
+    prefill_seq_T = jnp.where(is_decode_T, -1, batch.seq_idx_T)
+    # A step in which no row has an adapter runs no LoRA op at all (a branch taken at run time,
+    # so it costs no extra compiled shapes).
+    any_lora = jnp.any(info.slot_T != NO_ADAPTER) if be is not None else None
+
+    def with_lora(fn, *zeros_like):
+        return jax.lax.cond(any_lora, fn, lambda: tuple(jnp.zeros_like(z) for z in zeros_like))
 
     def layer(carry, xs):
         x_TD, k_cache, v_cache = carry
@@ -144,33 +152,36 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         k = _proj(hid, lw.wk_LDO, lw.bk_LO)
         v = _proj(hid, lw.wv_LDO, lw.bv_LO)
         if be is not None:
-            dq, dk, dv = be.run_qkv_lora(hid, ll.qkv_a_LSRD, (ll.q_b_LSRO, ll.k_b_LSRO, ll.v_b_LSRO), info)
+            dq, dk, dv = with_lora(lambda: be.run_qkv_lora(
+                hid, ll.qkv_a_LSRD, (ll.q_b_LSRO, ll.k_b_LSRO, ll.v_b_LSRO), info), q, k, v)
             q, k, v = q + dq.astype(q.dtype), k + dk.astype(k.dtype), v + dv.astype(v.dtype)
         q_TNH = apply_rope(q.reshape(t, n, h), cos_TH, sin_TH)
         k_TKH = apply_rope(k.reshape(t, kvh, h), cos_TH, sin_TH)
         k_cache = write_kv(k_cache, idx, batch.slot_mapping_T, k_TKH)
         v_cache = write_kv(v_cache, idx, batch.slot_mapping_T, v.reshape(t, kvh, h))
-        if batch.mode == "decode":
-            attn = decode_attention(q_TNH, k_cache, v_cache, idx, batch.block_tables_BC,
-                                    batch.context_lens_B, cfg.sliding_window)
-        else:
-            attn = prefill_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X,
-                                     batch.kv_page_seq_X, batch.seq_idx_T, batch.positions_T,
-                                     cfg.sliding_window)
-        attn_TO = attn.reshape(t, n * h)
+        dec = decode_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
+                               batch.positions_T, batch.num_decode, cfg.sliding_window)
+        pre = prefill_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
+                                prefill_seq_T, batch.positions_T, cfg.sliding_window)
+        attn_TO = jnp.where(is_decode_T[:, None, None], dec, pre).reshape(t, n * h)
         o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD)
         if be is not None:
-            o = be.run_lora_b_gemm(be.run_lora_a_gemm(attn_TO, ll.o_a_LSRO, info), ll.o_b_LSRD, info, o)
+            (do,) = with_lora(lambda: (be.run_lora_b_gemm(
+                be.run_lora_a_gemm(attn_TO, ll.o_a_LSRO, info), ll.o_b_LSRD, info),), o)
+            o = o + do.astype(o.dtype)
         x_TD = x_TD + o
         hid = rms_norm(x_TD, lw.mlp_norm_LD, cfg.rms_norm_eps)
         gate, up = _proj(hid, lw.w_gate_LDF), _proj(hid, lw.w_up_LDF)
         if be is not None:
-            dg, du = be.run_gate_up_lora(hid, ll.gate_up_a_LSRD, (ll.gate_b_LSRF, ll.up_b_LSRF), info)
+            dg, du = with_lora(lambda: be.run_gate_up_lora(
+                hid, ll.gate_up_a_LSRD, (ll.gate_b_LSRF, ll.up_b_LSRF), info), gate, up)
             gate, up = gate + dg.astype(gate.dtype), up + du.astype(up.dtype)
         act_TF = swiglu(gate, up)
         down = _proj(act_TF, lw.w_down_LFD)
         if be is not None:
-            down = be.run_lora_b_gemm(be.run_lora_a_gemm(act_TF, ll.down_a_LSRF, info), ll.down_b_LSRD, info, down)
+            (dd,) = with_lora(lambda: (be.run_lora_b_gemm(
+                be.run_lora_a_gemm(act_TF, ll.down_a_LSRF, info), ll.down_b_LSRD, info),), down)
+            down = down + dd.astype(down.dtype)
         return (x_TD + down, k_cache, v_cache), None
 
     layer_ids = jnp.arange(cfg.num_layers)
@@ -179,7 +190,8 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     x_QD = jnp.take(x_TD, batch.logits_idx_Q, axis=0, mode="clip")
     x_QD = rms_norm(x_QD, weights.final_norm_D, cfg.rms_norm_eps)
     if weights.lm_head_DV is None:
-        logits = jnp.einsum("qd,vd->qv", x_QD, weights.embed_VD, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("qd,vd->qv", x_QD, weights.embed_VD,
+                            preferred_element_type=jnp.float32)
     else:
         logits = jnp.einsum("qd,dv->qv", x_QD, weights.lm_head_DV, preferred_element_type=jnp.float32)
     return logits.astype(jnp.float32), KVCache(k_cache, v_cache)

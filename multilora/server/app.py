@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from multilora.args import add_engine_args, engine_kwargs
 from multilora.engine.request import SamplingParams
 from multilora.lora.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
 from multilora.server import protocol as P
@@ -248,7 +249,7 @@ class _Server:
             if reason == "error":
                 raise APIError(500, f"the request failed: {s.error or 'engine error'}", code="engine_error")
             return dict(text="".join(text), token_ids=ids, logprobs=lps, finish_reason=reason,
-                        prompt_tokens=len(s.prompt_token_ids))
+                        prompt_tokens=len(s.prompt_token_ids), cached_tokens=s.num_cached_tokens)
 
         watcher = asyncio.create_task(_wait_disconnect(request))
         work = asyncio.ensure_future(asyncio.gather(*(one(s) for s in streams)))
@@ -511,13 +512,12 @@ async def _call(coro):
 def _usage(results: list[dict]) -> P.UsageInfo:
     prompt = sum(r["prompt_tokens"] for r in results)
     completion = sum(len(r["token_ids"]) for r in results)
-    return P.UsageInfo.of(prompt, completion)
+    return P.UsageInfo.of(prompt, completion, sum(r["cached_tokens"] for r in results))
 
 
 # ---- the command line ----------------------------------------------------------------------------
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of `multilora serve`: engine budgets, then the server's own."""
-    from multilora.cli import add_engine_args  # the same engine flags as `multilora generate`
     add_engine_args(parser.add_argument_group("model, adapters and engine budgets"))
     parser.add_argument("--no-demo-adapters", action="store_true",
                         help="with the embedded default model and no --lora-modules, do not serve the "
@@ -542,7 +542,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def engine_from_args(args):
-    from multilora.cli import engine_kwargs
     from multilora.engine.engine import Engine
     return Engine(progress=True, **engine_kwargs(args))
 

@@ -67,6 +67,7 @@ class RequestStream:
         self.prompt_token_ids = prompt_token_ids
         self.finished = False
         self.finish_reason: Optional[str] = None
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (usage)
 
     @property
     def error(self) -> Optional[str]:
@@ -80,6 +81,7 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         delta: StreamDelta = await self._state.queue.get()
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.finished:
             self.finished = True
             self.finish_reason = delta.finish_reason
@@ -391,7 +393,7 @@ class AsyncEngine:
             "multilora_loaded_adapters": len(eng.registry.entries),
         }
         self.snapshot = snap
-        self.metrics.set_snapshot(snap, dataclasses.asdict(eng.registry.stats))
+        self.metrics.set_snapshot(snap, dataclasses.asdict(eng.registry.stats), dict(eng.scheduler.stats))
 
 
 def _deliver(items: list) -> None:

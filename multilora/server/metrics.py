@@ -69,6 +69,7 @@ class Metrics:
         self.e2e = _Histogram(E2E_BUCKETS)
         self.gauges: dict[str, float] = {}                       # from the engine thread's snapshot
         self.adapter_stats: dict[str, int] = {}
+        self.scheduler_stats: dict[str, int] = {}                # prefix-cache token counters
 
     def _model(self, lora: Optional[str]) -> str:
         return lora if lora is not None else self.base_name
@@ -100,10 +101,12 @@ class Metrics:
             self.finished[key] = self.finished.get(key, 0) + 1
             self.e2e.observe(e2e)
 
-    def set_snapshot(self, gauges: dict[str, float], adapter_stats: dict[str, int]) -> None:
+    def set_snapshot(self, gauges: dict[str, float], adapter_stats: dict[str, int],
+                     scheduler_stats: Optional[dict[str, int]] = None) -> None:
         with self._lock:
             self.gauges = dict(gauges)
             self.adapter_stats = dict(adapter_stats)
+            self.scheduler_stats = dict(scheduler_stats or {})
 
     # ---- exposition ------------------------------------------------------------------------
     def render(self) -> str:
@@ -153,6 +156,13 @@ class Metrics:
                                ("host_evictions", "Host copies evicted (max_loaded_loras).")):
                 family(f"multilora_lora_{key}_total", "counter", help_,
                        [("", {}, self.adapter_stats.get(key, 0))])
+            sched = self.scheduler_stats
+            family("multilora_prefix_cache_queries_total", "counter",
+                   "Prompt tokens looked up in the prefix cache at admission.",
+                   [("", {}, sched.get("prefix_queried_tokens", 0))])
+            family("multilora_prefix_cache_hits_total", "counter",
+                   "Prompt tokens found in the prefix cache (their K/V not recomputed).",
+                   [("", {}, sched.get("prefix_hit_tokens", 0))])
             hist("multilora_time_to_first_token_seconds", "Time from arrival to the first token.", self.ttft)
             hist("multilora_inter_token_latency_seconds", "Time between a request's successive tokens.",
                  self.itl)

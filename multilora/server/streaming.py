@@ -114,8 +114,9 @@ async def completion_stream(srv: "_Server", streams: list[RequestStream], model:
             yield _sse(chunk)
         if include_usage:
             prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+            cached = sum(s.num_cached_tokens for s in streams)
             yield _sse(P.CompletionChunk(id=rid, created=created, model=model, choices=[],
-                                         usage=P.UsageInfo.of(prompt_tokens, completion_tokens)))
+                                         usage=P.UsageInfo.of(prompt_tokens, completion_tokens, cached)))
         yield "data: [DONE]\n\n"
     finally:  # the client went away (or we are done): free what is still running
         for s in streams:
@@ -141,7 +142,8 @@ async def chat_stream(srv: "_Server", stream: RequestStream, model: str, rid: st
                                    logprobs=lp, finish_reason=d.finish_reason if d.finished else None)]))
         if include_usage:
             yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                             usage=P.UsageInfo.of(len(stream.prompt_token_ids), completion_tokens)))
+                                             usage=P.UsageInfo.of(len(stream.prompt_token_ids), completion_tokens,
+                                                                  stream.num_cached_tokens)))
         yield "data: [DONE]\n\n"
     finally:
         stream.abort()

@@ -1,0 +1,79 @@
+"""Command-line flags for the engine, shared by `multilora generate` and `multilora serve`: one
+flag per EngineConfig field, and the way back from parsed flags to an EngineConfig. Both the CLI
+and the server import this module (neither imports the other)."""
+
+from __future__ import annotations
+
+import argparse
+
+from multilora.config import EngineConfig
+
+
+def parse_lora_modules(items) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora-modules expects name=path, got {item!r}")
+        out[name] = path
+    return out
+
+
+_HELP = {
+    "max_loras_per_batch": "device slots for adapters, i.e. distinct adapters in one batch (0 disables LoRA)",
+    "max_lora_rank": "largest adapter rank served (default: the largest rank among --lora-modules, at least 16)",
+    "max_loaded_loras": "host copies of adapters kept in memory, LRU (default: all registered)",
+    "lora_backend": "LoRA kernel: auto picks by step shape",
+    "dtype": "weights and KV cache dtype (float32 is fastest on XLA's CPU backend)",
+    "max_model_len": "context length (default: the model's max_position_embeddings)",
+    "num_pages": "KV cache pages (default: from --kv-cache-memory-gb)",
+    "enable_prefix_caching": "share the KV pages of common prompt prefixes (per adapter); on by default",
+    "max_num_batched_tokens": "tokens per step: decode rows plus prefill chunks",
+    "max_prefill_seqs": "prefill chunks per step",
+    "tensor_parallel_size": "devices to split the model over (with several processes: all of them)",
+}
+_CHOICES = {"lora_backend": ["auto", "bgmv", "sgmv", "dense", "reference"],
+            "dtype": ["float32", "bfloat16", "float16"]}
+
+
+def add_engine_args(p) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH")
+    defaults = EngineConfig()
+    for f in EngineConfig.__dataclass_fields__.values():
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if f.name == "enable_prefix_caching":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[f.name])
+            continue
+        kind = {"int": int, "float": float, "str": str}.get(
+            str(f.type).replace("Optional[", "").rstrip("]"), str)
+        p.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(f.name),
+                       help=_HELP.get(f.name))
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    return EngineConfig(**{name: getattr(args, name) for name in EngineConfig.field_names()
+                           if hasattr(args, name)})
+
+
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several processes (hosts); see docs/distributed.md")
+    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="process 0's address for jax.distributed (same on every process)")
+    g.add_argument("--num-processes", type=int, default=1)
+    g.add_argument("--process-id", type=int, default=0,
+                   help="this process's index; 0 takes the requests and prints the outputs")
+
+
+def distributed_kwargs(args) -> dict | None:
+    if getattr(args, "coordinator_address", None) is None and getattr(args, "num_processes", 1) <= 1:
+        return None
+    return dict(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+                process_id=args.process_id)
+
+
+def engine_kwargs(args) -> dict:
+    """Engine(**engine_kwargs(args)): the model, its adapters, the config and the processes."""
+    return dict(model=args.model, lora_modules=parse_lora_modules(args.lora_modules),
+                config=engine_config_from_args(args), distributed=distributed_kwargs(args))
