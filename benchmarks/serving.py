@@ -236,10 +236,10 @@ def run_engine(model, adapters, prompts, names, new_tokens, mlpb, mll, dtype, ba
     from multilora import Engine, SamplingParams
     mods = {f"a{i}": str(p) for i, p in enumerate(adapters)}
     t0 = time.time()
-    # The engine's own step shapes (Buckets.make from these settings), all compiled at start-up.
-    eng = Engine(str(model), mods, max_loras_per_batch=mlpb, max_loaded_loras=mll, max_lora_rank=16,
-                 lora_backend=backend, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=128,
-                 page_size=16, dtype=dtype)
+    # multilora as a user gets it: its defaults (step shapes, context, rank from the adapters),
+    # but for the slot and host-copy counts this run is about and what the command line asks.
+    eng = Engine(str(model), mods, max_loras_per_batch=mlpb, max_loaded_loras=mll, lora_backend=backend,
+                 dtype=dtype)
     init_s = time.time() - t0
     lora = [f"a{i}" if i is not None else None for i in names]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -345,9 +345,9 @@ def floor_summary(res, bandwidth, kv_bytes_per_token, adapter_bytes, cfg=None, p
 # ---- (b) multilora's HTTP server -----------------------------------------------------------------
 def run_server(model, adapters, prompts, names, new_tokens, mlpb, mll, dtype, backend, log_path):
     import httpx
+    # Its defaults, but for the slot and host-copy counts of the run and what was asked.
     cmd = [sys.executable, "-m", "multilora", "serve", "--model", str(model), "--host", "127.0.0.1",
-           "--port", "0", "--max-lora-rank", "16", "--max-num-seqs", "64", "--max-model-len", "128",
-           "--max-num-batched-tokens", "512", "--dtype", dtype, "--lora-backend", backend,
+           "--port", "0", "--dtype", dtype, "--lora-backend", backend,
            "--max-loras-per-batch", str(max(mlpb, 1)), "--log-level", "warning"]
     if mll is not None:
         cmd += ["--max-loaded-loras", str(mll)]

@@ -615,3 +615,29 @@ def test_sigterm_drains_running_requests(served, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(served):
+    """The same long chat twice (then streamed): the repeats report the cached prompt tokens in
+    usage.prompt_tokens_details.cached_tokens, /metrics counts them, and the text is unchanged."""
+    messages = [{"role": "system", "content": "once upon a time there was a little model " * 4},
+                {"role": "user", "content": "tell me a story"}]
+    body = dict(model="a", messages=messages, max_tokens=6, temperature=0, ignore_eos=True)
+    before = served.metrics()
+    with served.http() as c:
+        first, second = (c.post("/v1/chat/completions", json=body).json() for _ in range(2))
+        streamed = [json.loads(line[6:]) for line in c.post(
+            "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+        ).text.splitlines() if line.startswith("data: {")]
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert prompt_tokens > 2 * 8
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (prompt_tokens - 1) // 8 * 8   # every full page but the last prompt token's
+    assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert streamed[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+    after = served.metrics()
+    assert metric(after, "multilora_prefix_cache_hits_total") - metric(before, "multilora_prefix_cache_hits_total") \
+        == 2 * cached
+    assert metric(after, "multilora_prefix_cache_queries_total") \
+        - metric(before, "multilora_prefix_cache_queries_total") == 3 * prompt_tokens
