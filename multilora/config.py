@@ -6,6 +6,7 @@ They are hashable so that jit can take them as static arguments.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from pathlib import Path
 from typing import Any, Optional
@@ -23,6 +24,13 @@ LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # The adapter slot meaning "base model only" (its buffers are zeros). Defined here, in a module
 # without jax, so that the host bookkeeping (lora/registry.py) can use it without importing jax.
 NO_ADAPTER = 0
+
+
+class LoRAType(enum.Enum):
+    """The two halves of a LoRA delta, as PEFT names them (lora_A, lora_B)."""
+
+    A = "A"  # shrink: in_features -> rank
+    B = "B"  # expand: rank -> out_features
 
 
 class UnsupportedModelError(ValueError):

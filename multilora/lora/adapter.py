@@ -19,7 +19,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for bf16 adapter
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from multilora.config import LORA_MODULES, ModelConfig
+from multilora.config import LORA_MODULES, LoRAType, ModelConfig
 
 _KEY_RE = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.(?:[\w-]+\.)?weight$")
 _ALL_LINEAR = "all-linear"
@@ -157,14 +157,14 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_r
         return alpha / math.sqrt(r) if rslora else alpha / r
 
     default_scaling = scaling_of(alpha_default, r_default)
-    found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    found: dict[tuple[int, str], dict[LoRAType, np.ndarray]] = {}
     for key, arr in tensors.items():
         m = _KEY_RE.search(key)
         if m is None:
             raise AdapterError(name, f"tensor {key!r} is not a LoRA A/B weight of "
                                      f"{', '.join(LORA_MODULES)} (embedding, lm_head and other "
                                      "targets are not supported)")
-        layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
+        layer, module, ab = int(m.group(1)), m.group(3), LoRAType(m.group(4))
         if module not in LORA_MODULES:
             raise AdapterError(name, f"target module {module!r} is outside the supported set "
                                      f"{', '.join(LORA_MODULES)}")
@@ -180,9 +180,10 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_r
     per_module: dict[str, dict[int, tuple[np.ndarray, np.ndarray, float]]] = {}
     max_rank = 0
     for (layer, module), ab in sorted(found.items()):
-        if set(ab) != {"A", "B"}:
-            raise AdapterError(name, f"layer {layer} {module} has lora_{''.join(ab)} but not its pair")
-        a, b = ab["A"].astype(np.float32), ab["B"].astype(np.float32)
+        if set(ab) != set(LoRAType):
+            raise AdapterError(name, f"layer {layer} {module} has lora_{''.join(t.value for t in ab)} "
+                                     "but not its pair")
+        a, b = ab[LoRAType.A].astype(np.float32), ab[LoRAType.B].astype(np.float32)
         d_in, d_out = model_cfg.module_dims(module)
         r = a.shape[0]
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != d_in or b.shape != (d_out, r):

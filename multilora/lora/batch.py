@@ -7,17 +7,11 @@ Slot NO_ADAPTER (0) means "base model only": its buffers are all zeros and both 
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 import jax
 import numpy as np
 
-from multilora.config import NO_ADAPTER  # noqa: F401  (defined in config, which has no jax)
-
-
-class LoRAType(enum.Enum):
-    A = "A"  # shrink: in_features -> rank
-    B = "B"  # expand: rank -> out_features
+from multilora.config import NO_ADAPTER, LoRAType  # noqa: F401  (defined in config, which has no jax)
 
 
 @jax.tree_util.register_dataclass

@@ -42,37 +42,30 @@ class EngineStoppedError(RuntimeError):
     """The engine is shutting down or its thread has died (HTTP 503)."""
 
 
-@dataclasses.dataclass(eq=False)
-class _StreamState:
-    request_id: str
-    lora: Optional[str]
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    arrival: float
-    prompt_len: int
-    first_token_at: Optional[float] = None
-    last_token_at: Optional[float] = None
-    num_tokens: int = 0
-    done: bool = False          # the engine thread's view: its final delta is on the way
-    error: Optional[str] = None
-
-
 class RequestStream:
-    """Async iterator over one request's StreamDeltas. Leaving it before the end (break, an
-    exception, a cancelled task) should go through `abort()`; `async with` does that for you."""
+    """One request on the server side, and the async iterator over its StreamDeltas: the asyncio
+    side reads deltas from it; the engine thread keeps it (by request id) to time and deliver
+    them. The engine-side state is the engine's Request; nothing else holds request state.
+    Leaving it before the end (break, an exception, a cancelled task) should go through
+    `abort()`; `async with` does that for you."""
 
-    def __init__(self, owner: "AsyncEngine", state: _StreamState, prompt_token_ids: list[int]):
-        self._owner, self._state = owner, state
-        self.request_id = state.request_id
+    def __init__(self, owner: "AsyncEngine", request_id: str, lora: Optional[str],
+                 loop: asyncio.AbstractEventLoop, prompt_token_ids: list[int]):
+        self._owner = owner
+        self.request_id, self.lora, self.loop = request_id, lora, loop
         self.prompt_token_ids = prompt_token_ids
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.arrival = time.monotonic()
+        # the engine thread's side
+        self.first_token_at: Optional[float] = None
+        self.last_token_at: Optional[float] = None
+        self.num_tokens = 0
+        self.done = False            # its final delta is on the way
+        self.error: Optional[str] = None  # why it ended with "error" (a bad adapter, a failed step)
+        # the consumer's side
         self.finished = False
         self.finish_reason: Optional[str] = None
-        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (usage)
-
-    @property
-    def error(self) -> Optional[str]:
-        """Why the request ended with finish_reason "error" (an adapter that went bad, a failed step)."""
-        return self._state.error
+        self.num_cached_tokens = 0   # prompt tokens served from the prefix cache (usage)
 
     def __aiter__(self):
         return self
@@ -80,7 +73,7 @@ class RequestStream:
     async def __anext__(self) -> StreamDelta:
         if self.finished:
             raise StopAsyncIteration
-        delta: StreamDelta = await self._state.queue.get()
+        delta: StreamDelta = await self.queue.get()
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.finished:
             self.finished = True
@@ -120,7 +113,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._commands: list[tuple] = []
         self._wake = threading.Event()
-        self._streams: dict[str, _StreamState] = {}        # engine thread only
+        self._streams: dict[str, RequestStream] = {}       # engine thread only
         self._pending_adds = 0                              # under _lock
         self._engine_waiting = 0                            # under _lock: engine.num_waiting
         self._inflight = 0                                  # under _lock: submitted, not yet ended
@@ -193,7 +186,7 @@ class AsyncEngine:
         params = params or SamplingParams()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
-        state = _StreamState(request_id, lora, loop, asyncio.Queue(), time.monotonic(), len(prompt_ids))
+        stream = RequestStream(self, request_id, lora, loop, prompt_ids)
         with self._lock:
             if self._pending_adds + self._engine_waiting >= self.max_queue:
                 full = True
@@ -206,14 +199,14 @@ class AsyncEngine:
             raise QueueFullError(f"the server is overloaded: {self.max_queue} requests are already "
                                  "waiting (max_queue); retry later")
         fut = loop.create_future()
-        self._post(("add", state, prompt_ids, params, fut))
+        self._post(("add", stream, prompt_ids, params, fut))
         try:
             await fut
         except asyncio.CancelledError:
             self._post(("abort", request_id))   # commands run in order: after its add
             raise
         self.metrics.request_accepted(lora, len(prompt_ids))
-        return RequestStream(self, state, prompt_ids)
+        return stream
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run fn(engine) on the engine thread between two steps; its result or its exception."""
@@ -329,7 +322,7 @@ class AsyncEngine:
             st.error = error
             self._end(st, StreamDelta(rid, [], "", True, reason))
 
-    def _end(self, st: _StreamState, final: StreamDelta) -> None:
+    def _end(self, st: RequestStream, final: StreamDelta) -> None:
         st.done = True
         with self._lock:
             self._inflight -= 1
