@@ -26,7 +26,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import math
 import os
 import zlib
 from pathlib import Path
@@ -37,11 +36,12 @@ import numpy as np
 from multilora.config import EngineConfig, LoRAConfig, ModelConfig
 from multilora.engine.batching import SeqChunk
 from multilora.engine.kv_pages import PagePool
-from multilora.engine.request import Request, RequestStatus, SamplingParams
+from multilora.engine.request import Request, SamplingParams
 from multilora.engine.runner import Buckets, ModelRunner, SampleRow
 from multilora.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from multilora.engine.tokenizer import Detokenizer, load_tokenizer
-from multilora.lora.adapter import AdapterError, load_adapter
+from multilora.lora.adapter import AdapterError, LoRAAdapter, load_adapter
+from multilora.lora.loader import AdapterLoader
 from multilora.lora.registry import AdapterRegistry
 
 log = logging.getLogger("multilora.engine")
@@ -155,13 +155,15 @@ class Engine:
         self.lora_cfg = LoRAConfig(max_loras_per_batch=max_loras_per_batch, max_lora_rank=max_lora_rank)
         self.slots = (LoRASlots(self.cfg, self.lora_cfg, self.dtype, self.mesh, jit_writer=jit_slot_writer)
                       if max_loras_per_batch > 0 else None)
-        self.registry = AdapterRegistry(
-            max(max_loras_per_batch, 1), c.max_loaded_loras,
-            lambda name, path: load_adapter(name, path, self.cfg, max_lora_rank))
+        def read(name, path):
+            return load_adapter(name, path, self.cfg, max_lora_rank)
+
+        self.registry = AdapterRegistry(max(max_loras_per_batch, 1), c.max_loaded_loras, read)
+        self.loader = AdapterLoader(read)  # host copies read off the engine thread
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_prefill_seqs=max_prefill_seqs),
-            self.pages, self.registry.fits)
+            self.pages, self.registry.fits, self._adapter_ready)
         # `buckets` overrides the compiled shapes (e.g. a benchmark of a known workload); a step
         # outside them compiles on demand with a warning.
         self.buckets = buckets or Buckets.make(
@@ -187,13 +189,23 @@ class Engine:
             self._sync = StepSync()
 
     # ---- adapters ----------------------------------------------------------------------------
-    def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> None:
-        """Read and validate now; raises AdapterError (nothing changes) on a bad adapter."""
+    def read_adapter(self, name: str, path: str) -> LoRAAdapter:
+        """Read, validate and hash an adapter folder (thread-safe: touches no engine state). A
+        server calls this on a worker thread, then load_lora_adapter(..., adapter=) between steps."""
+        if self.slots is None:
+            raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
+        return self.loader.read_now(name, str(path))
+
+    def load_lora_adapter(self, name: str, path: str, pinned: bool = False,
+                          adapter: Optional[LoRAAdapter] = None) -> None:
+        """Register an adapter: read and validate it now, unless `adapter` is given (already read
+        by read_adapter, e.g. off the engine thread); raises AdapterError (nothing changes) on a
+        bad adapter."""
         if self.slots is None:
             raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
         if self._sync is not None:
             self._sync.guard("load_lora_adapter")
-        entry = self.registry.register(name, str(path), pinned=pinned)
+        self.registry.register(name, str(path), pinned=pinned, adapter=adapter)
         if self._sync is not None:
             self._sync.record("load", name=name, path=str(path), pinned=pinned)
         if pinned:
@@ -312,6 +324,8 @@ class Engine:
         """One mixed step; returns what it added to each touched request (and finished ones)."""
         if self._sync is not None and not self._sync.exchange(self):
             return []  # several processes, and the leader has stopped
+        if self._sync is None:
+            self._fetch_adapters()
         plan = self.scheduler.schedule()
         self.stats["preemptions"] += len(plan.preempted)
         if plan.chunks:
@@ -340,6 +354,30 @@ class Engine:
             self.stats["generated_tokens"] += 1
             self._check_stop(req)
         return self._collect([r.request_id for r in sampled])
+
+    def _adapter_ready(self, name: str) -> bool:
+        # Several processes must schedule alike: there, reads stay in the step (synchronous)
+        # rather than finishing at different times on different processes.
+        return self._sync is not None or self.registry.ready(name)
+
+    def _fetch_adapters(self) -> None:
+        """Host copies read in the background: take the finished reads (a failed one fails its
+        waiting requests, nothing else), and start reads for waiting requests whose adapter is
+        neither in a slot nor in host memory. The scheduler admits a request only once its
+        adapter is ready, so a step never waits on a disk."""
+        for name, path, adapter, error in self.loader.poll():
+            if adapter is not None:
+                self.registry.put_host(name, path, adapter)
+                continue
+            for req in list(self.scheduler.waiting):
+                if req.adapter == name:
+                    req.error = str(error)
+                    self._finish(req, "error")
+        for req in self.scheduler.waiting:
+            if req.adapter is not None and not self.registry.ready(req.adapter):
+                entry = self.registry.entries.get(req.adapter)
+                if entry is not None:
+                    self.loader.prefetch(req.adapter, entry.path)
 
     def _make_resident(self, plan: StepPlan) -> None:
         """Every adapter of the plan in a device slot. An adapter that cannot be read again (an

@@ -77,10 +77,14 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, pages: PagePool,
-                 adapters_fit: Callable[[set[str]], bool] = lambda names: True):
+                 adapters_fit: Callable[[set[str]], bool] = lambda names: True,
+                 adapter_ready: Callable[[str], bool] = lambda name: True):
+        """adapters_fit: can these adapters be resident at once; adapter_ready: can a step use
+        this adapter without a disk read (a request waits, and others pass it, until it can)."""
         self.cfg = cfg
         self.pages = pages
         self.adapters_fit = adapters_fit
+        self.adapter_ready = adapter_ready
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = {"prefix_queried_tokens": 0, "prefix_hit_tokens": 0}
@@ -166,6 +170,8 @@ class Scheduler:
             if budget <= 0 or prefill_chunks >= self.cfg.max_prefill_seqs \
                     or len(self.running) >= self.cfg.max_num_seqs:
                 break
+            if req.adapter is not None and not self.adapter_ready(req.adapter):
+                continue  # its adapter is being read in the background: the others go on
             wanted = adapters | ({req.adapter} if req.adapter else set())
             if not self.adapters_fit(wanted):
                 if blocked_head is None:

@@ -77,8 +77,10 @@ class AdapterRegistry:
         self.stats = TierStats()
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def register(self, name: str, path: str, pinned: bool = False) -> AdapterEntry:
-        """Read and validate the adapter now; on any error nothing changes."""
+    def register(self, name: str, path: str, pinned: bool = False,
+                 adapter: Optional[LoRAAdapter] = None) -> AdapterEntry:
+        """Read and validate the adapter now (or take `adapter`, already read off the engine
+        thread); on any error nothing changes."""
         if not name or not isinstance(name, str):
             raise ValueError("adapter name must be a non-empty string")
         if name in self.entries:
@@ -87,7 +89,8 @@ class AdapterRegistry:
             raise AdapterConflictError(
                 f"cannot pin {name!r}: pinned adapters would fill all {self.num_slots} device slots "
                 "and leave none for the others")
-        adapter = self._read(name, path)
+        if adapter is None:
+            adapter = self._read(name, path)
         entry = AdapterEntry(name=name, path=str(path), id=next(self._ids), pinned=pinned, rank=adapter.rank,
                              content_hash=adapter.content_hash)
         self.entries[name] = entry
@@ -156,6 +159,21 @@ class AdapterRegistry:
             self.stats.host_hits += 1
             self._host.move_to_end(entry.name)
         return adapter
+
+    def ready(self, name: str) -> bool:
+        """Can a step use it without touching a disk: in a device slot, or its host copy here?"""
+        entry = self.entries.get(name)
+        return entry is not None and (entry.slot is not None or name in self._host)
+
+    def put_host(self, name: str, path: str, adapter: LoRAAdapter) -> None:
+        """A host copy read in the background from `path` arrives (ignored if the name went away
+        meanwhile, or was reloaded from another folder)."""
+        entry = self.entries.get(name)
+        if entry is None or entry.path != path:
+            return
+        entry.content_hash, entry.rank = adapter.content_hash, adapter.rank
+        self.stats.host_misses += 1
+        self._put_host(name, adapter)
 
     @property
     def num_host_copies(self) -> int:

@@ -217,7 +217,12 @@ class AsyncEngine:
         return await fut
 
     async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> None:
-        await self.call(lambda e: e.load_lora_adapter(name, path, pinned=pinned))
+        """Read and validate on a worker thread (the disk never stalls a step), then register
+        the host copy between two steps."""
+        if not self.is_alive:
+            raise EngineStoppedError("the engine is not running")
+        adapter = await asyncio.get_running_loop().run_in_executor(None, self.engine.read_adapter, name, path)
+        await self.call(lambda e: e.load_lora_adapter(name, path, pinned=pinned, adapter=adapter))
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self.call(lambda e: e.unload_lora_adapter(name))
@@ -384,6 +389,7 @@ class AsyncEngine:
             "multilora_kv_pages_total": pages.capacity,
             "multilora_kv_cache_usage_ratio": pages.num_used / max(pages.capacity, 1),
             "multilora_loaded_adapters": len(eng.registry.entries),
+            "multilora_lora_loads_in_flight": eng.loader.in_flight(),
         }
         self.snapshot = snap
         self.metrics.set_snapshot(snap, dataclasses.asdict(eng.registry.stats), dict(eng.scheduler.stats))

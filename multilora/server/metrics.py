@@ -145,6 +145,7 @@ class Metrics:
                 ("multilora_kv_pages_total", "KV cache pages that requests can use."),
                 ("multilora_kv_cache_usage_ratio", "Fraction of KV cache pages in use."),
                 ("multilora_loaded_adapters", "LoRA adapters registered."),
+                ("multilora_lora_loads_in_flight", "Adapter host copies being read in the background."),
             ]
             for name, help_ in gauges:
                 family(name, "gauge", help_, [("", {}, self.gauges.get(name, 0))])

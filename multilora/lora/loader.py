@@ -1,0 +1,64 @@
+"""Reading adapters off the engine thread: disk read, validation, the host copy and its content
+hash run on one background worker, so that no engine step ever waits on a disk.
+
+    loader = AdapterLoader(read)            # read(name, path) -> LoRAAdapter (may raise AdapterError)
+    loader.prefetch("x", "/adapters/x")     # starts a read unless one for (x, path) is in flight
+    for name, path, adapter, error in loader.poll():   # finished reads, on the caller's thread
+        ...
+
+Plain Python (a thread pool), no jax: device writes stay with the engine, between steps.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterator, Optional
+
+from multilora.lora.adapter import LoRAAdapter
+
+
+def read_with_hash(read: Callable[[str, str], LoRAAdapter], name: str, path: str) -> LoRAAdapter:
+    """Read and validate, and hash the contents too (the hash is what the prefix cache keys on;
+    computing it here keeps that work off the engine thread as well)."""
+    adapter = read(name, path)
+    adapter.content_hash  # noqa: B018  (computed and cached on the object)
+    return adapter
+
+
+class AdapterLoader:
+    def __init__(self, read: Callable[[str, str], LoRAAdapter], workers: int = 1):
+        self._read = read
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="multilora-lora-load")
+        self._lock = threading.Lock()
+        self._inflight: dict[tuple[str, str], Future] = {}
+
+    def read_now(self, name: str, path: str) -> LoRAAdapter:
+        """On the calling thread (a server's worker thread, or start-up)."""
+        return read_with_hash(self._read, name, path)
+
+    def prefetch(self, name: str, path: str) -> bool:
+        """Start reading (name, path) in the background unless it already is; True if started."""
+        key = (name, str(path))
+        with self._lock:
+            if key in self._inflight:
+                return False
+            self._inflight[key] = self._pool.submit(read_with_hash, self._read, name, str(path))
+            return True
+
+    def in_flight(self, name: Optional[str] = None) -> int:
+        with self._lock:
+            return sum(1 for (n, _) in self._inflight if name is None or n == name)
+
+    def poll(self) -> Iterator[tuple[str, str, Optional[LoRAAdapter], Optional[BaseException]]]:
+        """The reads that finished since the last poll: (name, path, adapter or None, error)."""
+        with self._lock:
+            done = [(k, f) for k, f in self._inflight.items() if f.done()]
+            for k, _ in done:
+                del self._inflight[k]
+        for (name, path), fut in done:
+            err = fut.exception()
+            yield name, path, (None if err is not None else fut.result()), err
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
