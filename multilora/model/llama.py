@@ -141,19 +141,24 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     # so it costs no extra compiled shapes).
     any_lora = jnp.any(info.slot_T != NO_ADAPTER) if be is not None else None
 
-    def with_lora(fn, *zeros_like):
-        return jax.lax.cond(any_lora, fn, lambda: tuple(jnp.zeros_like(z) for z in zeros_like))
+    def with_lora(fn, idx, *zeros_like):
+        # The slots enter the cond whole and the layer is picked inside it, where the pick fuses
+        # into the backend's gathers: a layer slice taken outside was copied out whole (the
+        # entire pool, every step) to be handed to the cond.
+        def run():
+            return fn(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, keepdims=False), lora))
+        return jax.lax.cond(any_lora, run, lambda: tuple(jnp.zeros_like(z) for z in zeros_like))
 
     def layer(carry, xs):
         x_TD, k_cache, v_cache = carry
-        lw, ll, idx = xs
+        lw, idx = xs
         hid = rms_norm(x_TD, lw.attn_norm_LD, cfg.rms_norm_eps)
         q = _proj(hid, lw.wq_LDO, lw.bq_LO)
         k = _proj(hid, lw.wk_LDO, lw.bk_LO)
         v = _proj(hid, lw.wv_LDO, lw.bv_LO)
         if be is not None:
-            dq, dk, dv = with_lora(lambda: be.run_qkv_lora(
-                hid, ll.qkv_a_LSRD, (ll.q_b_LSRO, ll.k_b_LSRO, ll.v_b_LSRO), info), q, k, v)
+            dq, dk, dv = with_lora(lambda ll: be.run_qkv_lora(
+                hid, ll.qkv_a_LSRD, (ll.q_b_LSRO, ll.k_b_LSRO, ll.v_b_LSRO), info), idx, q, k, v)
             q, k, v = q + dq.astype(q.dtype), k + dk.astype(k.dtype), v + dv.astype(v.dtype)
         q_TNH = apply_rope(q.reshape(t, n, h), cos_TH, sin_TH)
         k_TKH = apply_rope(k.reshape(t, kvh, h), cos_TH, sin_TH)
@@ -166,27 +171,27 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         attn_TO = jnp.where(is_decode_T[:, None, None], dec, pre).reshape(t, n * h)
         o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD)
         if be is not None:
-            (do,) = with_lora(lambda: (be.run_lora_b_gemm(
-                be.run_lora_a_gemm(attn_TO, ll.o_a_LSRO, info), ll.o_b_LSRD, info),), o)
+            (do,) = with_lora(lambda ll: (be.run_lora_b_gemm(
+                be.run_lora_a_gemm(attn_TO, ll.o_a_LSRO, info), ll.o_b_LSRD, info),), idx, o)
             o = o + do.astype(o.dtype)
         x_TD = x_TD + o
         hid = rms_norm(x_TD, lw.mlp_norm_LD, cfg.rms_norm_eps)
         gate, up = _proj(hid, lw.w_gate_LDF), _proj(hid, lw.w_up_LDF)
         if be is not None:
-            dg, du = with_lora(lambda: be.run_gate_up_lora(
-                hid, ll.gate_up_a_LSRD, (ll.gate_b_LSRF, ll.up_b_LSRF), info), gate, up)
+            dg, du = with_lora(lambda ll: be.run_gate_up_lora(
+                hid, ll.gate_up_a_LSRD, (ll.gate_b_LSRF, ll.up_b_LSRF), info), idx, gate, up)
             gate, up = gate + dg.astype(gate.dtype), up + du.astype(up.dtype)
         act_TF = swiglu(gate, up)
         down = _proj(act_TF, lw.w_down_LFD)
         if be is not None:
-            (dd,) = with_lora(lambda: (be.run_lora_b_gemm(
-                be.run_lora_a_gemm(act_TF, ll.down_a_LSRF, info), ll.down_b_LSRD, info),), down)
+            (dd,) = with_lora(lambda ll: (be.run_lora_b_gemm(
+                be.run_lora_a_gemm(act_TF, ll.down_a_LSRF, info), ll.down_b_LSRD, info),), idx, down)
             down = down + dd.astype(down.dtype)
         return (x_TD + down, k_cache, v_cache), None
 
     layer_ids = jnp.arange(cfg.num_layers)
     (x_TD, k_cache, v_cache), _ = jax.lax.scan(
-        layer, (x_TD, kv.k_LPpKH, kv.v_LPpKH), (weights.layers, lora, layer_ids))
+        layer, (x_TD, kv.k_LPpKH, kv.v_LPpKH), (weights.layers, layer_ids))
     x_QD = jnp.take(x_TD, batch.logits_idx_Q, axis=0, mode="clip")
     x_QD = rms_norm(x_QD, weights.final_norm_D, cfg.rms_norm_eps)
     if weights.lm_head_DV is None:
