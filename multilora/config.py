@@ -202,9 +202,11 @@ class EngineConfig:
     None means "derived": see the field comments."""
 
     # adapters
-    max_loras_per_batch: int = 8          # device slots for adapters (0: LoRA disabled)
+    max_loras_per_batch: Optional[int] = None  # device slots (0: LoRA disabled); None: from memory
     max_lora_rank: Optional[int] = None   # None: the largest rank given at start, at least 16
-    max_loaded_loras: Optional[int] = None  # host copies kept (LRU); None: all registered
+    lora_memory_gb: Optional[float] = None  # device memory for the slots; None: 2 GB (CPU) or 5 %
+    max_loaded_loras: Optional[int] = None  # host copies kept (LRU); None: bounded by memory only
+    lora_host_memory_gb: float = 4.0      # host copies kept (LRU) within this many GB
     lora_backend: str = "auto"
     # model and memory
     dtype: str = "float32"
@@ -230,8 +232,15 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")
         if self.max_lora_rank is not None and (not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1):
             raise ValueError(f"max_lora_rank must be a positive integer or None, got {self.max_lora_rank!r}")
-        if not isinstance(self.max_loras_per_batch, int) or self.max_loras_per_batch < 0:
-            raise ValueError(f"max_loras_per_batch must be an integer >= 0, got {self.max_loras_per_batch!r}")
+        if self.max_loras_per_batch is not None and (
+                not isinstance(self.max_loras_per_batch, int) or isinstance(self.max_loras_per_batch, bool)
+                or self.max_loras_per_batch < 0):
+            raise ValueError(f"max_loras_per_batch must be an integer >= 0 or None (sized by "
+                             f"lora_memory_gb), got {self.max_loras_per_batch!r}")
+        for name in ("lora_memory_gb", "lora_host_memory_gb"):
+            val = getattr(self, name)
+            if val is not None and not (isinstance(val, (int, float)) and not isinstance(val, bool) and val > 0):
+                raise ValueError(f"{name} must be a number of GB > 0, got {val!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if not self.kv_cache_memory_gb > 0:
@@ -247,3 +256,24 @@ class EngineConfig:
             raise TypeError(f"unknown engine option(s) {', '.join(sorted(unknown))}; "
                             f"EngineConfig has {', '.join(self.field_names())}")
         return dataclasses.replace(self, **changes)
+
+
+def lora_slot_count(max_loras_per_batch: Optional[int], memory_given: bool, memory_bytes: int,
+                    slot_bytes: int, max_num_seqs: int) -> int:
+    """Device slots for adapters. Given alone, max_loras_per_batch is the count (0 disables
+    LoRA); with a memory budget too, it caps what the budget holds. Neither given: as many slots
+    as the budget holds, but no more than max_num_seqs (a batch never has more distinct adapters
+    than sequences; slots beyond would only cache adapters that no step can use at once)."""
+    by_memory = memory_bytes // max(slot_bytes, 1)
+    if max_loras_per_batch is not None:
+        if memory_given and 0 < by_memory < max_loras_per_batch:
+            return int(by_memory)
+        if memory_given and by_memory < 1 and max_loras_per_batch:
+            raise ValueError(f"lora_memory_gb={memory_bytes / 2**30:g} cannot hold one adapter slot "
+                             f"({slot_bytes / 2**20:.1f} MB at max_lora_rank)")
+        return max_loras_per_batch
+    if by_memory < 1:
+        raise ValueError(f"lora_memory_gb={memory_bytes / 2**30:g} cannot hold one adapter slot "
+                         f"({slot_bytes / 2**20:.1f} MB at max_lora_rank); raise it, lower max_lora_rank, "
+                         "or disable LoRA with max_loras_per_batch=0")
+    return int(min(by_memory, max_num_seqs))

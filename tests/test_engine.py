@@ -518,3 +518,57 @@ def test_no_compile_after_warmup(engine, model_dir, short_dirs):
     assert compiles == [], f"{len(compiles)} XLA compiles after warm-up"
     for e in _ENGINES:   # and the runner's counter, for every engine this module built
         assert e.runner.warm and e.runner.compiles_after_warmup == 0
+
+
+def test_a_slow_adapter_read_delays_only_its_own_requests(engine, model_dir, short_dirs, peft_greedy_cache):
+    """An adapter whose host copy is gone is read again on the loader's thread: the step never
+    waits for it; requests for other adapters (and the base model) run to the end meanwhile; a
+    read that fails fails only its own requests."""
+    import threading
+    gate = threading.Event()
+    real_read = engine.loader._read
+
+    def slow_read(name, path):
+        assert gate.wait(timeout=120), "the test never released the read"
+        return real_read(name, path)
+
+    engine.load_lora_adapter("slow", str(short_dirs["d"]))
+    engine.registry._pop_host("slow")  # as if evicted from the host tier: the next use reads the folder
+    engine.loader._read = slow_read
+    try:
+        prompts = prompts_of(71, [9, 14, 6])
+        loras = [None, "slow", "a"]
+        ids = [engine.add_request(p, GREEDY, l) for p, l in zip(prompts, loras)]
+        done: set[str] = set()
+        for _ in range(200):
+            done |= {d.request_id for d in engine.step() if d.finished}
+            if {ids[0], ids[2]} <= done:
+                break
+        assert {ids[0], ids[2]} <= done, "requests beside a slow adapter read did not finish"
+        slow_req = engine._requests[ids[1]]
+        assert not slow_req.output_token_ids and ids[1] not in done
+        assert engine.loader.in_flight("slow") == 1
+        gate.set()
+        while ids[1] not in done:
+            done |= {d.request_id for d in engine.step() if d.finished}
+        outs = [engine.pop_output(r) for r in ids]
+        check_vs_peft(peft_greedy_cache, model_dir, {**short_dirs, "slow": short_dirs["d"]}, prompts, loras, outs)
+        assert_clean(engine)
+
+        # A read that fails: its request ends with the reason, the one beside it is untouched.
+        engine.registry._pop_host("slow")
+        engine.registry.drop_slot("slow")
+
+        def failing_read(name, path):
+            raise AdapterError(name, "the folder went bad")
+
+        engine.loader._read = failing_read
+        outs = engine.generate(prompts[:2], GREEDY, lora=[None, "slow"])
+        assert outs[1].finish_reason == "error" and "went bad" in outs[1].error
+        assert outs[0].finish_reason == "length"
+        check_vs_peft(peft_greedy_cache, model_dir, short_dirs, prompts[:1], [None], outs[:1])
+        assert_clean(engine)
+    finally:
+        gate.set()
+        engine.loader._read = real_read
+        engine.unload_lora_adapter("slow")

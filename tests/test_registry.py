@@ -258,3 +258,36 @@ def test_drop_slot_makes_the_adapter_written_again():
     reg.drop_slot("unknown")
     reg.drop_slot("b")
     reg.drop_slot("b")
+
+
+def test_host_tier_is_bounded_by_bytes():
+    """Each fake adapter holds 2 * 8 + 8 * 2 float32 = 128 bytes: a 300-byte bound keeps two."""
+    reader = FakeReader()
+    reg = AdapterRegistry(4, None, reader, max_host_bytes=300)
+    for n in "abc":
+        reg.register(n, f"/p/{n}")
+    assert reg.num_host_copies == 2 and reg.host_bytes == 256 and reg.stats.host_evictions == 1
+    assert not reg.ready("a") and reg.ready("b") and reg.ready("c")
+    reg.host_copy(reg.resolve("a"))            # read again; b (least recent) goes
+    assert reg.host_bytes == 256 and not reg.ready("b") and reader.calls == ["a", "b", "c", "a"]
+    reg.unregister("c")                        # no references: gone, its bytes too
+    assert reg.host_bytes == 128 and reg.num_host_copies == 1
+    # a bound smaller than one adapter still keeps the copy just read (it is about to be used)
+    tiny = AdapterRegistry(4, None, FakeReader(), max_host_bytes=10)
+    tiny.register("x", "/p/x")
+    assert tiny.num_host_copies == 1
+
+
+def test_background_read_arrives_only_for_the_folder_it_was_read_from():
+    reg, reader = make(num_slots=4, max_loaded=1)
+    reg.register("a", "/p/a")
+    reg.register("b", "/p/b")                  # a's host copy is evicted
+    assert not reg.ready("a")
+    stale = reader("a", "/p/old")
+    reg.put_host("a", "/p/old", stale)         # read from a folder it no longer names: ignored
+    assert not reg.ready("a")
+    fresh = reader("a", "/p/a")
+    reg.put_host("a", "/p/a", fresh)
+    assert reg.ready("a") and reg.resolve("a").content_hash == fresh.content_hash
+    reg.put_host("gone", "/p/gone", fresh)     # a name unloaded meanwhile: ignored
+    assert "gone" not in reg.entries

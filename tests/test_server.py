@@ -401,6 +401,42 @@ def test_adapter_paths_outside_root_are_refused(served):
     assert r.choices[0].text == served.refs[ref_key(PROMPTS[0], "a", 8)].text
 
 
+def test_adapters_resolve_on_first_use_under_the_root(served):
+    """A `model` naming an adapter folder under --lora-root that is not registered is loaded on
+    first use (concurrent first requests share one load) and then listed; names that lead out
+    of the root, missing folders and bad adapters are refused with clear errors; nothing else
+    changes."""
+    from concurrent.futures import ThreadPoolExecutor
+    client = served.client()
+    name = ADAPTERS["c"]                 # the folder of adapter "c", never registered under this name
+    prompt, max_tokens = PROMPTS[2], 8 + 2 * (2 % 7)
+    ref = served.refs[ref_key(prompt, "c", max_tokens)]
+    before = {m.id for m in client.models.list().data}
+    assert name not in before
+    try:
+        with ThreadPoolExecutor(3) as ex:
+            rs = list(ex.map(lambda _: client.completions.create(
+                model=name, prompt=prompt, **greedy(max_tokens=max_tokens)), range(3)))
+        assert [r.choices[0].text for r in rs] == [ref.text] * 3
+        assert {m.id for m in client.models.list().data} == before | {name}
+        with served.http() as c:
+            for model, status, code in (("../outside/evil", 404, "model_not_found"),
+                                        ("link_out", 404, "model_not_found"),    # a symlink out of the root
+                                        ("does-not-exist", 404, "model_not_found"),
+                                        ("broken", 400, "invalid_adapter")):
+                err = assert_error(c.post("/v1/completions", json=dict(model=model, prompt="hi", max_tokens=2)),
+                                   status)
+                assert err["code"] == code and err["param"] == "model", (model, err)
+                assert repr(model) in err["message"]
+        assert {m.id for m in client.models.list().data} == before | {name}
+        r = client.completions.create(model="a", prompt=PROMPTS[0], **greedy(max_tokens=8))
+        assert r.choices[0].text == served.refs[ref_key(PROMPTS[0], "a", 8)].text
+    finally:
+        with served.http() as c:
+            c.post("/v1/unload_lora_adapter", json=dict(lora_name=name))
+    wait_idle(served)
+
+
 def test_concurrent_streams_equal_requests_made_alone(served):
     jobs = [(p, lora, n) for p, lora, n in served.jobs if isinstance(p, str) and lora != "c"]
     jobs = (jobs * 2)[:32]

@@ -33,7 +33,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from multilora.config import EngineConfig, LoRAConfig, ModelConfig
+from multilora.config import EngineConfig, LoRAConfig, ModelConfig, lora_slot_count
 from multilora.engine.batching import SeqChunk
 from multilora.engine.kv_pages import PagePool
 from multilora.engine.request import Request, SamplingParams
@@ -97,7 +97,7 @@ class Engine:
 
         from multilora.engine.runner import jit_slot_writer
         from multilora.lora.backend import BACKEND_CHOICES
-        from multilora.lora.pool import LoRASlots
+        from multilora.lora.pool import LoRASlots, lora_buffer_shapes
         from multilora.model.llama import init_kv_cache
         from multilora.model.loader import load_weights, resolve_dtype
         from multilora.model.sharding import KV_AXES, make_mesh, rules_for, sharding
@@ -107,7 +107,7 @@ class Engine:
         if c.lora_backend not in BACKEND_CHOICES:
             raise ValueError(f"unknown lora_backend {c.lora_backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
         lora_modules = dict(lora_modules or {})
-        max_loras_per_batch, page_size = c.max_loras_per_batch, c.page_size
+        page_size = c.page_size
         _enable_compilation_cache(c.compilation_cache_dir)
         self._sync = None  # set at the end when several processes run
         if distributed:  # before anything touches a device
@@ -152,13 +152,22 @@ class Engine:
         kv = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=kv_sharding),
                           jax.eval_shape(lambda: init_kv_cache(self.cfg, num_pages, page_size, self.dtype)))
 
+        slot_bytes = sum(int(np.prod(shape)) for shape in lora_buffer_shapes(self.cfg, 1, max_lora_rank).values()) \
+            * jnp.dtype(self.dtype).itemsize
+        memory_gb = c.lora_memory_gb or _default_lora_memory_gb(jax.devices()[0])
+        max_loras_per_batch = lora_slot_count(c.max_loras_per_batch, c.lora_memory_gb is not None,
+                                              int(memory_gb * 2**30), slot_bytes, max_num_seqs)
+        if max_loras_per_batch:
+            log.info("LoRA: %d device slots of rank %d (%.1f MB each, %.2f GB)", max_loras_per_batch,
+                     max_lora_rank, slot_bytes / 2**20, max_loras_per_batch * slot_bytes / 2**30)
         self.lora_cfg = LoRAConfig(max_loras_per_batch=max_loras_per_batch, max_lora_rank=max_lora_rank)
         self.slots = (LoRASlots(self.cfg, self.lora_cfg, self.dtype, self.mesh, jit_writer=jit_slot_writer)
                       if max_loras_per_batch > 0 else None)
         def read(name, path):
             return load_adapter(name, path, self.cfg, max_lora_rank)
 
-        self.registry = AdapterRegistry(max(max_loras_per_batch, 1), c.max_loaded_loras, read)
+        self.registry = AdapterRegistry(max(max_loras_per_batch, 1), c.max_loaded_loras, read,
+                                        max_host_bytes=int(c.lora_host_memory_gb * 2**30))
         self.loader = AdapterLoader(read)  # host copies read off the engine thread
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -367,8 +376,11 @@ class Engine:
         adapter is ready, so a step never waits on a disk."""
         for name, path, adapter, error in self.loader.poll():
             if adapter is not None:
+                self.registry.stats.loads += 1
                 self.registry.put_host(name, path, adapter)
                 continue
+            self.registry.stats.load_failures += 1
+            log.warning("reading adapter %r from %s failed: %s", name, path, error)
             for req in list(self.scheduler.waiting):
                 if req.adapter == name:
                     req.error = str(error)
@@ -542,6 +554,17 @@ def _default_max_rank(lora_modules: dict[str, str], floor: int = 16) -> int:
         except (OSError, ValueError, TypeError, AttributeError):
             continue  # registering it reports what is wrong
     return best
+
+
+def _default_lora_memory_gb(device) -> float:
+    """2 GB on a CPU host; on an accelerator 5 % of its memory (what XLA reports), at least 1 GB."""
+    if device.platform == "cpu":
+        return 2.0
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 - not every backend reports memory
+        limit = None
+    return max(1.0, 0.05 * limit / 2**30) if limit else 2.0
 
 
 def _generation_eos(model_dir: str) -> set[int]:

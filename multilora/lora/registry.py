@@ -58,16 +58,22 @@ class TierStats:
     host_hits: int = 0
     host_misses: int = 0
     host_evictions: int = 0
+    loads: int = 0             # background reads finished (multilora.lora.loader)
+    load_failures: int = 0
 
 
 class AdapterRegistry:
     def __init__(self, num_slots: int, max_loaded_loras: Optional[int],
-                 read_adapter: Callable[[str, str], LoRAAdapter]):
-        """num_slots: device slots for adapters (slot 0, the base model, not counted)."""
+                 read_adapter: Callable[[str, str], LoRAAdapter], max_host_bytes: Optional[int] = None):
+        """num_slots: device slots for adapters (slot 0, the base model, not counted). Host
+        copies are kept LRU within max_loaded_loras copies and max_host_bytes bytes (either None:
+        no bound); the copy just read always stays."""
         if max_loaded_loras is not None and max_loaded_loras < 1:
             raise ValueError(f"max_loaded_loras must be >= 1 or None, got {max_loaded_loras}")
         self.num_slots = num_slots
         self.max_loaded_loras = max_loaded_loras
+        self.max_host_bytes = max_host_bytes
+        self.host_bytes = 0
         self._read = read_adapter
         self._ids = itertools.count(1)
         self.entries: dict[str, AdapterEntry] = {}
@@ -129,7 +135,7 @@ class AdapterRegistry:
         if not entry.unloading or entry.refcount > 0:
             return []
         del self.entries[entry.name]
-        self._host.pop(entry.name, None)
+        self._pop_host(entry.name)
         freed = []
         if entry.slot is not None:
             freed.append(entry.slot)
@@ -140,11 +146,19 @@ class AdapterRegistry:
 
     # ---- host tier -------------------------------------------------------------------------
     def _put_host(self, name: str, adapter: LoRAAdapter) -> None:
+        self._pop_host(name)
         self._host[name] = adapter
-        self._host.move_to_end(name)
-        while self.max_loaded_loras is not None and len(self._host) > self.max_loaded_loras:
-            self._host.popitem(last=False)
+        self.host_bytes += adapter.nbytes
+        while len(self._host) > 1 and (
+                (self.max_loaded_loras is not None and len(self._host) > self.max_loaded_loras)
+                or (self.max_host_bytes is not None and self.host_bytes > self.max_host_bytes)):
+            self._pop_host(next(iter(self._host)))
             self.stats.host_evictions += 1
+
+    def _pop_host(self, name: str) -> None:
+        old = self._host.pop(name, None)
+        if old is not None:
+            self.host_bytes -= old.nbytes
 
     def host_copy(self, entry: AdapterEntry) -> LoRAAdapter:
         adapter = self._host.get(entry.name)

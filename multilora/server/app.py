@@ -158,13 +158,50 @@ class _Server:
             self.base_names.add(str(Path(eng.model_path).resolve()))
         self.lora_root = Path(lora_root).resolve() if lora_root else None
         self.allow_any_lora_path = allow_any_lora_path
+        self._resolving: dict[str, asyncio.Future] = {}   # adapter name -> its first-use load
 
     # ---- request building ------------------------------------------------------------------
-    def resolve_model(self, name: str) -> Optional[str]:
-        """None for the base model, else the adapter name (the engine checks it exists)."""
+    async def resolve_model(self, name: str) -> Optional[str]:
+        """None for the base model, else the adapter name (the engine checks it exists). With
+        --lora-root, a name that is not registered yet but names an adapter folder under the
+        root is loaded now, on first use (read off the engine thread; concurrent first requests
+        share one load)."""
         if not name:
             raise APIError(400, "model is required: the base model's name or a LoRA adapter's", "model")
-        return None if name in self.base_names else name
+        if name in self.base_names:
+            return None
+        if self.lora_root is not None and name not in self.engine.registry.entries:
+            await self._load_on_first_use(name)
+        return name
+
+    async def _load_on_first_use(self, name: str) -> None:
+        fut = self._resolving.get(name)
+        if fut is None:
+            fut = self._resolving[name] = asyncio.ensure_future(self._resolve_from_root(name))
+            fut.add_done_callback(lambda _: self._resolving.pop(name, None))
+        await asyncio.shield(fut)
+
+    async def _resolve_from_root(self, name: str) -> None:
+        if len(name) > MAX_ADAPTER_NAME or any(ord(c) < 32 for c in name):
+            return  # not a folder name: the engine reports the unknown model
+        candidate = self.lora_root / name
+        resolved = candidate.resolve()
+        if resolved == self.lora_root or self.lora_root not in resolved.parents:
+            raise APIError(404, f"the model {name!r} does not exist: it is neither the base model "
+                                f"{self.base_name!r} nor a loaded LoRA adapter, and it does not name a "
+                                "folder inside the server's --lora-root", "model", "model_not_found")
+        if not (resolved / "adapter_config.json").is_file():
+            return  # no such adapter folder: the engine reports the unknown model (404)
+        try:
+            await self.aengine.load_lora_adapter(name, str(resolved))
+        except AdapterConflictError:
+            return  # registered meanwhile (another request, or /v1/load_lora_adapter)
+        except EngineStoppedError as e:
+            raise APIError(503, str(e), code="unavailable")
+        except ValueError as e:  # AdapterError: the folder is not a servable adapter
+            raise APIError(400, f"the model {name!r} names a folder under --lora-root that is not a "
+                                f"servable LoRA adapter: {e}", "model", "invalid_adapter")
+        log.info("loaded LoRA adapter %r from %s on first use", name, resolved)
 
     def tokenize(self, prompt) -> list[int]:
         try:
@@ -359,7 +396,7 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
     @app.post("/v1/completions")
     async def completions(request: Request):
         req: P.CompletionRequest = await _parse(request, P.CompletionRequest)
-        lora = srv.resolve_model(req.model)
+        lora = await srv.resolve_model(req.model)
         if req.echo:
             raise APIError(400, "echo is not supported", "echo")
         if req.suffix:
@@ -395,7 +432,7 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req: P.ChatCompletionRequest = await _parse(request, P.ChatCompletionRequest)
-        lora = srv.resolve_model(req.model)
+        lora = await srv.resolve_model(req.model)
         if not req.messages:
             raise APIError(400, "messages must hold at least one message", "messages")
         if req.tools:
@@ -529,7 +566,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $MULTILORA_API_KEY, else no key)")
     g.add_argument("--lora-root", default=None,
-                   help="folder under which /v1/load_lora_adapter may load adapters")
+                   help="folder of adapter folders: /v1/load_lora_adapter may load from it, and a request "
+                        "whose model names a folder in it is loaded on first use")
     g.add_argument("--allow-any-lora-path", action="store_true",
                    help="without --lora-root, let /v1/load_lora_adapter load from any path (trusted clients only)")
     g.add_argument("--max-queue", type=int, default=512,

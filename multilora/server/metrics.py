@@ -17,6 +17,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                0.75, 1.0, 2.5)
+MAX_MODEL_LABELS = 256          # per-model histograms kept; the rest are counted under OTHER_MODELS
+OTHER_MODELS = "(other)"
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
@@ -66,6 +68,10 @@ class Metrics:
         self.generation_tokens: dict[str, int] = {}
         self.ttft = _Histogram(TTFT_BUCKETS)
         self.itl = _Histogram(ITL_BUCKETS)
+        # per served model (base or adapter): bounded, so that thousands of adapters cannot grow
+        # /metrics without end; models beyond the bound share the label OTHER_MODELS
+        self.ttft_by_model: dict[str, _Histogram] = {}
+        self.itl_by_model: dict[str, _Histogram] = {}
         self.e2e = _Histogram(E2E_BUCKETS)
         self.gauges: dict[str, float] = {}                       # from the engine thread's snapshot
         self.adapter_stats: dict[str, int] = {}
@@ -92,8 +98,21 @@ class Metrics:
             self.generation_tokens[m] = self.generation_tokens.get(m, 0) + n
             if ttft is not None:
                 self.ttft.observe(ttft)
+                self._per_model(self.ttft_by_model, m, TTFT_BUCKETS).observe(ttft)
             if itl is not None:
                 self.itl.observe(itl)
+                self._per_model(self.itl_by_model, m, ITL_BUCKETS).observe(itl)
+
+    @staticmethod
+    def _per_model(table: dict[str, _Histogram], model: str, bounds) -> _Histogram:
+        h = table.get(model)
+        if h is None:
+            if len(table) >= MAX_MODEL_LABELS:
+                model = OTHER_MODELS
+                h = table.get(model)
+            if h is None:
+                h = table[model] = _Histogram(bounds)
+        return h
 
     def request_finished(self, lora: Optional[str], reason: Optional[str], e2e: float) -> None:
         key = (self._model(lora), reason or "unknown")
@@ -118,14 +137,21 @@ class Metrics:
             for suffix, labels, value in samples:
                 out.append(f"{name}{suffix}{_labels(labels.items())} {_num(value)}")
 
-        def hist(name: str, help_: str, h: _Histogram):
+        def hist_samples(h: _Histogram, labels: dict) -> list:
             samples, acc = [], 0
             for bound, c in zip(list(h.bounds) + [math.inf], h.counts):
                 acc += c
-                samples.append(("_bucket", {"le": _num(float(bound))}, acc))
-            samples.append(("_sum", {}, h.sum))
-            samples.append(("_count", {}, h.count))
-            family(name, "histogram", help_, samples)
+                samples.append(("_bucket", {**labels, "le": _num(float(bound))}, acc))
+            samples.append(("_sum", labels, h.sum))
+            samples.append(("_count", labels, h.count))
+            return samples
+
+        def hist(name: str, help_: str, h: _Histogram):
+            family(name, "histogram", help_, hist_samples(h, {}))
+
+        def hist_by_model(name: str, help_: str, table: dict[str, _Histogram]):
+            family(name, "histogram", help_,
+                   [s for m, h in sorted(table.items()) for s in hist_samples(h, {"model": m})])
 
         with self._lock:
             family("multilora_requests_total", "counter", "Requests accepted, by served model (base or adapter).",
@@ -154,7 +180,9 @@ class Metrics:
                                ("slot_evictions", "Adapters evicted from a device slot."),
                                ("host_hits", "Slot writes served from the host copy."),
                                ("host_misses", "Slot writes that re-read the adapter folder."),
-                               ("host_evictions", "Host copies evicted (max_loaded_loras).")):
+                               ("host_evictions", "Host copies evicted (max_loaded_loras, lora_host_memory_gb)."),
+                               ("loads", "Adapter folders read in the background (first use, or after a host eviction)."),
+                               ("load_failures", "Background adapter reads that failed (their requests got an error).")):
                 family(f"multilora_lora_{key}_total", "counter", help_,
                        [("", {}, self.adapter_stats.get(key, 0))])
             sched = self.scheduler_stats
@@ -167,6 +195,11 @@ class Metrics:
             hist("multilora_time_to_first_token_seconds", "Time from arrival to the first token.", self.ttft)
             hist("multilora_inter_token_latency_seconds", "Time between a request's successive tokens.",
                  self.itl)
+            hist_by_model("multilora_model_time_to_first_token_seconds",
+                          "Time from arrival to the first token, by served model (base or adapter).",
+                          self.ttft_by_model)
+            hist_by_model("multilora_model_inter_token_latency_seconds",
+                          "Time between a request's successive tokens, by served model.", self.itl_by_model)
             hist("multilora_e2e_request_latency_seconds", "Time from arrival to the end of a request.",
                  self.e2e)
         return "\n".join(out) + "\n"
