@@ -110,6 +110,8 @@ def main(argv=None):
     ap.add_argument("--adapters", type=int, nargs="+", default=[0, 8])
     ap.add_argument("--backends", nargs="+", default=["auto"])
     ap.add_argument("--modes", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill", "mixed"])
+    ap.add_argument("--slots", type=int, default=None,
+                    help="adapter slots in the pool (default: as many as adapters used); rows use the first K")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", type=Path, default=None)
@@ -117,7 +119,7 @@ def main(argv=None):
                     help="profile each case and print its op time by kind")
     args = ap.parse_args(argv)
 
-    from multilora.lora.backend import choose_backend, get_backend
+    from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap
     cfg = ModelConfig.from_hf_dict(SMOLLM2_135M)
     weights = random_weights(cfg)
     page_size = 16
@@ -130,7 +132,7 @@ def main(argv=None):
                 cases.append((mode, k, be))
     state = {}
     for mode, k, be in cases:
-        s = k + 1
+        s = max(k, args.slots or 0) + 1
         if mode == "decode":
             chunks = workload_chunks(mode, args.decode_seqs, args.decode_ctx, page_size, k, rng)
             t, x = args.decode_seqs, args.decode_pages
@@ -155,8 +157,9 @@ def main(argv=None):
             lora = random_lora(cfg, s, args.rank)
             # As the runner: a step of at most max_num_seqs tokens counts as a decode shape.
             backend = choose_backend(be, t, t <= args.max_num_seqs, s)
-            lora_be = get_backend(backend)
-            prepare = lambda slot_T: lora_be.prepare_lora_batch(slot_T, scal, ranks)  # noqa: E731
+            lora_be = get_backend(backend.split(SWITCH)[0])
+            cap = grouped_cap(t) if SWITCH in backend else None
+            prepare = lambda slot_T: lora_be.prepare_lora_batch(slot_T, scal, ranks, cap)  # noqa: E731
         batch = build_batch(chunks, num_tokens=t, num_pages=x, num_logits=min(t, args.max_num_seqs),
                             page_size=page_size, prepare_lora=prepare)
         num_cache_pages = 1 + max(max(c.block_table) for c in chunks)

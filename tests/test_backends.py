@@ -259,8 +259,35 @@ def test_auto_picks_per_shape():
     assert choose_backend("auto", 512, False, 9) == "sgmv"   # prefill: tiles
     assert choose_backend("auto", 64, True, 9) == "sgmv"     # 64 rows fill 8 adapters' tiles of 8
     assert choose_backend("auto", 32, True, 9) == "dense"    # half-full tiles; the pool is small
-    assert choose_backend("auto", 64, True, 65) == "bgmv"    # 64 slots: per-token gathers
+    assert choose_backend("auto", 64, True, 65) == "sgmv|bgmv"  # 64 slots: the step's adapters decide
+    assert choose_backend("auto", 4, True, 65) == "bgmv"     # too few rows to fill a tile
     assert choose_backend("auto", 1, True, 9) == "bgmv"
     assert choose_backend("sgmv", 1, True, 9) == "sgmv"      # an explicit choice stands
     with pytest.raises(ValueError, match="choose one of auto, bgmv"):
         choose_backend("onehot", 64, True, 9)
+
+
+def test_tiles_sized_for_a_steps_few_adapters_and_the_per_token_fallback():
+    """make_lora_batch_info(..., max_grouped=N): a step with at most N distinct adapters gets
+    tiles sized for N (not for the whole pool) and mode GROUPED; one with more gets empty tiles
+    and mode PER_TOKEN; one without adapters NO_LORA. Either way the backend the mode names
+    matches the numpy definition."""
+    from multilora.lora.batch import GROUPED, NO_LORA, PER_TOKEN, sgmv_num_tiles
+    t, d, o, s, r = 64, 32, 24, 65, 4
+    rng = np.random.default_rng(3)
+    ranks, scalings = make_ranks(rng, s, r), make_scalings(rng, s)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    a, b = make_a(rng, s, r, d, ranks), make_b(rng, s, o, r, ranks)
+    few = rng.choice([0, 5, 17, 64], size=t).astype(np.int32)          # 3 adapters and base rows
+    many = rng.integers(0, s, size=t).astype(np.int32)                  # ~40 adapters
+    for slot_T, mode, name in ((few, GROUPED, "sgmv"), (many, PER_TOKEN, "bgmv")):
+        info = make_lora_batch_info(slot_T, scalings, ranks, max_grouped=8)
+        assert int(info.mode) == mode
+        assert info.tile_slot_G.shape[0] == sgmv_num_tiles(t, 9)        # sized for 8 adapters, not 64
+        if mode == PER_TOKEN:
+            assert (info.tile_slot_G == NO_ADAPTER).all()
+        be = get_backend(name)
+        got = jax.jit(lambda x, a, b, info: be.run_lora_b_gemm(be.run_lora_a_gemm(x, a, info), b, info))(x, a, b, info)
+        assert_close(np.asarray(got), np_lora(x, a, b, scalings, slot_T), f"{name} mode {mode}")
+    assert int(make_lora_batch_info(np.zeros(t, np.int32), scalings, ranks, max_grouped=8).mode) == NO_LORA
+    assert int(make_lora_batch_info(few, scalings, ranks).mode) == GROUPED  # no cap: tiles for every slot

@@ -25,7 +25,7 @@ import numpy as np
 from multilora.config import ModelConfig
 from multilora.engine.batching import SeqChunk, build_batch, decode_first, pages_needed
 from multilora.engine.sampler import sample
-from multilora.lora.backend import choose_backend, get_backend
+from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap
 from multilora.lora.pool import LoRASlots
 from multilora.model.llama import KVCache, Weights, forward
 
@@ -149,9 +149,12 @@ class ModelRunner:
     def _prepare_lora(self, num_tokens: int):
         if self.lora is None:
             return None
-        be = get_backend(self.backend_for(num_tokens))
+        name = self.backend_for(num_tokens)
+        be = get_backend(name.split(SWITCH)[0])
+        # a run-time switch: tiles sized for the step's few adapters, whatever the pool holds
+        cap = grouped_cap(num_tokens) if SWITCH in name else None
         s, r = self.lora.scalings_S, self.lora.ranks_S
-        return lambda slot_T: be.prepare_lora_batch(slot_T, s, r)
+        return lambda slot_T: be.prepare_lora_batch(slot_T, s, r, cap)
 
     def _dummy_batch(self, t, x):
         return build_batch([], num_tokens=t, num_pages=x, num_logits=self.buckets.logits_rows(t),

@@ -25,6 +25,10 @@ class LoRABatchInfo:
     tile_slot_G:  SGMV: the slot of each tile of rows.
     tile_rows_GM: SGMV: token index of each row of each tile (T = padding, reads a zero row).
     token_pos_T:  SGMV: where token t sits in the flattened tiles (G*M = "no adapter", zero row).
+    mode:         which path a step takes (a scalar): NO_LORA (no row has an adapter: no LoRA op
+                  runs), GROUPED (the tiles above hold every adapter row) or PER_TOKEN (more
+                  distinct adapters than the tiles were sized for: the tiles are empty and a
+                  per-token backend runs).
     """
 
     slot_T: jax.Array
@@ -33,6 +37,11 @@ class LoRABatchInfo:
     tile_slot_G: jax.Array
     tile_rows_GM: jax.Array
     token_pos_T: jax.Array
+    mode: jax.Array
+
+
+# LoRABatchInfo.mode
+NO_LORA, GROUPED, PER_TOKEN = 0, 1, 2
 
 
 def sgmv_tile_rows(num_tokens: int, num_slots: int = 9) -> int:
@@ -91,13 +100,25 @@ def group_tokens_by_slot(slot_T: np.ndarray, num_slots: int) -> tuple[np.ndarray
     return tile_slot, tile_rows, token_pos
 
 
-def make_lora_batch_info(slot_T: np.ndarray, scalings_S: np.ndarray, ranks_S: np.ndarray) -> LoRABatchInfo:
-    """Host arrays -> LoRABatchInfo (numpy; jit moves them to the device)."""
+def make_lora_batch_info(slot_T: np.ndarray, scalings_S: np.ndarray, ranks_S: np.ndarray,
+                         max_grouped: int | None = None) -> LoRABatchInfo:
+    """Host arrays -> LoRABatchInfo (numpy; jit moves them to the device). max_grouped: size the
+    tiles for at most this many distinct adapters (static per compiled shape, however many
+    slots there are); a step with more gets empty tiles and mode PER_TOKEN."""
     slot_T = np.asarray(slot_T, np.int32)
     num_slots = int(scalings_S.shape[0])
     if slot_T.size and (slot_T.min() < 0 or slot_T.max() >= num_slots):
         raise ValueError(f"adapter slot out of range: slots must be in [0, {num_slots})")
-    tile_slot, tile_rows, token_pos = group_tokens_by_slot(slot_T, num_slots)
+    tile_slots = num_slots if max_grouped is None else max(1, min(num_slots, max_grouped + 1))
+    distinct = len(set(np.unique(slot_T).tolist()) - {NO_ADAPTER})
+    if distinct == 0:
+        mode = NO_LORA
+    elif max_grouped is None or distinct <= max_grouped:
+        mode = GROUPED
+    else:
+        mode = PER_TOKEN
+    grouped_slots = slot_T if mode == GROUPED else np.zeros_like(slot_T)
+    tile_slot, tile_rows, token_pos = group_tokens_by_slot(grouped_slots, tile_slots)
     return LoRABatchInfo(
         slot_T=slot_T,
         scalings_S=np.asarray(scalings_S, np.float32),
@@ -105,4 +126,5 @@ def make_lora_batch_info(slot_T: np.ndarray, scalings_S: np.ndarray, ranks_S: np
         tile_slot_G=tile_slot,
         tile_rows_GM=tile_rows,
         token_pos_T=token_pos,
+        mode=np.int32(mode),
     )

@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from multilora.config import ModelConfig
-from multilora.lora.backend import get_backend
-from multilora.lora.batch import LoRABatchInfo
-from multilora.lora.batch import NO_ADAPTER
+from multilora.lora.backend import get_backends
+from multilora.lora.batch import NO_LORA, PER_TOKEN, LoRABatchInfo
 from multilora.model.attention import decode_attention, prefill_attention, write_kv
 from multilora.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 
@@ -128,7 +127,8 @@ def _proj(x, w, b=None):
 def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: Batch,
             cfg: ModelConfig, backend: str = "bgmv") -> tuple[jax.Array, KVCache]:
     """Logits (Q, V) in float32 for the rows batch.logits_idx_Q, and the updated cache."""
-    be = get_backend(backend) if lora is not None else None
+    bes = get_backends(backend) if lora is not None else ()
+    be = bes[0] if bes else None
     info = batch.lora
     n, kvh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     t = batch.token_ids_T.shape[0]
@@ -137,17 +137,21 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     # Rows with one token this step take the decode path; the prefill kernel sees them as padding.
     is_decode_T = (batch.seq_idx_T >= 0) & (batch.seq_idx_T < batch.num_decode)
     prefill_seq_T = jnp.where(is_decode_T, -1, batch.seq_idx_T)
-    # A step in which no row has an adapter runs no LoRA op at all (a branch taken at run time,
-    # so it costs no extra compiled shapes).
-    any_lora = jnp.any(info.slot_T != NO_ADAPTER) if be is not None else None
+    # A step in which no row has an adapter runs no LoRA op at all, and a shape compiled with a
+    # (grouped, per-token) pair of backends runs the one the step's mode names: branches taken
+    # at run time, so they cost no extra compiled shapes.
 
     def with_lora(fn, idx, *zeros_like):
-        # The slots enter the cond whole and the layer is picked inside it, where the pick fuses
-        # into the backend's gathers: a layer slice taken outside was copied out whole (the
-        # entire pool, every step) to be handed to the cond.
-        def run():
-            return fn(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, keepdims=False), lora))
-        return jax.lax.cond(any_lora, run, lambda: tuple(jnp.zeros_like(z) for z in zeros_like))
+        # The slots enter the branch whole and the layer is picked inside it, where the pick
+        # fuses into the backend's gathers: a layer slice taken outside was copied out whole (the
+        # entire pool, every step) to be handed to the branch.
+        def run(b):
+            return lambda: fn(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, keepdims=False),
+                                           lora), b)
+        zeros = lambda: tuple(jnp.zeros_like(z) for z in zeros_like)  # noqa: E731
+        if len(bes) == 1:
+            return jax.lax.cond(info.mode != NO_LORA, run(bes[0]), zeros)
+        return jax.lax.switch(jnp.clip(info.mode, NO_LORA, PER_TOKEN), [zeros, run(bes[0]), run(bes[1])])
 
     def layer(carry, xs):
         x_TD, k_cache, v_cache = carry
@@ -157,7 +161,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         k = _proj(hid, lw.wk_LDO, lw.bk_LO)
         v = _proj(hid, lw.wv_LDO, lw.bv_LO)
         if be is not None:
-            dq, dk, dv = with_lora(lambda ll: be.run_qkv_lora(
+            dq, dk, dv = with_lora(lambda ll, be: be.run_qkv_lora(
                 hid, ll.qkv_a_LSRD, (ll.q_b_LSRO, ll.k_b_LSRO, ll.v_b_LSRO), info), idx, q, k, v)
             q, k, v = q + dq.astype(q.dtype), k + dk.astype(k.dtype), v + dv.astype(v.dtype)
         q_TNH = apply_rope(q.reshape(t, n, h), cos_TH, sin_TH)
@@ -171,20 +175,20 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         attn_TO = jnp.where(is_decode_T[:, None, None], dec, pre).reshape(t, n * h)
         o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD)
         if be is not None:
-            (do,) = with_lora(lambda ll: (be.run_lora_b_gemm(
+            (do,) = with_lora(lambda ll, be: (be.run_lora_b_gemm(
                 be.run_lora_a_gemm(attn_TO, ll.o_a_LSRO, info), ll.o_b_LSRD, info),), idx, o)
             o = o + do.astype(o.dtype)
         x_TD = x_TD + o
         hid = rms_norm(x_TD, lw.mlp_norm_LD, cfg.rms_norm_eps)
         gate, up = _proj(hid, lw.w_gate_LDF), _proj(hid, lw.w_up_LDF)
         if be is not None:
-            dg, du = with_lora(lambda ll: be.run_gate_up_lora(
+            dg, du = with_lora(lambda ll, be: be.run_gate_up_lora(
                 hid, ll.gate_up_a_LSRD, (ll.gate_b_LSRF, ll.up_b_LSRF), info), idx, gate, up)
             gate, up = gate + dg.astype(gate.dtype), up + du.astype(up.dtype)
         act_TF = swiglu(gate, up)
         down = _proj(act_TF, lw.w_down_LFD)
         if be is not None:
-            (dd,) = with_lora(lambda ll: (be.run_lora_b_gemm(
+            (dd,) = with_lora(lambda ll, be: (be.run_lora_b_gemm(
                 be.run_lora_a_gemm(act_TF, ll.down_a_LSRF, info), ll.down_b_LSRD, info),), idx, down)
             down = down + dd.astype(down.dtype)
         return (x_TD + down, k_cache, v_cache), None

@@ -16,6 +16,11 @@ BACKENDS: dict[str, type[BaseLoRABackend]] = {
 BACKEND_CHOICES = ("auto", *BACKENDS)
 
 
+# A compiled shape may carry two backends, "grouped|per_token", picked at run time by the step's
+# LoRABatchInfo.mode (GROUPED when its distinct adapters fit the tiles, else PER_TOKEN).
+SWITCH = "|"
+
+
 def get_backend(name: str) -> BaseLoRABackend:
     try:
         return BACKENDS[name]()
@@ -23,12 +28,25 @@ def get_backend(name: str) -> BaseLoRABackend:
         raise ValueError(f"unknown lora_backend {name!r}; choose one of {', '.join(BACKEND_CHOICES)}") from None
 
 
+def get_backends(name: str) -> tuple[BaseLoRABackend, ...]:
+    """One backend, or the (grouped, per-token) pair of a run-time switch."""
+    return tuple(get_backend(n) for n in name.split(SWITCH))
+
+
+def grouped_cap(num_tokens: int) -> int:
+    """The most distinct adapters for which a decode step's tiles are still full on average
+    (T >= M * adapters): beyond, grouping pads more than it saves."""
+    return num_tokens // sgmv_tile_rows(num_tokens, 2)
+
+
 def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int | None = None) -> str:
     """Resolve "auto" for one compiled shape (tokens and slots are both static there).
     Prefill groups tokens into tiles (`sgmv`). Decode does too when the tokens would fill every
     adapter's tile on average (T >= M * adapters), reads the whole small pool once (`dense`)
-    when the adapters are still few next to the tokens (4 * adapters <= T), and otherwise
-    gathers per token (`bgmv`). Measured in BENCHMARKS.md (forward_step: 64 rows with 8
+    when the adapters are still few next to the tokens (4 * adapters <= T); with more slots
+    than that (a pool sized by memory), the shape carries both `sgmv` (tiles sized for the few
+    adapters a step may use) and `bgmv`, and each step's distinct adapters pick one at run time;
+    below one tile of rows it gathers per token (`bgmv`). Measured in BENCHMARKS.md (forward_step: 64 rows with 8
     adapters sgmv 6 % ahead of dense; 32 rows dense 6 % ahead; 64 rows with 64 slots bgmv)."""
     if name != "auto":
         get_backend(name)
@@ -39,10 +57,14 @@ def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int |
             return "sgmv"
         if adapters and adapters * 4 <= num_tokens:
             return "dense"
+        if adapters and grouped_cap(num_tokens) >= 1:
+            # More slots than a step can group well: the step's own distinct adapters decide,
+            # at run time (a pool sized by memory may hold 64 adapters while a step uses 3).
+            return f"sgmv{SWITCH}bgmv"
         return "bgmv"
     return "sgmv"
 
 
 __all__ = ["BaseLoRABackend", "BgmvLoRABackend", "SgmvLoRABackend", "DenseLoRABackend",
            "ReferenceLoRABackend",
-           "get_backend", "choose_backend", "BACKENDS", "BACKEND_CHOICES"]
+           "get_backend", "get_backends", "grouped_cap", "choose_backend", "BACKENDS", "BACKEND_CHOICES", "SWITCH"]

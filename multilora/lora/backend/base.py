@@ -46,10 +46,10 @@ class BaseLoRABackend:
                      for i, b_SRO in enumerate(lora_b))
 
     def prepare_lora_batch(self, slot_T: np.ndarray, scalings_S: np.ndarray,
-                           ranks_S: np.ndarray) -> LoRABatchInfo:
+                           ranks_S: np.ndarray, max_grouped: int | None = None) -> LoRABatchInfo:
         """Host-side metadata -> LoRABatchInfo. Every backend reads the same fields, so a batch
-        prepared once serves all layers and any backend."""
-        return make_lora_batch_info(slot_T, scalings_S, ranks_S)
+        prepared once serves all layers and any backend (max_grouped: see make_lora_batch_info)."""
+        return make_lora_batch_info(slot_T, scalings_S, ranks_S, max_grouped)
 
 
 def add_base(y_TO: jax.Array, base_output_TO: jax.Array | None) -> jax.Array:
