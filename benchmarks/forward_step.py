@@ -130,6 +130,8 @@ def main(argv=None):
         for k in args.adapters:
             for be in (["-"] if k == 0 else args.backends):
                 cases.append((mode, k, be))
+            if k == 0 and args.slots:
+                cases.append((mode, 0, "auto"))  # LoRA on (a pool of --slots), no row uses it
     state = {}
     for mode, k, be in cases:
         s = max(k, args.slots or 0) + 1
@@ -153,7 +155,7 @@ def main(argv=None):
         lora = None
         backend = "bgmv"
         prepare = None
-        if k:
+        if be != "-":
             lora = random_lora(cfg, s, args.rank)
             # As the runner: a step of at most max_num_seqs tokens counts as a decode shape.
             backend = choose_backend(be, t, t <= args.max_num_seqs, s)

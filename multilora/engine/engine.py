@@ -199,11 +199,18 @@ class Engine:
 
     # ---- adapters ----------------------------------------------------------------------------
     def read_adapter(self, name: str, path: str) -> LoRAAdapter:
-        """Read, validate and hash an adapter folder (thread-safe: touches no engine state). A
-        server calls this on a worker thread, then load_lora_adapter(..., adapter=) between steps."""
+        """Read, validate and hash an adapter folder on the calling thread (thread-safe: touches
+        no engine state); then load_lora_adapter(..., adapter=) registers it between steps."""
         if self.slots is None:
             raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
         return self.loader.read_now(name, str(path))
+
+    def read_adapter_async(self, name: str, path: str):
+        """The same on the loader's low-priority worker thread: a concurrent Future (the server's
+        path: reads never take the cores from the running streams)."""
+        if self.slots is None:
+            raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
+        return self.loader.submit(name, str(path))
 
     def load_lora_adapter(self, name: str, path: str, pinned: bool = False,
                           adapter: Optional[LoRAAdapter] = None) -> None:

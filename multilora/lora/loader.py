@@ -11,6 +11,7 @@ Plain Python (a thread pool), no jax: device writes stay with the engine, betwee
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator, Optional
@@ -26,16 +27,32 @@ def read_with_hash(read: Callable[[str, str], LoRAAdapter], name: str, path: str
     return adapter
 
 
+def _lower_priority() -> None:
+    """Run this worker thread at the lowest CPU priority (Linux: nice is per thread): a read uses
+    what the engine's step leaves of the cores instead of taking its turn from the streams. A
+    read then takes longer on a busy machine; a step does not."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not on this platform: reads run at normal priority
+        pass
+
+
 class AdapterLoader:
     def __init__(self, read: Callable[[str, str], LoRAAdapter], workers: int = 1):
         self._read = read
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="multilora-lora-load")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="multilora-lora-load",
+                                        initializer=_lower_priority)
         self._lock = threading.Lock()
         self._inflight: dict[tuple[str, str], Future] = {}
 
     def read_now(self, name: str, path: str) -> LoRAAdapter:
-        """On the calling thread (a server's worker thread, or start-up)."""
+        """On the calling thread (start-up, offline use)."""
         return read_with_hash(self._read, name, path)
+
+    def submit(self, name: str, path: str) -> Future:
+        """Read on the loader's (low-priority) worker; the future holds the adapter or the error.
+        For callers that wait for it themselves (the server's /v1/load_lora_adapter)."""
+        return self._pool.submit(read_with_hash, self._read, name, str(path))
 
     def prefetch(self, name: str, path: str) -> bool:
         """Start reading (name, path) in the background unless it already is; True if started."""

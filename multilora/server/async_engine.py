@@ -217,11 +217,11 @@ class AsyncEngine:
         return await fut
 
     async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> None:
-        """Read and validate on a worker thread (the disk never stalls a step), then register
-        the host copy between two steps."""
+        """Read and validate on the engine's low-priority loader thread (the disk never stalls a
+        step, the read never takes the cores from it), then register the copy between two steps."""
         if not self.is_alive:
             raise EngineStoppedError("the engine is not running")
-        adapter = await asyncio.get_running_loop().run_in_executor(None, self.engine.read_adapter, name, path)
+        adapter = await asyncio.wrap_future(self.engine.read_adapter_async(name, path))
         await self.call(lambda e: e.load_lora_adapter(name, path, pinned=pinned, adapter=adapter))
 
     async def unload_lora_adapter(self, name: str) -> None:
