@@ -646,7 +646,9 @@ def agreement(results) -> str:
            if r["system"] == "multilora-engine" and r.get("first_tokens")}
     out = []
     for r in results:
-        ref = eng.get((r["adapters"], r.get("dist")))
+        # the LoRA-on base run registers adapters but sends every request to the base model
+        k = 0 if r["system"] == "multilora-engine-lora-on" else r["adapters"]
+        ref = eng.get((k, r.get("dist")))
         if r["system"] == "multilora-engine" or not r.get("first_tokens") or ref is None:
             continue
         same = sum(a == b for a, b in zip(ref, r["first_tokens"]))
