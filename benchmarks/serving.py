@@ -57,17 +57,20 @@ def model_dir() -> Path:
     return Path(default_model_dir())
 
 
-def ensure_adapters(model: Path, root: Path, k: int) -> list[Path]:
-    """The first k adapters of the pool, made lazily (about 20 MB each) and reused across runs."""
+def ensure_adapters(model: Path, root: Path, k: int, rank: int = 16, modules=None) -> list[Path]:
+    """The first k adapters of the pool, made lazily (about 20 MB each at rank 16 on all seven
+    projections) and reused across runs."""
+    from benchmarks.common import ALL_MODULES
+    modules = tuple(modules or ALL_MODULES)
     have = sum((root / f"adapter_{i:04d}" / "adapter_model.safetensors").is_file() for i in range(k))
-    need_gb = (k - have) * ADAPTER_MB / 1024
+    need_gb = (k - have) * ADAPTER_MB * rank / 16 * len(modules) / len(ALL_MODULES) / 1024
     if need_gb > 0:
         root.mkdir(parents=True, exist_ok=True)
         free_gb = shutil.disk_usage(root).free / 2**30
         if free_gb < need_gb + 2:
             raise SystemExit(f"{k} adapters need {need_gb:.1f} GB more under {root}; {free_gb:.1f} GB free")
         print(f"making {k - have} adapters under {root} ({need_gb:.1f} GB) ...", flush=True)
-    return make_random_adapters(model, root, k)
+    return make_random_adapters(model, root, k, rank=rank, modules=modules)
 
 
 def assign_adapters(n: int, k: int, dist: str, seed: int = 0, zipf_s: float = 1.0) -> list:
@@ -769,7 +772,12 @@ def main(argv=None):
                     help="per-phase timers over one engine run with K adapters (then exit)")
     ap.add_argument("--bf16-probe", action="store_true")
     ap.add_argument("--_bf16-child", dest="bf16_child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--adapter-dir", default=str(CACHE / "serving-adapters-r16"))
+    ap.add_argument("--adapter-rank", type=int, default=16, help="rank of the random adapters")
+    ap.add_argument("--adapter-modules", nargs="+", default=None,
+                    help="projections the adapters target (default: all seven); 4096 rank-16 adapters on all "
+                         "seven are 80 GB of disk, rank 4 on q_proj v_proj 3.6 GB")
+    ap.add_argument("--adapter-dir", default=None,
+                    help="where the adapters are made (default: ~/.cache/multilora/bench/serving-adapters-r{rank}[-modules])")
     ap.add_argument("--json", default=str(HERE / "results" / "serving.json"))
     ap.add_argument("--plot", default=str(HERE / "results" / "serving.png"))
     ap.add_argument("--table-from", default=None, help="print tables and plot from a JSON file, run nothing")
@@ -794,7 +802,11 @@ def main(argv=None):
 
     model = model_dir()
     cfg = json.loads((model / "config.json").read_text())
-    adapters = ensure_adapters(model, Path(args.adapter_dir), max(args.adapters + [args.profile or 0]))
+    adapter_dir = Path(args.adapter_dir) if args.adapter_dir else (
+        CACHE / (f"serving-adapters-r{args.adapter_rank}" + ("" if args.adapter_modules is None
+                                                             else "-" + "-".join(args.adapter_modules))))
+    adapters = ensure_adapters(model, adapter_dir, max(args.adapters + [args.profile or 0]),
+                               args.adapter_rank, args.adapter_modules)
     adapter_bytes = (Path(adapters[0]) / "adapter_model.safetensors").stat().st_size if adapters else 0
     kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * \
         (4 if args.dtype == "float32" else 2)
