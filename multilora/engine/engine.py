@@ -198,16 +198,11 @@ class Engine:
             self._sync = StepSync()
 
     # ---- adapters ----------------------------------------------------------------------------
-    def read_adapter(self, name: str, path: str) -> LoRAAdapter:
-        """Read, validate and hash an adapter folder on the calling thread (thread-safe: touches
-        no engine state); then load_lora_adapter(..., adapter=) registers it between steps."""
-        if self.slots is None:
-            raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
-        return self.loader.read_now(name, str(path))
-
     def read_adapter_async(self, name: str, path: str):
-        """The same on the loader's low-priority worker thread: a concurrent Future (the server's
-        path: reads never take the cores from the running streams)."""
+        """Read, validate and hash an adapter folder on the loader's low-priority worker thread
+        (it touches no engine state): a concurrent Future of the LoRAAdapter, which
+        load_lora_adapter(..., adapter=) then registers between steps. The server's path: reads
+        never stall a step nor take the cores from the running streams."""
         if self.slots is None:
             raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
         return self.loader.submit(name, str(path))
@@ -215,7 +210,7 @@ class Engine:
     def load_lora_adapter(self, name: str, path: str, pinned: bool = False,
                           adapter: Optional[LoRAAdapter] = None) -> None:
         """Register an adapter: read and validate it now, unless `adapter` is given (already read
-        by read_adapter, e.g. off the engine thread); raises AdapterError (nothing changes) on a
+        by read_adapter_async, off the engine thread); raises AdapterError (nothing changes) on a
         bad adapter."""
         if self.slots is None:
             raise ValueError("LoRA is disabled (max_loras_per_batch=0)")

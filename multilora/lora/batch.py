@@ -110,7 +110,7 @@ def make_lora_batch_info(slot_T: np.ndarray, scalings_S: np.ndarray, ranks_S: np
     if slot_T.size and (slot_T.min() < 0 or slot_T.max() >= num_slots):
         raise ValueError(f"adapter slot out of range: slots must be in [0, {num_slots})")
     tile_slots = num_slots if max_grouped is None else max(1, min(num_slots, max_grouped + 1))
-    distinct = len(set(np.unique(slot_T).tolist()) - {NO_ADAPTER})
+    distinct = int(np.count_nonzero(np.unique(slot_T) != NO_ADAPTER))
     if distinct == 0:
         mode = NO_LORA
     elif max_grouped is None or distinct <= max_grouped:

@@ -3,6 +3,7 @@ hash run on one background worker, so that no engine step ever waits on a disk.
 
     loader = AdapterLoader(read)            # read(name, path) -> LoRAAdapter (may raise AdapterError)
     loader.prefetch("x", "/adapters/x")     # starts a read unless one for (x, path) is in flight
+    fut = loader.submit("y", "/adapters/y")  # a read whose caller waits on the future itself
     for name, path, adapter, error in loader.poll():   # finished reads, on the caller's thread
         ...
 
@@ -45,10 +46,6 @@ class AdapterLoader:
         self._lock = threading.Lock()
         self._inflight: dict[tuple[str, str], Future] = {}
 
-    def read_now(self, name: str, path: str) -> LoRAAdapter:
-        """On the calling thread (start-up, offline use)."""
-        return read_with_hash(self._read, name, path)
-
     def submit(self, name: str, path: str) -> Future:
         """Read on the loader's (low-priority) worker; the future holds the adapter or the error.
         For callers that wait for it themselves (the server's /v1/load_lora_adapter)."""
@@ -60,7 +57,7 @@ class AdapterLoader:
         with self._lock:
             if key in self._inflight:
                 return False
-            self._inflight[key] = self._pool.submit(read_with_hash, self._read, name, str(path))
+            self._inflight[key] = self.submit(name, path)
             return True
 
     def in_flight(self, name: Optional[str] = None) -> int:
@@ -76,6 +73,3 @@ class AdapterLoader:
         for (name, path), fut in done:
             err = fut.exception()
             yield name, path, (None if err is not None else fut.result()), err
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -170,7 +170,8 @@ class _Server:
             raise APIError(400, "model is required: the base model's name or a LoRA adapter's", "model")
         if name in self.base_names:
             return None
-        if self.lora_root is not None and name not in self.engine.registry.entries:
+        if self.lora_root is not None and self.engine.slots is not None \
+                and name not in self.engine.registry.entries:
             await self._load_on_first_use(name)
         return name
 
