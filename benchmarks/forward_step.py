@@ -119,7 +119,7 @@ def main(argv=None):
                     help="profile each case and print its op time by kind")
     args = ap.parse_args(argv)
 
-    from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap
+    from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
     cfg = ModelConfig.from_hf_dict(SMOLLM2_135M)
     weights = random_weights(cfg)
     page_size = 16
@@ -158,7 +158,8 @@ def main(argv=None):
         if be != "-":
             lora = random_lora(cfg, s, args.rank)
             # As the runner: a step of at most max_num_seqs tokens counts as a decode shape.
-            backend = choose_backend(be, t, t <= args.max_num_seqs, s)
+            backend = choose_backend(be, t, t <= args.max_num_seqs, s,
+                                     be == "auto" and native_usable(jnp.float32, jax.devices()[:1]))
             lora_be = get_backend(backend.split(SWITCH)[0])
             cap = grouped_cap(t) if SWITCH in backend else None
             prepare = lambda slot_T: lora_be.prepare_lora_batch(slot_T, scal, ranks, cap)  # noqa: E731

@@ -291,3 +291,76 @@ def test_tiles_sized_for_a_steps_few_adapters_and_the_per_token_fallback():
         assert_close(np.asarray(got), np_lora(x, a, b, scalings, slot_T), f"{name} mode {mode}")
     assert int(make_lora_batch_info(np.zeros(t, np.int32), scalings, ranks, max_grouped=8).mode) == NO_LORA
     assert int(make_lora_batch_info(few, scalings, ranks).mode) == GROUPED  # no cap: tiles for every slot
+
+
+# --- multilora's CPU kernels (native) ----------------------------------------------------------
+
+def _native():
+    from multilora.lora.backend import kernels
+    if not kernels.available():
+        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    return get_backend("native")
+
+
+def test_native_reads_the_pool_in_place_at_the_layer_and_stops_at_each_true_rank():
+    """The kernel indexes a whole (L, S, R, X) pool at a traced layer (what forward hands it),
+    matches the numpy definition for that layer's slices, and never reads a row past a slot's
+    rank: those rows hold NaN here, so one read would show."""
+    from multilora.lora.backend.native import PoolLayer
+    be = _native()
+    rng = np.random.default_rng(11)
+    L, t, d, o, s, r, blocks = 3, 29, 40, 56, 7, 8, 3
+    ranks, scalings = make_ranks(rng, s, r), make_scalings(rng, s)
+    slot_T = make_slots(rng, "random", t, s)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    a_L = np.stack([make_a(rng, s, r, d, ranks, blocks) for _ in range(L)])
+    bs_L = [np.stack([make_b(rng, s, o + 8 * i, r, ranks) for _ in range(L)]) for i in range(blocks)]
+    want = {layer: np_stacked(x, a_L[layer], [b[layer] for b in bs_L], scalings, slot_T) for layer in range(L)}
+    for arr in (a_L, *bs_L):  # poison the padding past each slot's rank, and the base slot
+        for i in range(s):
+            if arr is a_L:
+                for blk in range(blocks):
+                    arr[:, i, blk * r + ranks[i]:(blk + 1) * r] = np.nan
+            else:
+                arr[:, i, ranks[i]:] = np.nan
+        arr[:, NO_ADAPTER] = np.nan
+    info = make_lora_batch_info(slot_T, scalings, ranks)
+    run = jax.jit(lambda x, a, bs, layer, info: be.run_qkv_lora(
+        x, PoolLayer(a, layer), tuple(PoolLayer(b, layer) for b in bs), info))
+    for layer in range(L):
+        got = run(x, a_L, bs_L, np.int32(layer), info)
+        for i, (g, w) in enumerate(zip(got, want[layer])):
+            assert np.isfinite(np.asarray(g)).all(), f"layer {layer} block {i} read padding or slot 0"
+            assert_close(g, w, f"native layer {layer} block {i}")
+
+
+def test_auto_takes_native_for_decode_shapes_only_where_it_can_serve():
+    from multilora.lora.backend import choose_backend
+    assert choose_backend("auto", 64, True, 65, native=True) == "native"
+    assert choose_backend("auto", 8, True, 9, native=True) == "native"
+    assert choose_backend("auto", 512, False, 65, native=True) == "sgmv"  # prefill keeps its tiles
+    assert choose_backend("auto", 64, True, 1, native=True) == "bgmv"     # no adapter slot at all
+    assert choose_backend("bgmv", 64, True, 65, native=True) == "bgmv"    # an explicit choice stands
+    from multilora.lora.backend import native_usable
+    assert not native_usable(jax.numpy.bfloat16, set(jax.devices()[:1]))  # float32 kernels only
+    if len(jax.devices()) > 1:
+        assert not native_usable(np.float32, set(jax.devices()[:2]))     # sharded slots: XLA backends
+
+
+def test_native_disabled_or_without_a_compiler_is_a_clear_choice_not_a_failure(tmp_path):
+    """MULTILORA_NATIVE=0 (or no C++ compiler): `auto` falls back to the XLA backends and naming
+    `native` explicitly is refused with the reason."""
+    import subprocess
+    import sys
+    code = ("from multilora.lora.backend import kernels, get_backend, native_usable\n"
+            "import jax, numpy as np\n"
+            "assert not kernels.available()\n"
+            "assert not native_usable(np.float32, set(jax.devices()[:1]))\n"
+            "try:\n    get_backend('native')\nexcept ValueError as e:\n    print('REFUSED', e)\n")
+    for env in ({"MULTILORA_NATIVE": "0"}, {"CXX": "", "PATH": str(tmp_path), "MULTILORA_CACHE": str(tmp_path)}):
+        import os
+        full = {**os.environ, "JAX_PLATFORMS": "cpu", **env}
+        out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "REFUSED lora_backend 'native' is not available here" in out.stdout, out.stdout
+        assert ("MULTILORA_NATIVE" in out.stdout) or ("no C++ compiler" in out.stdout), out.stdout

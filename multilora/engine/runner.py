@@ -25,7 +25,7 @@ import numpy as np
 from multilora.config import ModelConfig
 from multilora.engine.batching import SeqChunk, build_batch, decode_first, pages_needed
 from multilora.engine.sampler import sample
-from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap
+from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
 from multilora.lora.pool import LoRASlots
 from multilora.model.llama import KVCache, Weights, forward
 
@@ -122,6 +122,10 @@ class ModelRunner:
         self.cfg, self.weights, self.kv, self.lora = cfg, weights, kv, lora
         self.buckets = buckets
         self.lora_backend = lora_backend
+        # multilora's CPU kernels for decode shapes, where they can serve the slots (see `auto`)
+        a = lora.weights.qkv_a_LSRD if lora is not None else None
+        self._native = (lora_backend == "auto" and a is not None
+                        and native_usable(a.dtype, a.sharding.device_set))
         self.page_size = kv.page_size
         self._steps: dict[tuple, object] = {}
         self._samplers: dict[tuple, object] = {}
@@ -144,7 +148,7 @@ class ModelRunner:
     # ---- compilation -----------------------------------------------------------------------
     def backend_for(self, num_tokens: int) -> str:
         return choose_backend(self.lora_backend, num_tokens, num_tokens <= self.buckets.max_num_seqs,
-                              self.lora.num_slots if self.lora is not None else None)
+                              self.lora.num_slots if self.lora is not None else None, self._native)
 
     def _prepare_lora(self, num_tokens: int):
         if self.lora is None:

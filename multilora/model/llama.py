@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from multilora.config import ModelConfig
 from multilora.lora.backend import get_backends
+from multilora.lora.backend.native import PoolLayer
 from multilora.lora.batch import NO_LORA, PER_TOKEN, LoRABatchInfo
 from multilora.model.attention import decode_attention, prefill_attention, write_kv
 from multilora.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
@@ -146,6 +147,8 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         # fuses into the backend's gathers: a layer slice taken outside was copied out whole (the
         # entire pool, every step) to be handed to the branch.
         def run(b):
+            if getattr(b, "reads_pool_in_place", False):  # its kernel indexes the layer itself
+                return lambda: fn(jax.tree.map(lambda a: PoolLayer(a, idx), lora), b)
             return lambda: fn(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, keepdims=False),
                                            lora), b)
         zeros = lambda: tuple(jnp.zeros_like(z) for z in zeros_like)  # noqa: E731

@@ -1,8 +1,12 @@
 """LoRA compute backends, selected by name."""
 
+import jax
+
 from multilora.lora.backend.base import BaseLoRABackend
 from multilora.lora.backend.bgmv import BgmvLoRABackend
+from multilora.lora.backend import kernels
 from multilora.lora.backend.dense import DenseLoRABackend
+from multilora.lora.backend.native import NativeLoRABackend
 from multilora.lora.backend.reference import ReferenceLoRABackend
 from multilora.lora.backend.sgmv import SgmvLoRABackend
 from multilora.lora.batch import sgmv_tile_rows
@@ -11,6 +15,7 @@ BACKENDS: dict[str, type[BaseLoRABackend]] = {
     "bgmv": BgmvLoRABackend,
     "sgmv": SgmvLoRABackend,
     "dense": DenseLoRABackend,
+    "native": NativeLoRABackend,
     "reference": ReferenceLoRABackend,
 }
 BACKEND_CHOICES = ("auto", *BACKENDS)
@@ -39,7 +44,14 @@ def grouped_cap(num_tokens: int) -> int:
     return num_tokens // sgmv_tile_rows(num_tokens, 2)
 
 
-def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int | None = None) -> str:
+def native_usable(dtype, devices) -> bool:
+    """multilora's CPU kernels serve float32 slots on one CPU device (built on first call)."""
+    return (jax.numpy.dtype(dtype) == jax.numpy.float32 and len(devices) == 1
+            and next(iter(devices)).platform == "cpu" and kernels.available())
+
+
+def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int | None = None,
+                   native: bool = False) -> str:
     """Resolve "auto" for one compiled shape (tokens and slots are both static there).
     Prefill groups tokens into tiles (`sgmv`). Decode does too when the tokens would fill every
     adapter's tile on average (T >= M * adapters), reads the whole small pool once (`dense`)
@@ -49,10 +61,12 @@ def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int |
     below one tile of rows it gathers per token (`bgmv`). Measured in BENCHMARKS.md (forward_step: 64 rows with 8
     adapters sgmv 6 % ahead of dense; 32 rows dense 6 % ahead; 64 rows with 64 slots bgmv)."""
     if name != "auto":
-        get_backend(name)
+        get_backends(name)
         return name
     if is_decode or num_tokens <= 64:
         adapters = 0 if num_slots is None else num_slots - 1
+        if native and adapters:
+            return "native"
         if adapters and num_tokens >= sgmv_tile_rows(num_tokens, num_slots) * adapters:
             return "sgmv"
         if adapters and adapters * 4 <= num_tokens:
@@ -66,5 +80,5 @@ def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int |
 
 
 __all__ = ["BaseLoRABackend", "BgmvLoRABackend", "SgmvLoRABackend", "DenseLoRABackend",
-           "ReferenceLoRABackend",
+           "ReferenceLoRABackend", "NativeLoRABackend", "native_usable",
            "get_backend", "get_backends", "grouped_cap", "choose_backend", "BACKENDS", "BACKEND_CHOICES", "SWITCH"]

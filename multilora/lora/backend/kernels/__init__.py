@@ -1,0 +1,132 @@
+"""multilora's own CPU kernels (lora_kernels.cc), built on first use and called through XLA's FFI.
+
+The C++ source ships with the package and is compiled once per machine into the user cache
+(`$MULTILORA_CACHE/native/<key>/`, the key covering the source, jaxlib's FFI headers, the
+compiler and the CPU), with `-march=native` so that it uses the vector units of the host it runs
+on. Where no C++ compiler is found, the build fails, or `MULTILORA_NATIVE=0` is set,
+`available()` is False and `auto` keeps to the XLA backends: the kernels make steps faster,
+never required.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger("multilora.kernels")
+
+SOURCE = Path(__file__).with_name("lora_kernels.cc")
+DISABLE_ENV = "MULTILORA_NATIVE"
+TARGETS = {"multilora_lora_shrink": "MultiloraLoraShrink", "multilora_lora_expand": "MultiloraLoraExpand"}
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_key(cxx: str) -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (jax.ffi.include_dir(), jax.__version__, cxx, platform.machine(), _cpu_model()):
+        h.update(str(part).encode())
+    return h.hexdigest()[:16]
+
+
+def _build(cxx: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        so = Path(tmp) / out.name
+        cmd = [cxx, "-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w",
+               f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(so)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(so, out)  # atomic: a concurrent process sees the old file or the whole new one
+
+
+def _load() -> bool:
+    if os.environ.get(DISABLE_ENV, "1").lower() in ("0", "false", "no", "off"):
+        _state["reason"] = f"disabled by {DISABLE_ENV}"
+        return False
+    cxx = _compiler()
+    if cxx is None:
+        _state["reason"] = "no C++ compiler (set CXX, or install g++)"
+        return False
+    from multilora.model.gguf_default import user_cache_dir
+
+    so = user_cache_dir() / "native" / _build_key(cxx) / "liblora_kernels.so"
+    try:
+        if not so.is_file():
+            t0 = time.perf_counter()
+            log.info("building multilora's CPU LoRA kernels with %s ...", cxx)
+            _build(cxx, so)
+            log.info("built %s in %.1f s", so, time.perf_counter() - t0)
+        lib = ctypes.cdll.LoadLibrary(str(so))
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except Exception as e:  # noqa: BLE001  (any failure means: use the XLA backends)
+        _state["reason"] = f"build or load failed: {e}"
+        log.warning("multilora's CPU LoRA kernels are not available (%s); using the XLA backends", e)
+        return False
+    _state["lib"] = lib
+    return True
+
+
+def available() -> bool:
+    """True once the kernels are built, loaded and registered with XLA (tried once per process)."""
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _load()
+        return _state["ok"]
+
+
+def unavailable_reason() -> str:
+    available()
+    return _state.get("reason", "")
+
+
+def shrink(x_TD: jax.Array, a_LSRD: jax.Array, layer: jax.Array, slot_T: jax.Array,
+           scalings_S: jax.Array, ranks_S: jax.Array, blocks: int = 1) -> jax.Array:
+    """h_TR (R = A's rows): per token, its slot's A rows of layer `layer` (up to the slot's rank
+    in each of `blocks` stacked blocks) against x, times the slot's scaling; base rows zero."""
+    t, rt = x_TD.shape[0], a_LSRD.shape[2]
+    return jax.ffi.ffi_call("multilora_lora_shrink", jax.ShapeDtypeStruct((t, rt), jnp.float32))(
+        x_TD.astype(jnp.float32), a_LSRD, jnp.asarray(layer, jnp.int32), slot_T.astype(jnp.int32),
+        scalings_S.astype(jnp.float32), ranks_S.astype(jnp.int32), blocks=np.int64(blocks))
+
+
+def expand(h_TR: jax.Array, b_LSRO: jax.Array, layer: jax.Array, slot_T: jax.Array,
+           ranks_S: jax.Array) -> jax.Array:
+    """y_TO: per token, h times its slot's B rows of layer `layer` (up to the slot's rank)."""
+    t, o = h_TR.shape[0], b_LSRO.shape[3]
+    return jax.ffi.ffi_call("multilora_lora_expand", jax.ShapeDtypeStruct((t, o), jnp.float32))(
+        h_TR.astype(jnp.float32), b_LSRO, jnp.asarray(layer, jnp.int32), slot_T.astype(jnp.int32),
+        ranks_S.astype(jnp.int32))

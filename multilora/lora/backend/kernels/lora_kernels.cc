@@ -1,0 +1,221 @@
+// Per-token LoRA shrink and expand for the CPU, reading the adapter slots in place.
+//
+// XLA's CPU backend runs a per-token gather (bgmv) as a copy of each token's adapter matrices
+// followed by a batched matrix-vector product: the copy costs more than the product. These
+// kernels read each token's slot straight out of the whole (L, S, R, X) pool, at the layer given
+// as an operand (so the scan over layers copies nothing), visit a step's tokens grouped by slot
+// (a slot's rows stay in cache while its tokens use them), and stop at each slot's true rank
+// (rows past it are padding).
+//
+// shrink: h_TR[t, j*R + r] = scale[s] * dot(x_TD[t], A[layer, s, j*R + r])   for r < rank[s]
+// expand: y_TO[t]          = sum_{r < rank[s]} h_TR[t, r] * B[layer, s, r]
+// with s = slot_T[t]; rows of slot 0 (the base model) are zero.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kRows = 4;   // tokens of one slot handled together: each weight row is read once
+constexpr int64_t kLanes = 16; // output features per register block in the expand
+
+// A work item: up to kRows tokens that share a slot.
+struct Item {
+  int64_t slot, n, tok[kRows];
+};
+
+// The step's tokens grouped by slot (base rows, slot 0, are left out), kRows at a time.
+std::vector<Item> items_by_slot(const int32_t* slot_T, int64_t T, int64_t S) {
+  std::vector<int64_t> count(S, 0);
+  for (int64_t t = 0; t < T; ++t)
+    if (slot_T[t] > 0 && slot_T[t] < S) count[slot_T[t]]++;
+  std::vector<int64_t> start(S + 1, 0);
+  for (int64_t s = 0; s < S; ++s) start[s + 1] = start[s] + count[s];
+  std::vector<int64_t> order(start[S]);
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t t = 0; t < T; ++t)
+    if (slot_T[t] > 0 && slot_T[t] < S) order[fill[slot_T[t]]++] = t;
+  std::vector<Item> items;
+  for (int64_t s = 1; s < S; ++s)
+    for (int64_t i = start[s]; i < start[s + 1]; i += kRows) {
+      Item it{s, std::min(kRows, start[s + 1] - i), {0, 0, 0, 0}};
+      for (int64_t k = 0; k < it.n; ++k) it.tok[k] = order[i + k];
+      items.push_back(it);
+    }
+  return items;
+}
+
+// Runs fn(item) for every item, spread over the XLA CPU thread pool and the calling thread.
+// The caller claims items too and waits only for items already claimed by a running helper, so
+// a busy pool (other ops of the step running on its threads) costs parallelism, never a
+// deadlock; a helper that starts after the last item is claimed touches only the shared counter.
+struct Shared {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
+};
+
+template <typename Fn>
+void parallel_items(ffi::ThreadPool& pool, const std::vector<Item>& items, const Fn& fn) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  if (helpers <= 0) {
+    for (const Item& it : items) fn(it);
+    return;
+  }
+  auto shared = std::make_shared<Shared>();
+  const Item* data = items.data();
+  const Fn* f = &fn;
+  for (int64_t w = 0; w < helpers; ++w)
+    pool.Schedule([shared, data, f, n]() {
+      for (int64_t i; (i = shared->next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+        (*f)(data[i]);
+        shared->finished.fetch_add(1, std::memory_order_release);
+      }
+    });
+  for (int64_t i; (i = shared->next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+    fn(items[i]);
+    shared->finished.fetch_add(1, std::memory_order_release);
+  }
+  while (shared->finished.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+int64_t clamp_layer(int32_t layer, int64_t L) { return layer < 0 ? 0 : (layer >= L ? L - 1 : layer); }
+
+// h[t, col] = scale * dot(x[t], row) for the N tokens of an item, the row read once.
+template <int N>
+void shrink_row(const Item& it, const float* __restrict x, int64_t D, const float* __restrict row,
+                float scale, float* __restrict h, int64_t RT, int64_t col) {
+  const float* xs[N];
+  for (int k = 0; k < N; ++k) xs[k] = x + it.tok[k] * D;
+  float acc[N] = {};
+  for (int k = 0; k < N; ++k) {
+    float a = 0.f;
+    const float* xk = xs[k];
+#pragma omp simd reduction(+ : a)
+    for (int64_t d = 0; d < D; ++d) a += xk[d] * row[d];
+    acc[k] = a;
+  }
+  for (int k = 0; k < N; ++k) h[it.tok[k] * RT + col] = scale * acc[k];
+}
+
+// y[t, :] = sum_r h[t, r] * B[r, :] for the N tokens of an item: each block of kLanes outputs
+// is accumulated in registers while the rank's rows stream by (B read once per item).
+template <int N>
+void expand_item(const Item& it, const float* __restrict hp, int64_t R, int64_t rank,
+                 const float* __restrict b_s, int64_t O, float* __restrict y) {
+  const float* h[N];
+  for (int k = 0; k < N; ++k) h[k] = hp + it.tok[k] * R;
+  int64_t o0 = 0;
+  for (; o0 + kLanes <= O; o0 += kLanes) {
+    float acc[N][kLanes] = {};
+    for (int64_t r = 0; r < rank; ++r) {
+      const float* row = b_s + r * O + o0;
+      for (int k = 0; k < N; ++k) {
+        const float c = h[k][r];
+#pragma omp simd
+        for (int i = 0; i < kLanes; ++i) acc[k][i] += c * row[i];
+      }
+    }
+    for (int k = 0; k < N; ++k) std::memcpy(y + it.tok[k] * O + o0, acc[k], sizeof(float) * kLanes);
+  }
+  for (; o0 < O; ++o0)
+    for (int k = 0; k < N; ++k) {
+      float acc = 0.f;
+      for (int64_t r = 0; r < rank; ++r) acc += h[k][r] * b_s[r * O + o0];
+      y[it.tok[k] * O + o0] = acc;
+    }
+}
+
+ffi::Error Shrink(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_TD, ffi::Buffer<ffi::F32> a_LSRD,
+                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slot_T,
+                  ffi::Buffer<ffi::F32> scalings_S, ffi::Buffer<ffi::S32> ranks_S,
+                  ffi::ResultBuffer<ffi::F32> h_TR, int64_t blocks) {
+  auto xd = x_TD.dimensions();
+  auto ad = a_LSRD.dimensions();
+  if (xd.size() != 2 || ad.size() != 4 || ad[3] != xd[1] || blocks < 1 || ad[2] % blocks ||
+      slot_T.element_count() != xd[0] || scalings_S.element_count() != ad[1] ||
+      ranks_S.element_count() != ad[1])
+    return ffi::Error::InvalidArgument("multilora lora shrink: operand shapes disagree");
+  const int64_t T = xd[0], D = xd[1], L = ad[0], S = ad[1], RT = ad[2], R = RT / blocks;
+  const float* x = x_TD.typed_data();
+  const float* a = a_LSRD.typed_data() + clamp_layer(layer.typed_data()[0], L) * S * RT * D;
+  const float* scalings = scalings_S.typed_data();
+  const int32_t* ranks = ranks_S.typed_data();
+  float* h = h_TR->typed_data();
+  std::memset(h, 0, sizeof(float) * T * RT);
+  const std::vector<Item> items = items_by_slot(slot_T.typed_data(), T, S);
+  parallel_items(pool, items, [&](const Item& it) {
+    const int64_t rank = std::min<int64_t>(std::max<int32_t>(ranks[it.slot], 0), R);
+    const float* a_s = a + it.slot * RT * D;
+    for (int64_t j = 0; j < blocks; ++j)
+      for (int64_t r = 0; r < rank; ++r)
+        switch (it.n) {
+          case 1: shrink_row<1>(it, x, D, a_s + (j * R + r) * D, scalings[it.slot], h, RT, j * R + r); break;
+          case 2: shrink_row<2>(it, x, D, a_s + (j * R + r) * D, scalings[it.slot], h, RT, j * R + r); break;
+          case 3: shrink_row<3>(it, x, D, a_s + (j * R + r) * D, scalings[it.slot], h, RT, j * R + r); break;
+          default: shrink_row<4>(it, x, D, a_s + (j * R + r) * D, scalings[it.slot], h, RT, j * R + r);
+        }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error Expand(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h_TR, ffi::Buffer<ffi::F32> b_LSRO,
+                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slot_T,
+                  ffi::Buffer<ffi::S32> ranks_S, ffi::ResultBuffer<ffi::F32> y_TO) {
+  auto hd = h_TR.dimensions();
+  auto bd = b_LSRO.dimensions();
+  if (hd.size() != 2 || bd.size() != 4 || bd[2] != hd[1] || slot_T.element_count() != hd[0] ||
+      ranks_S.element_count() != bd[1])
+    return ffi::Error::InvalidArgument("multilora lora expand: operand shapes disagree");
+  const int64_t T = hd[0], R = hd[1], L = bd[0], S = bd[1], O = bd[3];
+  const float* hp = h_TR.typed_data();
+  const float* b = b_LSRO.typed_data() + clamp_layer(layer.typed_data()[0], L) * S * R * O;
+  const int32_t* ranks = ranks_S.typed_data();
+  float* y = y_TO->typed_data();
+  std::memset(y, 0, sizeof(float) * T * O);
+  const std::vector<Item> items = items_by_slot(slot_T.typed_data(), T, S);
+  parallel_items(pool, items, [&](const Item& it) {
+    const int64_t rank = std::min<int64_t>(std::max<int32_t>(ranks[it.slot], 0), R);
+    const float* b_s = b + it.slot * R * O;
+    switch (it.n) {
+      case 1: expand_item<1>(it, hp, R, rank, b_s, O, y); break;
+      case 2: expand_item<2>(it, hp, R, rank, b_s, O, y); break;
+      case 3: expand_item<3>(it, hp, R, rank, b_s, O, y); break;
+      default: expand_item<4>(it, hp, R, rank, b_s, O, y);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraLoraShrink, Shrink,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("blocks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraLoraExpand, Expand,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
