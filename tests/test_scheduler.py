@@ -656,3 +656,34 @@ def test_page_keys_of_a_request_match_the_chain():
     step(s)
     assert a.page_keys == page_keys(b"hash-x", a.all_token_ids, 4)
     assert [s.pages.cached_key(p) for p in a.block_table[:4]] == a.page_keys
+
+
+def test_a_hot_adapter_does_not_starve_a_cold_one():
+    """Per-adapter queues in turns: 20 requests for a hot adapter arrive before one for a cold
+    adapter and one for the base model; with room for 4 new rows per step the cold and base
+    requests are admitted in the first step, not after the hot queue drains. Within an adapter
+    the order stays first come, first served."""
+    s = make(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_seqs=4)
+    hot = [req(i, 4, adapter="hot") for i in range(20)]
+    cold, base = req(20, 4, adapter="cold"), req(21, 4)
+    for r in (*hot, cold, base):
+        s.add(r)
+    first = ids(c.request for c in step(s).chunks)
+    assert set(first) == {"r0", "r1", "r20", "r21"}, first
+    assert [x for x in first if x in {"r0", "r1"}] == ["r0", "r1"]
+
+
+def test_fair_turns_count_what_each_adapter_already_runs():
+    """The adapter with fewer running requests goes first: with 'a' running three and 'b' one,
+    the next free rows go to b's queue before a's; preempted requests go before all."""
+    s = make(max_num_seqs=8, max_num_batched_tokens=256, max_prefill_seqs=8)
+    for r in (req(0, 4, "a"), req(1, 4, "a"), req(2, 4, "a"), req(3, 4, "b")):
+        s.add(r)
+    step(s)
+    later = [req(4, 4, "a"), req(5, 4, "a"), req(6, 4, "b"), req(7, 4, "b"), req(8, 4, "b")]
+    for r in later:
+        s.add(r)
+    order = ids(s.admission_order())
+    assert order == ["r6", "r7", "r4", "r8", "r5"], order  # b: 1 running, a: 3
+    later[1].num_preemptions = 1
+    assert ids(s.admission_order())[0] == "r5"

@@ -9,11 +9,17 @@ chunk for each one still prefilling), then admits waiting requests as prefill ch
 one token budget (max_num_batched_tokens): chunked prefill rides along with decode, as in vLLM V1
 and Sarathi-Serve, so a stream never waits for a whole prompt's prefill.
 
+Admission is fair across adapters: waiting requests form one queue per adapter (the base model
+counts as one), first come first served within each, and the queues take turns, the adapter with
+the fewest requests already running going first (ties: the one waiting longest). So a hot
+adapter with a thousand queued requests shares the free rows with a cold one's single request
+instead of starving it (LoRAX's per-adapter queues, round-robin), and a request waits at most
+one turn per other adapter that is waiting. Preempted requests go before all others.
+
 Budgets: tokens per step, running sequences (max_num_seqs), prefill chunks per step
 (max_prefill_seqs), free KV pages, and distinct adapters among running requests (adapters_fit,
 pinned adapters included): a request whose adapter does not fit waits. Later requests may pass a
-blocked one, but only for `starvation_steps` steps; after that nothing passes it (first come,
-first served within the adapter budget). When pages run out, the latest-arrived running request
+blocked one, but only for `starvation_steps` steps; after that nothing passes it. When pages run out, the latest-arrived running request
 not yet served this step is preempted (its page references dropped, recomputed later; its full
 pages stay in the prefix cache, so the recompute mostly hits).
 
@@ -166,7 +172,7 @@ class Scheduler:
         adapters = self.running_adapters()
         blocked_head: Optional[Request] = None
         admitted: list[Request] = []
-        for req in list(self.waiting):
+        for req in self.admission_order():
             if budget <= 0 or prefill_chunks >= self.cfg.max_prefill_seqs \
                     or len(self.running) >= self.cfg.max_num_seqs:
                 break
@@ -205,6 +211,22 @@ class Scheduler:
             blocked_head.skipped_steps += 1
         self.stats["prefix_queried_tokens"] += plan.prefix_queried_tokens
         self.stats["prefix_hit_tokens"] += plan.prefix_hit_tokens
+
+    def admission_order(self) -> list[Request]:
+        """The waiting requests in the order they are offered rows: preempted ones first, then
+        the per-adapter queues in turns (the k-th waiting request of an adapter with m running
+        goes at turn m + k; within a turn, the earlier arrival first)."""
+        running: dict = {}
+        for r in self.running:
+            running[r.adapter] = running.get(r.adapter, 0) + 1
+        queued: dict = {}
+        keyed = []
+        for req in self.waiting:
+            k = queued.get(req.adapter, 0)
+            queued[req.adapter] = k + 1
+            turn = running.get(req.adapter, 0) + k
+            keyed.append(((req.num_preemptions == 0, turn, req.arrival), req))
+        return [req for _, req in sorted(keyed, key=lambda kr: kr[0])]
 
     def _match_prefix(self, req: Request) -> int:
         """Take the cached pages of req's longest cached prefix (never its last known token);
