@@ -544,7 +544,7 @@ def test_bad_requests_are_400(served):
         (dict(ok, temperature=-1.0), "temperature"),
         (dict(ok, max_tokens="4"), "max_tokens"),
         (dict(ok, stream="yes"), "stream"),
-        (dict(ok, n=2), "n"),
+        (dict(ok, n=0), "n"),
         (dict(ok, top_p=0.0), "top_p"),
         (dict(ok, logprobs=50), "logprobs"),
         ({"prompt": "hello"}, "model"),
@@ -677,3 +677,138 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(served):
         == 2 * cached
     assert metric(after, "multilora_prefix_cache_queries_total") \
         - metric(before, "multilora_prefix_cache_queries_total") == 3 * prompt_tokens
+
+
+def test_nothing_is_silently_ignored(served):
+    """An unknown field, or a known one the server does not act on set to anything but "off",
+    is a 400 naming it; the "off" values clients send by default are accepted."""
+    base = served.engine.model_name
+    ok = dict(model=base, prompt="hello", max_tokens=4)
+    chat = dict(model=base, messages=CHAT, max_tokens=4)
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    refused = [
+        ("/v1/completions", dict(ok, frobnicate=1), "frobnicate"),
+        ("/v1/completions", dict(ok, response_format={"type": "json_object"}), "response_format"),
+        ("/v1/chat/completions", dict(chat, response_format=schema), "response_format"),
+        ("/v1/chat/completions", dict(chat, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        ("/v1/chat/completions", dict(chat, tool_choice="auto"), "tool_choice"),
+        ("/v1/completions", dict(ok, n=0), "n"),
+        ("/v1/completions", dict(ok, n=129), "n"),
+        ("/v1/completions", dict(ok, best_of=2), "best_of"),
+        ("/v1/completions", dict(ok, echo=True), "echo"),
+        ("/v1/completions", dict(ok, suffix="!"), "suffix"),
+        ("/v1/completions", dict(ok, guided_json={"type": "object"}), "guided_json"),
+        ("/v1/completions", dict(ok, min_p=0.1), "min_p"),
+        ("/v1/completions", dict(ok, logit_bias={"x": 1.0}), "logit_bias"),
+        ("/v1/completions", dict(ok, presence_penalty=3.0), "presence_penalty"),
+        ("/v1/chat/completions", dict(chat, messages=[{"role": "user", "content": "hi", "cache_control": {}}]),
+         "cache_control"),
+        ("/v1/chat/completions", dict(chat, messages=[{"role": "assistant", "content": "x",
+                                                        "tool_calls": [{"id": "1"}]}]), "tool_calls"),
+    ]
+    with served.http() as c:
+        for route, body, param in refused:
+            err = assert_error(c.post(route, json=body), 400)
+            assert err["param"] == param and param in err["message"], (body, err)
+        err = assert_error(c.post("/v1/completions", json=dict(ok, logit_bias={"99999": 1.0})), 400)
+        assert "logit_bias" in err["message"] and "vocabulary" in err["message"], err
+        off = dict(chat, response_format={"type": "text"}, tool_choice="none", tools=[], n=1, store=False,
+                   parallel_tool_calls=True, user="u", metadata={"k": "v"}, skip_special_tokens=True,
+                   messages=CHAT + [{"role": "assistant", "content": "x", "tool_calls": None, "refusal": None},
+                                    {"role": "user", "content": "more"}])
+        r = c.post("/v1/chat/completions", json=off)
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/completions", json=dict(ok, echo=False, best_of=1, suffix=None, n=1))
+        assert r.status_code == 200, r.text
+
+
+def test_logit_bias_min_tokens_and_penalties_change_tokens_as_specified(served):
+    """logit_bias +100 on one token makes greedy decoding emit only it; -100 on the greedy
+    choice gives the runner-up (the unbiased run's second top logprob); min_tokens holds back
+    a forced EOS; a presence penalty changes a greedy run that repeats tokens."""
+    client, tok = served.client(), served.engine.tokenizer
+    base = served.engine.model_name
+    forced = 65
+    r = client.completions.create(model="a", prompt=PROMPTS[1], logit_bias={str(forced): 100}, **greedy(max_tokens=5))
+    assert r.choices[0].text == tok.decode([forced] * 5)
+    plain = client.completions.create(model=base, prompt=PROMPTS[2], logprobs=2, **greedy(max_tokens=1))
+    top = plain.choices[0].logprobs.top_logprobs[0]
+    (first, _), (second, _) = sorted(top.items(), key=lambda kv: -kv[1])[:2]
+    first_id = tok.encode(first, add_special_tokens=False)
+    assert len(first_id) == 1
+    r = client.completions.create(model=base, prompt=PROMPTS[2], logit_bias={str(first_id[0]): -100},
+                                  **greedy(max_tokens=1))
+    assert r.choices[0].text == second
+    eos = 2  # <|im_end|>, the tiny config's eos
+    r = client.completions.create(model="b", prompt=PROMPTS[3], temperature=0.0, max_tokens=8,
+                                  logit_bias={str(eos): 100})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+    r = client.completions.create(model="b", prompt=PROMPTS[3], temperature=0.0, max_tokens=8,
+                                  logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 4
+    plain = client.completions.create(model=base, prompt=PROMPTS[0], **greedy(max_tokens=24))
+    ids = tok.encode(plain.choices[0].text, add_special_tokens=False)
+    assert len(set(ids)) < len(ids), "the baseline should repeat a token for this check to bite"
+    pen = client.completions.create(model=base, prompt=PROMPTS[0], presence_penalty=2.0, frequency_penalty=2.0,
+                                    **greedy(max_tokens=24))
+    assert pen.choices[0].text != plain.choices[0].text
+    rep = client.completions.create(model=base, prompt=PROMPTS[0], extra_body={"repetition_penalty": 1.0,
+                                    "ignore_eos": True}, temperature=0.0, max_tokens=24)
+    assert rep.choices[0].text == plain.choices[0].text  # neutral values change nothing
+
+
+def test_tokenize_and_detokenize(served):
+    """vLLM's /tokenize and /detokenize (at /v1/ too): the ids the engine would see, for a prompt
+    and for chat messages, and back; bad ids and unknown models refused."""
+    base, tok = served.engine.model_name, served.engine.tokenizer
+    with served.http() as c:
+        for path in ("/v1/tokenize", "/tokenize"):
+            r = c.post(path, json={"model": base, "prompt": PROMPTS[1]})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["tokens"] == tok.encode(PROMPTS[1]) and body["count"] == len(body["tokens"])
+            assert body["max_model_len"] == MAX_MODEL_LEN
+        r = c.post("/v1/tokenize", json={"model": "a", "messages": CHAT})
+        assert r.status_code == 200 and r.json()["tokens"] == tok.encode_chat(
+            [dict(m) for m in CHAT], True), r.text
+        r = c.post("/v1/detokenize", json={"model": base, "tokens": tok.encode(PROMPTS[1])})
+        assert r.status_code == 200 and r.json()["prompt"] == PROMPTS[1], r.text
+        assert assert_error(c.post("/detokenize", json={"tokens": [1, 10**6]}), 400)["param"] == "tokens"
+        assert_error(c.post("/v1/tokenize", json={"model": "nope", "prompt": "x"}), 404)
+        assert assert_error(c.post("/v1/tokenize", json={"prompt": "x", "extra": 1}), 400)["param"] == "extra"
+
+
+def test_n_choices_share_one_prefill(served):
+    """n = 3 sampled choices of a long prompt: three distinct texts (seeded), indices 0..2, the
+    prompt counted once in usage; the two followers take every full prompt page from the first
+    choice's prefill (the prefix-cache hits grow by 2 x those pages, the queries by 3 prompts).
+    Streamed, the choices interleave by index, each opening with its role delta."""
+    messages = [{"role": "system", "content": "a little model that served many adapters at once " * 3},
+                {"role": "user", "content": "tell me a story about dogs"}]
+    body = dict(model="b", messages=messages, max_tokens=12, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    before = served.metrics()
+    with served.http() as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [ch["index"] for ch in out["choices"]] == [0, 1, 2]
+    texts = [ch["message"]["content"] for ch in out["choices"]]
+    assert len(set(texts)) == 3, texts
+    prompt_tokens = out["usage"]["prompt_tokens"]
+    assert out["usage"]["completion_tokens"] == 3 * 12
+    full = (prompt_tokens - 1) // 8 * 8
+    after = served.metrics()
+    hits = metric(after, "multilora_prefix_cache_hits_total") - metric(before, "multilora_prefix_cache_hits_total")
+    assert hits == 2 * full and full > 0, (hits, full)
+    with served.http() as c:
+        events = [json.loads(line[6:]) for line in c.post("/v1/chat/completions", json={**body, "stream": True})
+                  .text.splitlines() if line.startswith("data: {")]
+    by_index = {i: "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                           if e["choices"] and e["choices"][0]["index"] == i) for i in range(3)}
+    assert [by_index[i] for i in range(3)] == texts  # the same seeds: the same three choices
+    roles = [e["choices"][0]["index"] for e in events if e["choices"][0]["delta"].get("role")]
+    assert sorted(roles) == [0, 1, 2]
+    r = served.client().completions.create(model="a", prompt=[PROMPTS[0], PROMPTS[1]], n=2, temperature=0.0,
+                                           max_tokens=4)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text and r.choices[2].text == r.choices[3].text  # greedy

@@ -140,7 +140,8 @@ class StepSync:
     def _apply(self, engine, op: str, kw: dict) -> None:
         from multilora.engine.request import SamplingParams
         if op == "add":
-            engine.add_request(kw["prompt"], SamplingParams(**kw["params"]), kw["lora"], kw["request_id"])
+            engine.add_request(kw["prompt"], SamplingParams(**kw["params"]), kw["lora"], kw["request_id"],
+                               kw.get("follows"))
         elif op == "abort":
             engine.abort_request(kw["request_id"])
         elif op == "load":

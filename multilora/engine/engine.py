@@ -37,7 +37,7 @@ from multilora.config import EngineConfig, LoRAConfig, ModelConfig, lora_slot_co
 from multilora.engine.batching import SeqChunk
 from multilora.engine.kv_pages import PagePool
 from multilora.engine.request import Request, SamplingParams
-from multilora.engine.runner import Buckets, ModelRunner, SampleRow
+from multilora.engine.runner import Buckets, ModelRunner, ProcessRow, SampleRow
 from multilora.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from multilora.engine.tokenizer import Detokenizer, load_tokenizer
 from multilora.lora.adapter import AdapterError, LoRAAdapter, load_adapter
@@ -273,11 +273,17 @@ class Engine:
         return ids
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    lora: Optional[str] = None, request_id: Optional[str] = None) -> str:
+                    lora: Optional[str] = None, request_id: Optional[str] = None,
+                    follows: Optional[str] = None) -> str:
+        """Queue a request; returns its id. follows: the id of another choice of the same prompt
+        (n > 1), whose prefill this one waits for and then shares through the prefix cache."""
         params = params or SamplingParams()
         if self._sync is not None:
             self._sync.guard("add_request")
         ids = self._checked_prompt_ids(prompt)
+        bad = [t for t, _ in params.logit_bias if t >= self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         if lora is not None and self.slots is None:
             raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -293,12 +299,17 @@ class Engine:
         seed = params.seed if params.seed is not None else zlib.crc32(f"{self.seed}:{request_id}".encode())
         req.sample_seed = seed
         req.detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        lead = self._requests.get(follows) if follows is not None else None
+        if lead is not None and self.pages.enable_prefix_caching and lead.prompt_token_ids == ids \
+                and lead.adapter == lora:
+            req.follows = lead
         self._requests[request_id] = req
         self.scheduler.add(req)
         self.stats["prompt_tokens"] += len(ids)
         if self._sync is not None:
             from multilora.engine.distributed import params_dict
-            self._sync.record("add", prompt=ids, params=params_dict(params), lora=lora, request_id=request_id)
+            self._sync.record("add", prompt=ids, params=params_dict(params), lora=lora, request_id=request_id,
+                              follows=follows)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -349,7 +360,9 @@ class Engine:
         rows = [SampleRow(temperature=c.request.params.temperature, top_k=c.request.params.top_k,
                           top_p=c.request.params.top_p, seed=c.request.sample_seed,
                           step=len(c.request.output_token_ids),
-                          logprobs=c.request.params.logprobs is not None) for c in plan.chunks]
+                          logprobs=c.request.params.logprobs is not None,
+                          process=self._process_row(c.request) if c.request.params.processes_logits else None)
+                for c in plan.chunks]
         result = self.runner.execute(chunks, rows)
         sampled = self.scheduler.postprocess(plan, result.tokens)
         self.stats["steps"] += 1
@@ -365,6 +378,16 @@ class Engine:
             self.stats["generated_tokens"] += 1
             self._check_stop(req)
         return self._collect([r.request_id for r in sampled])
+
+    def _process_row(self, req: Request) -> ProcessRow:
+        p = req.params
+        bias = list(p.logit_bias)
+        if len(req.output_token_ids) < p.min_tokens:  # no way to stop yet
+            bias += [(t, -np.inf) for t in sorted(set(self.eos_token_ids) | set(p.stop_token_ids))
+                     if 0 <= t < self.cfg.vocab_size]
+        return ProcessRow(token_ids=req.all_token_ids, num_prompt=len(req.prompt_token_ids),
+                          presence=p.presence_penalty, frequency=p.frequency_penalty,
+                          repetition=p.repetition_penalty, bias=bias)
 
     def _adapter_ready(self, name: str) -> bool:
         # Several processes must schedule alike: there, reads stay in the step (synchronous)
@@ -415,6 +438,8 @@ class Engine:
         token = req.output_token_ids[-1]
         if req.detok is not None:
             req.text = req.detok.decode(req.output_token_ids)
+        if len(req.output_token_ids) < p.min_tokens:  # min_tokens: only the length may end it
+            return self._finish(req, "length", None) if len(req.output_token_ids) >= req.max_tokens else None
         if not p.ignore_eos and token in self.eos_token_ids:
             return self._finish(req, "stop", None)
         if token in p.stop_token_ids:

@@ -25,12 +25,19 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    presence_penalty: float = 0.0       # OpenAI's: minus this once for every token already output
+    frequency_penalty: float = 0.0      # OpenAI's: minus this per time a token was output
+    repetition_penalty: float = 1.0     # vLLM's / transformers': over prompt and output tokens
+    logit_bias: Sequence[tuple[int, float]] = ()  # (token id, added to its logit), OpenAI's
+    min_tokens: int = 0                 # vLLM's: no EOS or stop token before this many tokens
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         self.validate()
 
     def validate(self) -> None:
@@ -48,6 +55,27 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not (0.0 < self.repetition_penalty <= 10.0):
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if len(self.logit_bias) > 300:
+            raise ValueError(f"logit_bias may hold at most 300 tokens, got {len(self.logit_bias)}")
+        for tok, bias in self.logit_bias:
+            if tok < 0:
+                raise ValueError(f"logit_bias: token id {tok} is negative")
+            if not (-100.0 <= bias <= 100.0):
+                raise ValueError(f"logit_bias: the bias of token {tok} must be in [-100, 100], got {bias!r}")
+        if not isinstance(self.min_tokens, int) or not (0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Does this request need the logits processor (penalties, bias, min_tokens)?"""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +117,9 @@ class Request:
     sent_text: int = 0
     sent_logprobs: int = 0
     error: Optional[str] = None
+    # n > 1: a sibling that waits for this request's prompt to be prefilled, then takes its
+    # pages from the prefix cache (one prefill for all choices)
+    follows: Optional["Request"] = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -24,6 +24,7 @@ import numpy as np
 
 from multilora.config import ModelConfig
 from multilora.engine.batching import SeqChunk, build_batch, decode_first, pages_needed
+from multilora.engine.logits_process import MAX_BIAS_ENTRIES, process_logits
 from multilora.engine.sampler import sample
 from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
 from multilora.lora.pool import LoRASlots
@@ -72,6 +73,17 @@ class Buckets:
     def logits_rows(self, tokens: int) -> int:
         return min(tokens, self.max_num_seqs)
 
+    @property
+    def history(self) -> tuple[int, ...]:
+        """Token-history lengths of the logits processor (penalties): powers of 4 from 256,
+        then the longest sequence (few shapes: they are compiled at warm-up too)."""
+        longest = self.max_pages_seq * self.page_size
+        out, h = [], 256
+        while h < longest:
+            out.append(h)
+            h *= 4
+        return tuple(out) + (longest,)
+
     def pick(self, options: Sequence[int], need: int, what: str) -> int:
         for v in options:
             if v >= need:
@@ -99,6 +111,18 @@ class Buckets:
 
 
 @dataclasses.dataclass
+class ProcessRow:
+    """What the logits processor needs of one row (see multilora.engine.logits_process)."""
+
+    token_ids: Sequence[int]             # prompt then output tokens
+    num_prompt: int
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    bias: Sequence[tuple[int, float]] = ()   # (token id, added to its logit)
+
+
+@dataclasses.dataclass
 class SampleRow:
     temperature: float = 0.0
     top_k: int = -1
@@ -106,6 +130,7 @@ class SampleRow:
     seed: int = 0
     step: int = 0
     logprobs: bool = False
+    process: Optional[ProcessRow] = None     # penalties / logit_bias / min_tokens, when asked
 
 
 @dataclasses.dataclass
@@ -135,6 +160,8 @@ class ModelRunner:
         self._fwd = jax.jit(forward, static_argnames=("cfg", "backend"), donate_argnames=("kv",),
                             out_shardings=(self.replicated, kv_shardings))
         self._sample = jax.jit(sample, static_argnames=("mode", "logprobs"), out_shardings=self.replicated)
+        self._process = jax.jit(process_logits, out_shardings=self.replicated)
+        self._processors: dict[tuple, object] = {}
         self.warm = False
         self.compiles_after_warmup = 0
 
@@ -204,6 +231,50 @@ class ModelRunner:
             fn = self._samplers[key] = self._lower_sampler(key).compile()
         return fn
 
+    def _lower_processor(self, key):
+        rows, hist = key
+        v, k = self.cfg.vocab_size, MAX_BIAS_ENTRIES
+        logits = jax.ShapeDtypeStruct((rows, v), jnp.float32, sharding=self.replicated)
+        args = (np.zeros((rows, hist), np.int32), np.zeros((rows, hist), np.float32),
+                np.zeros((rows, k), np.int32), np.zeros((rows, k), np.float32),
+                np.zeros(rows, np.float32), np.zeros(rows, np.float32), np.zeros(rows, np.float32))
+        return self._process.lower(logits, *self._abstract(args))
+
+    def _compiled_processor(self, rows: int, hist: int):
+        key = (rows, hist)
+        fn = self._processors.get(key)
+        if fn is None:
+            if self.warm:
+                self.compiles_after_warmup += 1
+                log.warning("compiling logits-processor shape %s after warm-up", key)
+            fn = self._processors[key] = self._lower_processor(key).compile()
+        return fn
+
+    def _processed(self, logits, rows: Sequence[SampleRow]):
+        """Logits after each row's penalties and biases (rows without any pass unchanged)."""
+        q, v = logits.shape
+        need = [r.process for r in rows]
+        longest = max(len(p.token_ids) for p in need if p is not None)
+        h = self.buckets.pick(self.buckets.history, longest, "tokens of a penalized sequence")
+        hist = np.full((q, h), v, np.int32)       # V: out of range, dropped
+        is_out = np.zeros((q, h), np.float32)
+        bias_ids = np.full((q, MAX_BIAS_ENTRIES), v, np.int32)
+        bias = np.zeros((q, MAX_BIAS_ENTRIES), np.float32)
+        presence, frequency = np.zeros(q, np.float32), np.zeros(q, np.float32)
+        repetition = np.ones(q, np.float32)
+        for i, p in enumerate(need):
+            if p is None:
+                continue
+            ids = np.asarray(p.token_ids, np.int32)
+            hist[i, :len(ids)] = ids
+            is_out[i, p.num_prompt:len(ids)] = 1.0
+            if p.bias:
+                tok, val = zip(*p.bias)
+                bias_ids[i, :len(tok)], bias[i, :len(tok)] = tok, val
+            presence[i], frequency[i], repetition[i] = p.presence, p.frequency, p.repetition
+        fn = self._compiled_processor(q, h)
+        return fn(logits, hist, is_out, bias_ids, bias, presence, frequency, repetition)
+
     @property
     def num_compiled_steps(self) -> int:
         return len(self._steps)
@@ -216,11 +287,15 @@ class ModelRunner:
         shapes = list(self.buckets.all_shapes())
         rows = sorted({self.buckets.logits_rows(t) for t in self.buckets.tokens})
         samplers = [(r, m, lp) for r in rows for m in ("greedy", "sample") for lp in (False, True)]
-        jobs = [(self._lower_step, k) for k in shapes] + [(self._lower_sampler, k) for k in samplers]
+        processors = [(r, h) for r in rows for h in self.buckets.history]
+        jobs = ([(self._lower_step, k) for k in shapes] + [(self._lower_sampler, k) for k in samplers]
+                + [(self._lower_processor, k) for k in processors])
+        table = {self._lower_step: self._steps, self._lower_sampler: self._samplers,
+                 self._lower_processor: self._processors}
         done = 0
         with ThreadPoolExecutor(max(1, threads)) as pool:
             for (kind, key), fn in zip(jobs, pool.map(lambda j: j[0](j[1]).compile(), jobs)):
-                (self._steps if kind == self._lower_step else self._samplers)[key] = fn
+                table[kind][key] = fn
                 done += 1
                 if progress:
                     _progress("compiling", done, len(jobs), t0)
@@ -260,6 +335,8 @@ class ModelRunner:
         for i, row in enumerate(rows):
             temp[i], top_k[i], top_p[i] = row.temperature, row.top_k, row.top_p
             seed[i], step[i] = np.uint32(row.seed & 0xFFFFFFFF), row.step
+        if any(row.process is not None for row in rows):
+            logits = self._processed(logits, rows + [SampleRow()] * (q - n))
         sampler = self._compiled_sampler(q, "greedy" if greedy else "sample", want_lp)
         tokens, lp = sampler(logits, temp, top_k, top_p, seed, step)
         inverse = np.argsort(np.asarray(order, np.int64))  # back to the callers' order

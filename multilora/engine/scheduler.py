@@ -11,7 +11,9 @@ and Sarathi-Serve, so a stream never waits for a whole prompt's prefill.
 
 Admission is fair across adapters: waiting requests form one queue per adapter (the base model
 counts as one), first come first served within each, and the queues take turns, the adapter with
-the fewest requests already running going first (ties: the one waiting longest). So a hot
+the fewest requests already running going first (ties: the one waiting longest). The other
+choices of an n > 1 request wait until the first choice's prompt is prefilled and then take its
+pages from the prefix cache: one prefill for all of them. So a hot
 adapter with a thousand queued requests shares the free rows with a cold one's single request
 instead of starving it (LoRAX's per-adapter queues, round-robin), and a request waits at most
 one turn per other adapter that is waiting. Preempted requests go before all others.
@@ -178,6 +180,10 @@ class Scheduler:
                 break
             if req.adapter is not None and not self.adapter_ready(req.adapter):
                 continue  # its adapter is being read in the background: the others go on
+            lead = req.follows
+            if lead is not None and not lead.finished and (lead.status is RequestStatus.WAITING
+                                                           or lead.is_prefilling):
+                continue  # n > 1: the prompt's pages come from its first choice's prefill
             wanted = adapters | ({req.adapter} if req.adapter else set())
             if not self.adapters_fit(wanted):
                 if blocked_head is None:

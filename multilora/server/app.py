@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hmac
+import json
 import logging
 import os
 from pathlib import Path
@@ -37,6 +39,7 @@ log = logging.getLogger("multilora.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 MAX_ADAPTER_NAME = 256
+MAX_CHOICES = 128  # n per prompt (OpenAI's limit)
 
 
 class APIError(Exception):
@@ -111,6 +114,15 @@ def _describe_validation(e: ValidationError) -> tuple[str, Optional[str]]:
     errs = e.errors()
     if errs and errs[0]["type"] == "json_invalid":
         return f"the body is not valid JSON: {errs[0].get('ctx', {}).get('error', errs[0]['msg'])}", None
+    for err in errs:  # ours first: a field not taken, or not acted on (protocol.OFF_ONLY)
+        if err["type"] == "extra_forbidden":
+            where = ".".join(str(x) for x in err["loc"])
+            return (f"unknown field {where}: this server does not take it (/openapi.json lists the "
+                    "fields of each route)", str(err["loc"][-1]))
+        if err["type"] == "value_error" and "is not supported by this server" in err["msg"]:
+            msg = err["msg"].removeprefix("Value error, ")
+            where = ".".join(str(x) for x in err["loc"])
+            return (f"{where}: {msg}" if where else msg), msg.split(" ", 1)[0]
     parts, param = [], None
     seen = set()
     for err in errs:
@@ -175,6 +187,15 @@ class _Server:
             await self._load_on_first_use(name)
         return name
 
+    async def known_model(self, name: str) -> None:
+        """resolve_model, and a 404 for a name that is neither the base model nor an adapter
+        (the generation routes get it from the engine when they submit)."""
+        lora = await self.resolve_model(name)
+        if lora is not None and (lora not in self.engine.registry.entries
+                                 or self.engine.registry.entries[lora].unloading):
+            raise APIError(404, f"the model {name!r} does not exist: it is neither the base model "
+                                f"{self.base_name!r} nor a loaded LoRA adapter", "model", "model_not_found")
+
     async def _load_on_first_use(self, name: str) -> None:
         fut = self._resolving.get(name)
         if fut is None:
@@ -204,6 +225,41 @@ class _Server:
                                 f"servable LoRA adapter: {e}", "model", "invalid_adapter")
         log.info("loaded LoRA adapter %r from %s on first use", name, resolved)
 
+    async def chat_ids(self, messages: list, add_generation_prompt: bool) -> list[int]:
+        """The chat template over the messages -> prompt token ids (400s name what is wrong)."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
+        if not messages:
+            raise APIError(400, "messages must hold at least one message", "messages")
+        rendered = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if isinstance(content, list):
+                if any(part.type != "text" for part in content):
+                    raise APIError(400, f"messages[{i}]: only text content parts are supported", "messages")
+                content = "".join(part.text or "" for part in content)
+            msg = {"role": m.role, "content": content or ""}
+            if m.name:
+                msg["name"] = m.name
+            rendered.append(msg)
+        try:
+            ids = await asyncio.to_thread(tok.encode_chat, rendered, add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages")
+        except Exception as e:  # jinja2 template errors (raise_exception in the template, bad roles)
+            raise APIError(400, f"the chat template failed on these messages: {e}", "messages")
+        if not ids:
+            raise APIError(400, "the rendered chat prompt is empty", "messages")
+        return ids
+
+    @staticmethod
+    def choices(n: Optional[int]) -> int:
+        n = 1 if n is None else n
+        if not 1 <= n <= MAX_CHOICES:
+            raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {n}", "n")
+        return n
+
     def tokenize(self, prompt) -> list[int]:
         try:
             ids = self.engine.tokenize(prompt)
@@ -232,13 +288,13 @@ class _Server:
 
     @staticmethod
     def sampling(req: P._SamplingFields, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
-        if req.n not in (None, 1):
-            raise APIError(400, f"n must be 1 (multilora returns one choice per prompt), got {req.n}", "n")
-        for field in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, field) not in (None, 0, 0.0):
-                raise APIError(400, f"{field} is not supported (only 0)", field)
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        bias = []
+        for key, value in (req.logit_bias or {}).items():
+            try:
+                bias.append((int(key), value))
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                               "logit_bias")
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -246,17 +302,28 @@ class _Server:
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k is None else req.top_k,
                 seed=req.seed, stop=req.stop or (), stop_token_ids=req.stop_token_ids or (),
-                ignore_eos=bool(req.ignore_eos), logprobs=logprobs)
+                ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=bias, min_tokens=req.min_tokens or 0)
         except ValueError as e:
             msg = str(e)
             raise APIError(400, msg, msg.split(" ", 1)[0])
 
     async def submit(self, prompts: list[list[int]], params: SamplingParams, lora: Optional[str],
-                     model: str) -> list[RequestStream]:
+                     model: str, n: int = 1) -> list[RequestStream]:
+        """n streams per prompt, prompt-major (OpenAI's choice index). A prompt's other choices
+        follow its first one: they wait for its prefill and share its pages (one prefill), and
+        draw their own random streams (seed + j when a seed is given)."""
         streams: list[RequestStream] = []
         try:
             for ids in prompts:
-                streams.append(await self.aengine.submit(ids, params, lora))
+                lead = None
+                for j in range(n):
+                    p = params if j == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + j)
+                    st = await self.aengine.submit(ids, p, lora, follows=lead)
+                    lead = lead or st.request_id
+                    streams.append(st)
         except BaseException as e:
             for s in streams:
                 s.abort()
@@ -398,12 +465,6 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
     async def completions(request: Request):
         req: P.CompletionRequest = await _parse(request, P.CompletionRequest)
         lora = await srv.resolve_model(req.model)
-        if req.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        if req.suffix:
-            raise APIError(400, "suffix is not supported", "suffix")
-        if req.best_of not in (None, 1):
-            raise APIError(400, "best_of must be 1", "best_of")
         raw = req.prompt
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             raw = [raw]
@@ -415,11 +476,12 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
         # max_tokens null: up to the context, which the engine bounds per prompt
         max_tokens = req.max_tokens if req.max_tokens is not None else srv.engine.max_model_len
         params = srv.sampling(req, max_tokens, req.logprobs)
-        streams = await srv.submit(prompts, params, lora, req.model)
+        streams = await srv.submit(prompts, params, lora, req.model, srv.choices(req.n))
         rid, created = P.random_id("cmpl"), P.now()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(completion_stream(srv, streams, req.model, rid, created, include_usage), streams)
+            return SSEResponse(completion_stream(srv, streams, req.model, rid, created, include_usage,
+                                                 srv.choices(req.n)), streams)
         results = await srv.collect(request, streams)
         if results is None:
             return Response(status_code=499)
@@ -428,38 +490,13 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
                                       if req.logprobs is not None else None)
                    for i, r in enumerate(results)]
         return P.CompletionResponse(id=rid, created=created, model=req.model, choices=choices,
-                                    usage=_usage(results))
+                                    usage=_usage(results, srv.choices(req.n)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req: P.ChatCompletionRequest = await _parse(request, P.ChatCompletionRequest)
         lora = await srv.resolve_model(req.model)
-        if not req.messages:
-            raise APIError(400, "messages must hold at least one message", "messages")
-        if req.tools:
-            raise APIError(400, "tools are not supported", "tools")
-        tok = srv.engine.tokenizer
-        if tok is None:
-            raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
-        messages = []
-        for i, m in enumerate(req.messages):
-            content = m.content
-            if isinstance(content, list):
-                if any(part.type != "text" for part in content):
-                    raise APIError(400, f"messages[{i}]: only text content parts are supported", "messages")
-                content = "".join(part.text or "" for part in content)
-            msg = {"role": m.role, "content": content or ""}
-            if m.name:
-                msg["name"] = m.name
-            messages.append(msg)
-        try:
-            ids = await asyncio.to_thread(tok.encode_chat, messages, req.add_generation_prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), "messages")
-        except Exception as e:  # jinja2 template errors (raise_exception in the template, bad roles)
-            raise APIError(400, f"the chat template failed on these messages: {e}", "messages")
-        if not ids:
-            raise APIError(400, "the rendered chat prompt is empty", "messages")
+        ids = await srv.chat_ids(req.messages, req.add_generation_prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = srv.max_tokens_for(requested, len(ids), param)
@@ -467,21 +504,59 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = srv.sampling(req, max_tokens, logprobs)
-        streams = await srv.submit([ids], params, lora, req.model)
+        n = srv.choices(req.n)
+        streams = await srv.submit([ids], params, lora, req.model, n)
         rid, created = P.random_id("chatcmpl"), P.now()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(chat_stream(srv, streams[0], req.model, rid, created, include_usage,
-                                             bool(req.logprobs)), streams)
+            return SSEResponse(chat_stream(srv, streams, req.model, rid, created, include_usage,
+                                             bool(req.logprobs), n), streams)
         results = await srv.collect(request, streams)
         if results is None:
             return Response(status_code=499)
-        r = results[0]
-        choice = P.ChatChoice(index=0, message=P.ChatResponseMessage(content=r["text"]),
-                              finish_reason=r["finish_reason"],
-                              logprobs=srv.chat_logprobs(r["logprobs"]) if req.logprobs else None)
-        return P.ChatCompletionResponse(id=rid, created=created, model=req.model, choices=[choice],
-                                        usage=_usage(results))
+        choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=r["text"]),
+                                finish_reason=r["finish_reason"],
+                                logprobs=srv.chat_logprobs(r["logprobs"]) if req.logprobs else None)
+                   for i, r in enumerate(results)]
+        return P.ChatCompletionResponse(id=rid, created=created, model=req.model, choices=choices,
+                                        usage=_usage(results, n))
+
+    # ---- vLLM's tokenizer routes (also without /v1, where vLLM serves them) ----------------------
+    @app.post("/v1/tokenize")
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await request.body()
+        try:
+            is_chat = "messages" in json.loads(body or b"{}")
+        except ValueError:
+            is_chat = False  # _parse reports the bad JSON
+        req = await _parse(request, P.TokenizeChatRequest if is_chat else P.TokenizeCompletionRequest)
+        if req.model is not None:
+            await srv.known_model(req.model)
+        tok = srv.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer", "prompt")
+        if is_chat:
+            ids = await srv.chat_ids(req.messages, req.add_generation_prompt)
+        else:
+            ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
+        return P.TokenizeResponse(count=len(ids), max_model_len=srv.engine.max_model_len, tokens=ids,
+                                  token_strs=[tok.id_to_token(i) or "" for i in ids])
+
+    @app.post("/v1/detokenize")
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req: P.DetokenizeRequest = await _parse(request, P.DetokenizeRequest)
+        if req.model is not None:
+            await srv.known_model(req.model)
+        tok = srv.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer", "tokens")
+        vocab = srv.engine.cfg.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "tokens")
+        return P.DetokenizeResponse(prompt=tok.decode(req.tokens, skip_special_tokens=False))
 
     # ---- models and adapters -------------------------------------------------------------------
     @app.get("/v1/models")
@@ -547,10 +622,11 @@ async def _call(coro):
         raise APIError(503, str(e), code="unavailable")
 
 
-def _usage(results: list[dict]) -> P.UsageInfo:
-    prompt = sum(r["prompt_tokens"] for r in results)
+def _usage(results: list[dict], n: int = 1) -> P.UsageInfo:
+    """A prompt counts once however many choices it has (OpenAI's usage with n > 1)."""
+    prompt = sum(r["prompt_tokens"] for r in results[::n])
     completion = sum(len(r["token_ids"]) for r in results)
-    return P.UsageInfo.of(prompt, completion, sum(r["cached_tokens"] for r in results))
+    return P.UsageInfo.of(prompt, completion, sum(r["cached_tokens"] for r in results[::n]))
 
 
 # ---- the command line ----------------------------------------------------------------------------

@@ -173,7 +173,8 @@ class AsyncEngine:
             raise EngineStoppedError(f"the engine is not running{': ' + self._dead if self._dead else ''}")
 
     async def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                     lora: Optional[str] = None, request_id: Optional[str] = None) -> RequestStream:
+                     lora: Optional[str] = None, request_id: Optional[str] = None,
+                     follows: Optional[str] = None) -> RequestStream:
         """Queue a request. Raises (before anything streams) what Engine.add_request raises
         (ValueError, UnknownAdapterError, AdapterUnloadingError), QueueFullError or
         EngineStoppedError."""
@@ -199,7 +200,7 @@ class AsyncEngine:
             raise QueueFullError(f"the server is overloaded: {self.max_queue} requests are already "
                                  "waiting (max_queue); retry later")
         fut = loop.create_future()
-        self._post(("add", stream, prompt_ids, params, fut))
+        self._post(("add", stream, prompt_ids, params, fut, follows))
         try:
             await fut
         except asyncio.CancelledError:
@@ -287,13 +288,13 @@ class AsyncEngine:
         kind = cmd[0]
         eng = self.engine
         if kind == "add":
-            _, st, prompt_ids, params, fut = cmd
+            _, st, prompt_ids, params, fut, follows = cmd
             with self._lock:
                 self._pending_adds -= 1
             try:
                 if self._stop:
                     raise EngineStoppedError("the server is shutting down")
-                eng.add_request(prompt_ids, params, lora=st.lora, request_id=st.request_id)
+                eng.add_request(prompt_ids, params, lora=st.lora, request_id=st.request_id, follows=follows)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 with self._lock:
                     self._inflight -= 1

@@ -2,8 +2,11 @@
 error bodies, plus vLLM's extras (top_k, ignore_eos, stop_token_ids) and its adapter load/unload
 bodies. No engine or jax here: app.py turns these into engine calls.
 
-Requests validate strictly (a string where a number belongs is an error, not a guess) and ignore
-unknown fields, as OpenAI-compatible servers do, so that newer clients keep working.
+Requests validate strictly (a string where a number belongs is an error, not a guess) and
+nothing is silently ignored: an unknown field is a 400 naming it, and a known field that
+multilora does not act on (tools, response_format, ...) is accepted only at the value that means
+"off" (what clients send by default), else a 400 naming it. `user` and `metadata` are
+informational and accepted as they are.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit too)
 
@@ -25,8 +28,55 @@ def now() -> int:
     return int(time.time())
 
 
+# Fields multilora does not act on, with the values that mean "off" (accepted: clients send
+# them by default); any other value is refused naming the field. None (or absent) is always off.
+OFF_ONLY: dict[str, tuple] = {
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("none",),
+    "tools": ([],),
+    "parallel_tool_calls": (True, False),  # meaningless without tools
+    "functions": ([],),
+    "function_call": ("none",),
+    "service_tier": ("auto", "default"),
+    "store": (False,),
+    "modalities": (["text"],),
+    "prediction": (),
+    "audio": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "suffix": ("",),
+    "echo": (False,),
+    "best_of": (1,),
+    # vLLM's extras
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "structured_outputs": (),
+    "use_beam_search": (False,), "length_penalty": (1.0, 1),
+    "min_p": (0.0, 0), "allowed_token_ids": (), "bad_words": ([],),
+    "prompt_logprobs": (), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (), "priority": (0,), "continue_final_message": (False,),
+    "chat_template": (), "chat_template_kwargs": ({},), "documents": (), "mm_processor_kwargs": (),
+    # message fields of a replayed assistant turn
+    "tool_calls": ([],), "tool_call_id": (), "refusal": (), "annotations": ([],),
+}
+
+
+def check_off(obj: BaseModel) -> None:
+    for name in OFF_ONLY:
+        if name in type(obj).model_fields:
+            value = getattr(obj, name)
+            if value is not None and not any(value == ok and type(value) is type(ok) for ok in OFF_ONLY[name]):
+                raise ValueError(f"{name} is not supported by this server (got {value!r}); "
+                                 f"leave it out{' or send ' + repr(OFF_ONLY[name][0]) if OFF_ONLY[name] else ''}")
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="after")
+    def _refuse_what_is_not_honoured(self):
+        check_off(self)
+        return self
 
 
 class _Response(BaseModel):
@@ -70,10 +120,35 @@ class _SamplingFields(_Request):
     frequency_penalty: Optional[float] = 0.0
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
     # vLLM extras
     top_k: Optional[int] = None
     ignore_eos: Optional[bool] = False
     stop_token_ids: Optional[list[int]] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = 0
+    # known, not acted on: refused unless "off" (OFF_ONLY)
+    response_format: Optional[dict[str, Any]] = None
+    service_tier: Optional[str] = None
+    store: Optional[bool] = None
+    prediction: Optional[Any] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    guided_decoding_backend: Optional[Any] = None
+    structured_outputs: Optional[Any] = None
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
+    min_p: Optional[float] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    prompt_logprobs: Optional[int] = None
+    include_stop_str_in_output: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    truncate_prompt_tokens: Optional[int] = None
+    priority: Optional[int] = None
 
 
 # ---- /v1/completions -----------------------------------------------------------------------------
@@ -119,6 +194,13 @@ class ChatMessage(_Request):
     role: str
     content: Optional[Union[str, list[ChatContentPart]]] = None
     name: Optional[str] = None
+    # a replayed assistant turn carries these (null or empty: accepted)
+    tool_calls: Optional[list[Any]] = None
+    tool_call_id: Optional[str] = None
+    refusal: Optional[str] = None
+    annotations: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -128,8 +210,22 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    modalities: Optional[list[str]] = None
+    audio: Optional[Any] = None
+    reasoning_effort: Optional[str] = None
+    web_search_options: Optional[Any] = None
     # vLLM extras
     add_generation_prompt: bool = True
+    echo: Optional[bool] = None
+    continue_final_message: Optional[bool] = None
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    documents: Optional[list[Any]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
 
 
 class TopLogprob(_Response):
@@ -214,6 +310,35 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+# ---- vLLM's /tokenize and /detokenize -------------------------------------------------------------
+class TokenizeCompletionRequest(_Request):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Request):
+    model: Optional[str] = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
 
 
 # ---- vLLM's adapter routes -----------------------------------------------------------------------

@@ -93,7 +93,8 @@ def _error_event(message: str) -> str:
 
 
 async def completion_stream(srv: "_Server", streams: list[RequestStream], model: str, rid: str, created: int,
-                             include_usage: bool) -> AsyncIterator[str]:
+                            include_usage: bool, n: int = 1) -> AsyncIterator[str]:
+    """Chunks of every choice as they come, each with its index (prompt-major, n per prompt)."""
     completion_tokens = 0
     offsets = [0] * len(streams)
     try:
@@ -113,8 +114,8 @@ async def completion_stream(srv: "_Server", streams: list[RequestStream], model:
                                    finish_reason=d.finish_reason if d.finished else None)])
             yield _sse(chunk)
         if include_usage:
-            prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
-            cached = sum(s.num_cached_tokens for s in streams)
+            prompt_tokens = sum(len(s.prompt_token_ids) for s in streams[::n])  # once per prompt
+            cached = sum(s.num_cached_tokens for s in streams[::n])
             yield _sse(P.CompletionChunk(id=rid, created=created, model=model, choices=[],
                                          usage=P.UsageInfo.of(prompt_tokens, completion_tokens, cached)))
         yield "data: [DONE]\n\n"
@@ -123,27 +124,31 @@ async def completion_stream(srv: "_Server", streams: list[RequestStream], model:
             s.abort()
 
 
-async def chat_stream(srv: "_Server", stream: RequestStream, model: str, rid: str, created: int,
-                       include_usage: bool, logprobs: bool) -> AsyncIterator[str]:
+async def chat_stream(srv: "_Server", streams: list[RequestStream], model: str, rid: str, created: int,
+                      include_usage: bool, logprobs: bool, n: int = 1) -> AsyncIterator[str]:
+    """Each choice opens with its role delta, then its deltas interleave as they come, each
+    with its index (OpenAI's stream with n > 1)."""
     completion_tokens = 0
     try:
-        yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-            P.ChatStreamChoice(index=0, delta=P.DeltaMessage(role="assistant", content=""))]))
-        async for d in stream:
+        for i in range(len(streams)):
+            yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+                P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))]))
+        async for i, d in _merge(streams):
             completion_tokens += len(d.token_ids)
             if d.finished and d.finish_reason == "error":
-                yield _error_event(f"the request failed: {stream.error or 'engine error'}")
+                yield _error_event(f"the request failed: {streams[i].error or 'engine error'}")
                 continue
             if not (d.text or d.finished or d.logprobs):
                 continue
             lp = srv.chat_logprobs(d.logprobs) if (logprobs and d.logprobs is not None) else None
             yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-                P.ChatStreamChoice(index=0, delta=P.DeltaMessage(content=d.text if d.text else None),
+                P.ChatStreamChoice(index=i, delta=P.DeltaMessage(content=d.text if d.text else None),
                                    logprobs=lp, finish_reason=d.finish_reason if d.finished else None)]))
         if include_usage:
             yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                             usage=P.UsageInfo.of(len(stream.prompt_token_ids), completion_tokens,
-                                                                  stream.num_cached_tokens)))
+                                             usage=P.UsageInfo.of(len(streams[0].prompt_token_ids),
+                                                                  completion_tokens, streams[0].num_cached_tokens)))
         yield "data: [DONE]\n\n"
     finally:
-        stream.abort()
+        for s in streams:
+            s.abort()
