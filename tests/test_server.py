@@ -694,7 +694,8 @@ def test_nothing_is_silently_ignored(served):
         ("/v1/chat/completions", dict(chat, tool_choice="auto"), "tool_choice"),
         ("/v1/completions", dict(ok, n=0), "n"),
         ("/v1/completions", dict(ok, n=129), "n"),
-        ("/v1/completions", dict(ok, best_of=2), "best_of"),
+        ("/v1/completions", dict(ok, best_of=2, stream=True), "best_of"),
+        ("/v1/completions", dict(ok, best_of=1, n=2), "best_of"),
         ("/v1/completions", dict(ok, echo=True), "echo"),
         ("/v1/completions", dict(ok, suffix="!"), "suffix"),
         ("/v1/completions", dict(ok, guided_json={"type": "object"}), "guided_json"),
@@ -812,3 +813,23 @@ def test_n_choices_share_one_prefill(served):
                                            max_tokens=4)
     assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
     assert r.choices[0].text == r.choices[1].text and r.choices[2].text == r.choices[3].text  # greedy
+
+
+def test_best_of_returns_the_highest_cumulative_logprob(served):
+    """best_of = 3, n = 1: the choice returned is, of the three candidates (the same seeds give
+    the same candidates as n = 3), the one whose chosen tokens' logprobs sum highest; usage
+    counts every candidate's tokens, the prompt once."""
+    client = served.client()
+    kw = dict(model="a", prompt=PROMPTS[4], temperature=1.0, seed=11, max_tokens=8)
+    cands = client.completions.create(n=3, logprobs=0, **kw)
+    scores = [sum(ch.logprobs.token_logprobs) for ch in cands.choices]
+    assert len({round(x, 4) for x in scores}) == 3, scores
+    best = client.completions.create(best_of=3, **kw)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    assert best.choices[0].text == cands.choices[max(range(3), key=lambda i: scores[i])].text
+    assert best.usage.completion_tokens == sum(len(ch.logprobs.tokens) for ch in cands.choices)
+    assert best.usage.prompt_tokens == cands.usage.prompt_tokens
+    two = client.completions.create(best_of=3, n=2, logprobs=1, **kw)
+    order = sorted(range(3), key=lambda i: -scores[i])[:2]
+    assert [ch.text for ch in two.choices] == [cands.choices[i].text for i in order]
+    assert [ch.index for ch in two.choices] == [0, 1]

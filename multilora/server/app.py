@@ -254,6 +254,17 @@ class _Server:
         return ids
 
     @staticmethod
+    def best_of(best_of: Optional[int], n: int, stream: bool) -> int:
+        """Candidates per prompt: best_of (default n), at least n, not streamed (OpenAI's rules)."""
+        if best_of is None or best_of == n:
+            return n
+        if not n <= best_of <= MAX_CHOICES:
+            raise APIError(400, f"best_of must be between n={n} and {MAX_CHOICES}, got {best_of}", "best_of")
+        if stream:
+            raise APIError(400, "best_of > n cannot be streamed (the best are known only at the end)", "best_of")
+        return best_of
+
+    @staticmethod
     def choices(n: Optional[int]) -> int:
         n = 1 if n is None else n
         if not 1 <= n <= MAX_CHOICES:
@@ -475,22 +486,28 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
             srv.max_tokens_for(req.max_tokens, len(ids), "max_tokens")
         # max_tokens null: up to the context, which the engine bounds per prompt
         max_tokens = req.max_tokens if req.max_tokens is not None else srv.engine.max_model_len
-        params = srv.sampling(req, max_tokens, req.logprobs)
-        streams = await srv.submit(prompts, params, lora, req.model, srv.choices(req.n))
+        n = srv.choices(req.n)
+        best_of = srv.best_of(req.best_of, n, bool(req.stream))
+        # best_of: every candidate reports its chosen tokens' logprobs, to be ranked by their sum
+        params = srv.sampling(req, max_tokens, req.logprobs if best_of == n else (req.logprobs or 0))
+        streams = await srv.submit(prompts, params, lora, req.model, best_of)
         rid, created = P.random_id("cmpl"), P.now()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(completion_stream(srv, streams, req.model, rid, created, include_usage,
-                                                 srv.choices(req.n)), streams)
+            return SSEResponse(completion_stream(srv, streams, req.model, rid, created, include_usage, n),
+                               streams)
         results = await srv.collect(request, streams)
         if results is None:
             return Response(status_code=499)
+        usage = _usage(results, best_of)
+        if best_of > n:
+            results = _best(results, best_of, n)
         choices = [P.CompletionChoice(index=i, text=r["text"], finish_reason=r["finish_reason"],
                                       logprobs=srv.completion_logprobs(r["logprobs"], 0)
                                       if req.logprobs is not None else None)
                    for i, r in enumerate(results)]
         return P.CompletionResponse(id=rid, created=created, model=req.model, choices=choices,
-                                    usage=_usage(results, srv.choices(req.n)))
+                                    usage=usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -620,6 +637,16 @@ async def _call(coro):
         return await coro
     except EngineStoppedError as e:
         raise APIError(503, str(e), code="unavailable")
+
+
+def _best(results: list[dict], best_of: int, n: int) -> list[dict]:
+    """Per prompt (best_of candidates each, prompt-major), the n with the highest cumulative
+    logprob of their chosen tokens, best first (vLLM's ranking)."""
+    out = []
+    for i in range(0, len(results), best_of):
+        group = results[i:i + best_of]
+        out += sorted(group, key=lambda r: -sum(lp.logprob for lp in r["logprobs"]))[:n]
+    return out
 
 
 def _usage(results: list[dict], n: int = 1) -> P.UsageInfo:

@@ -46,7 +46,6 @@ OFF_ONLY: dict[str, tuple] = {
     "web_search_options": (),
     "suffix": ("",),
     "echo": (False,),
-    "best_of": (1,),
     # vLLM's extras
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "guided_decoding_backend": (), "structured_outputs": (),
