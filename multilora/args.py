@@ -34,14 +34,22 @@ _HELP = {
     "max_num_batched_tokens": "tokens per step: decode rows plus prefill chunks",
     "max_prefill_seqs": "prefill chunks per step",
     "tensor_parallel_size": "devices to split the model over (with several processes: all of them)",
+    "page_size": "tokens per KV cache page (and per prefix-cache entry)",
+    "kv_cache_memory_gb": "memory for the KV cache when --num-pages is not given",
+    "max_num_seqs": "sequences running at once (decode rows per step)",
+    "seed": "engine seed: a request without its own seed samples from one derived from this and its "
+            "arrival order, so the same requests in the same order repeat",
+    "compilation_cache_dir": "JAX's persistent compilation cache (default: $MULTILORA_COMPILATION_CACHE, "
+                             "else under the user cache)",
 }
-_CHOICES = {"lora_backend": ["auto", "bgmv", "sgmv", "dense", "reference"],
+_CHOICES = {"lora_backend": ["auto", "bgmv", "sgmv", "dense", "native", "reference"],
             "dtype": ["float32", "bfloat16", "float16"]}
 
 
 def add_engine_args(p) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH")
+    p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                   help="adapters registered at start: PEFT folders under the names requests use")
     defaults = EngineConfig()
     for f in EngineConfig.__dataclass_fields__.values():
         flag = "--" + f.name.replace("_", "-")

@@ -52,12 +52,13 @@ def cmd_convert_default(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="multilora", description="serve many LoRA adapters over one base model")
     sub = parser.add_subparsers(dest="cmd", required=True)
+    fmt = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
 
-    p_serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p_serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=fmt)
     from multilora.server.app import add_serve_args
     add_serve_args(p_serve)
 
-    p_gen = sub.add_parser("generate", help="offline batch generation")
+    p_gen = sub.add_parser("generate", help="offline batch generation", formatter_class=fmt)
     add_engine_args(p_gen)
     add_distributed_args(p_gen)
     p_gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
@@ -75,7 +76,8 @@ def main(argv=None) -> int:
     sub.add_parser("convert-default", help="fetch and convert the embedded default model, print its folder")
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    level = getattr(logging, getattr(args, "log_level", "info").upper(), logging.INFO)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
     if args.cmd == "serve":
         from multilora.server.app import run_serve
         return run_serve(args) or 0

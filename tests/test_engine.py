@@ -572,3 +572,22 @@ def test_a_slow_adapter_read_delays_only_its_own_requests(engine, model_dir, sho
         gate.set()
         engine.loader._read = real_read
         engine.unload_lora_adapter("slow")
+
+
+def test_engine_seed_repeats_unseeded_requests_whatever_their_ids(model_dir):
+    """Requests without a seed sample from one derived from the engine seed and their arrival
+    order (not their ids, which a server draws at random): two engines with the same seed give
+    the same tokens for the same requests under other ids; another engine seed, other tokens."""
+    prompts = prompts_of(21, [9, 17, 5])
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, ignore_eos=True)
+
+    def run(seed, tag):
+        eng = make_engine(model_dir, {}, max_loras_per_batch=0, seed=seed)
+        ids = [eng.add_request(p, params, request_id=f"{tag}-{i}") for i, p in enumerate(prompts)]
+        while eng.has_unfinished():
+            eng.step()
+        return [eng.pop_output(rid).token_ids for rid in ids]
+
+    first, again, other = run(5, "x"), run(5, "y"), run(6, "z")
+    assert first == again
+    assert first != other

@@ -291,12 +291,15 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if lora is not None:
             self.registry.acquire(lora)  # raises for unknown or unloading adapters
+        arrival = next(self._arrival)
         req = Request(request_id=request_id, prompt_token_ids=ids, params=params,
-                      arrival=next(self._arrival), adapter=lora)
+                      arrival=arrival, adapter=lora)
         if lora is not None:
             req.lora_hash = self.registry.entries[lora].content_hash
         req.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
-        seed = params.seed if params.seed is not None else zlib.crc32(f"{self.seed}:{request_id}".encode())
+        # Derived from the arrival order, not the id (the server's ids are random): the same
+        # requests in the same order repeat under the same engine seed.
+        seed = params.seed if params.seed is not None else zlib.crc32(f"{self.seed}:{arrival}".encode())
         req.sample_seed = seed
         req.detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         lead = self._requests.get(follows) if follows is not None else None

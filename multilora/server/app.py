@@ -722,8 +722,9 @@ def with_demo_adapters(args) -> argparse.Namespace:
 
 
 def run_serve(args) -> int:
+    # force: `multilora serve` configured logging before parsing reached here; --log-level rules
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     args = with_demo_adapters(args)
     if args.lora_root and not Path(args.lora_root).is_dir():
         raise SystemExit(f"--lora-root {args.lora_root!r} is not a folder")
