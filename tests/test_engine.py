@@ -591,3 +591,55 @@ def test_engine_seed_repeats_unseeded_requests_whatever_their_ids(model_dir):
     first, again, other = run(5, "x"), run(5, "y"), run(6, "z")
     assert first == again
     assert first != other
+
+
+def peft_mix_greedy(model_dir, dirs: dict, weights: dict, prompts, max_new: int) -> list[list[int]]:
+    """PEFT's own weighted mix: add_weighted_adapter(..., combination_type="cat"), greedy."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    names = list(weights)
+    model = PeftModel.from_pretrained(base, dirs[names[0]], adapter_name=names[0])
+    for n in names[1:]:
+        model.load_adapter(dirs[n], adapter_name=n)
+    model.add_weighted_adapter(names, [weights[n] for n in names], "mix", combination_type="cat")
+    model.set_adapter("mix")
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            g = model.generate(torch.tensor([p]), max_new_tokens=max_new, min_new_tokens=max_new,
+                               do_sample=False, pad_token_id=0, eos_token_id=None)
+            out.append(g[0, len(p):].tolist())
+    return out
+
+
+def test_weighted_mix_equals_peft_cat_in_a_mixed_batch(model_dir, spec_dirs, peft_greedy_cache):
+    """An exact weighted mix of three adapters (one rsLoRA, different targets and ranks, a
+    negative weight) computed in the batch beside base rows and a single adapter's rows: greedy
+    tokens equal PEFT's add_weighted_adapter(..., "cat") mix, and the others equal PEFT alone.
+    The mix is registered once under its canonical name; a rank over max_lora_rank, an unknown
+    part or a bad weight is refused naming the problem, and nothing changes."""
+    dirs = {"a": spec_dirs[SPEC[0]], "c": spec_dirs[SPEC[2]], "b": spec_dirs[SPEC[1]]}
+    eng = make_engine(model_dir, dirs, max_lora_rank=32, max_loras_per_batch=4)
+    weights = {"a": 0.7, "c": -0.4, "b": 0.5}  # PEFT takes its config from the first: a, no rsLoRA
+    mix = eng.add_mix(weights)
+    assert mix == "mix(a=0.7,b=0.5,c=-0.4)" and eng.add_mix(dict(reversed(list(weights.items())))) == mix
+    prompts = prompts_of(31, [7, 12, 3, 19, 9])
+    loras = [mix, None, "a", mix, "b"]
+    outs = gen(eng, prompts, GREEDY, loras)
+    want_mix = peft_mix_greedy(model_dir, dirs, weights, [prompts[0], prompts[3]], MAX_NEW)
+    assert [outs[0].token_ids, outs[3].token_ids] == want_mix
+    check_vs_peft(peft_greedy_cache, model_dir, dirs, [prompts[i] for i in (1, 2, 4)],
+                  [loras[i] for i in (1, 2, 4)], [outs[i] for i in (1, 2, 4)])
+    assert outs[0].token_ids != gen(eng, [prompts[0]], GREEDY, "a")[0].token_ids  # the mix is not just a
+    before = set(eng.registry.entries)
+    for bad, match in (({"a": 1.0, "c": 1.0, "b": 1.0, "zzz": 1.0}, "zzz"), ({"a": float("nan")}, "finite"),
+                       ({}, "adapters"), ({mix: 1.0}, "itself a mix")):
+        with pytest.raises(Exception, match=match):
+            eng.add_mix(bad)
+    small = make_engine(model_dir, dirs, max_lora_rank=16, max_loras_per_batch=4)
+    with pytest.raises(ValueError, match="max_lora_rank=16"):
+        small.add_mix({"a": 1.0, "c": 1.0})
+    assert set(eng.registry.entries) == before

@@ -833,3 +833,24 @@ def test_best_of_returns_the_highest_cumulative_logprob(served):
     order = sorted(range(3), key=lambda i: -scores[i])[:2]
     assert [ch.text for ch in two.choices] == [cands.choices[i].text for i in order]
     assert [ch.index for ch in two.choices] == [0, 1]
+
+
+def test_weighted_mix_over_http(served):
+    """The `adapters` extra: the base model's name (or "mix") with {name: weight} runs the exact
+    mix (tested against PEFT in test_engine); the same tokens as naming the registered mix;
+    unknown parts are 404, a non-base model or a bad weight 400, all naming `adapters`."""
+    base = served.engine.model_name
+    client = served.client()
+    kw = dict(prompt=PROMPTS[2], **greedy(max_tokens=6))
+    r = client.completions.create(model=base, extra_body={"adapters": {"a": 0.5, "b": 0.5}, "ignore_eos": True},
+                                  prompt=PROMPTS[2], temperature=0.0, max_tokens=6)
+    again = client.completions.create(model="mix(a=0.5,b=0.5)", **kw)
+    assert r.choices[0].text == again.choices[0].text
+    assert r.choices[0].text != client.completions.create(model="a", **kw).choices[0].text
+    assert "mix(a=0.5,b=0.5)" in [m.id for m in client.models.list().data]
+    with served.http() as c:
+        ok = dict(model=base, prompt="hello", max_tokens=2)
+        assert assert_error(c.post("/v1/completions", json=dict(ok, adapters={"nope": 1.0})), 404)["param"] == "adapters"
+        assert assert_error(c.post("/v1/completions", json=dict(ok, model="a", adapters={"b": 1.0})), 400)["param"] == "adapters"
+        assert assert_error(c.post("/v1/chat/completions", json=dict(model="mix", messages=CHAT, adapters={})),
+                            400)["param"] == "adapters"

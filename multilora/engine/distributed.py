@@ -142,6 +142,8 @@ class StepSync:
         if op == "add":
             engine.add_request(kw["prompt"], SamplingParams(**kw["params"]), kw["lora"], kw["request_id"],
                                kw.get("follows"))
+        elif op == "mix":
+            engine.add_mix(kw["weights"])
         elif op == "abort":
             engine.abort_request(kw["request_id"])
         elif op == "load":

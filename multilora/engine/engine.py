@@ -41,6 +41,7 @@ from multilora.engine.runner import Buckets, ModelRunner, ProcessRow, SampleRow
 from multilora.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from multilora.engine.tokenizer import Detokenizer, load_tokenizer
 from multilora.lora.adapter import AdapterError, LoRAAdapter, load_adapter
+from multilora.lora.mix import MIX_PREFIX, check_weights, mix_adapters, mix_name, mix_path, read_mix
 from multilora.lora.loader import AdapterLoader
 from multilora.lora.registry import AdapterRegistry
 
@@ -164,6 +165,8 @@ class Engine:
         self.slots = (LoRASlots(self.cfg, self.lora_cfg, self.dtype, self.mesh, jit_writer=jit_slot_writer)
                       if max_loras_per_batch > 0 else None)
         def read(name, path):
+            if str(path).startswith(MIX_PREFIX):  # a weighted mix: rebuilt from its parts
+                return read_mix(name, path, read)
             return load_adapter(name, path, self.cfg, max_lora_rank)
 
         self.registry = AdapterRegistry(max(max_loras_per_batch, 1), c.max_loaded_loras, read,
@@ -221,6 +224,34 @@ class Engine:
             self._sync.record("load", name=name, path=str(path), pinned=pinned)
         if pinned:
             self._write_slots({name})
+
+    def add_mix(self, weights: dict) -> str:
+        """Register (once) the exact weighted mix of registered adapters, {name: weight}, as an
+        adapter of its own (multilora.lora.mix); returns its name, for add_request's lora. Its
+        rank is the sum of the parts' ranks and must fit max_lora_rank."""
+        if self.slots is None:
+            raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
+        weights = check_weights(weights)
+        name = mix_name(weights)
+        entry = self.registry.entries.get(name)
+        if entry is not None and not entry.unloading:
+            return name
+        parts = []
+        for part, w in weights.items():
+            e = self.registry.resolve(part)  # raises for unknown or unloading adapters
+            if e.path.startswith(MIX_PREFIX):
+                raise ValueError(f"adapters: {part!r} is itself a mix; name its parts instead")
+            parts.append((part, e.path, w, self.registry.host_copy(e)))
+        adapter = mix_adapters(name, mix_path([(n, p, w) for n, p, w, _ in parts]), [(a, w) for *_, w, a in parts])
+        if adapter.rank > self.lora_cfg.max_lora_rank:
+            raise ValueError(f"adapters: the mix has rank {adapter.rank} (its parts' ranks add up), more than "
+                             f"max_lora_rank={self.lora_cfg.max_lora_rank}; raise --max-lora-rank or mix fewer")
+        if self._sync is not None:
+            self._sync.guard("add_mix")
+        self.registry.register(name, adapter.path, adapter=adapter)
+        if self._sync is not None:
+            self._sync.record("mix", weights=weights)
+        return name
 
     def unload_lora_adapter(self, name: str) -> None:
         """New requests for it are refused at once; running ones finish, then it is removed."""

@@ -187,6 +187,24 @@ class _Server:
             await self._load_on_first_use(name)
         return name
 
+    async def request_adapter(self, req: P._SamplingFields) -> Optional[str]:
+        """The adapter a generation request runs: its `model`, or with the `adapters` extra the
+        weighted mix of those adapters (registered once, on the engine thread)."""
+        if req.adapters is None:
+            return await self.resolve_model(req.model)
+        if req.model not in self.base_names and req.model != "mix":
+            raise APIError(400, f"with adapters, model names the base model ({self.base_name!r}) or \"mix\", "
+                                f"got {req.model!r}", "adapters")
+        for part in req.adapters:
+            if part not in self.base_names:
+                await self.resolve_model(part)  # first-use loads under --lora-root
+        try:
+            return await _call(self.aengine.call(lambda e: e.add_mix(req.adapters)))
+        except (UnknownAdapterError, AdapterUnloadingError) as e:
+            raise APIError(404, f"adapters: {_err_text(e)}", "adapters", "model_not_found")
+        except ValueError as e:
+            raise APIError(400, str(e), "adapters")
+
     async def known_model(self, name: str) -> None:
         """resolve_model, and a 404 for a name that is neither the base model nor an adapter
         (the generation routes get it from the engine when they submit)."""
@@ -475,7 +493,7 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
     @app.post("/v1/completions")
     async def completions(request: Request):
         req: P.CompletionRequest = await _parse(request, P.CompletionRequest)
-        lora = await srv.resolve_model(req.model)
+        lora = await srv.request_adapter(req)
         raw = req.prompt
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             raw = [raw]
@@ -512,7 +530,7 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req: P.ChatCompletionRequest = await _parse(request, P.ChatCompletionRequest)
-        lora = await srv.resolve_model(req.model)
+        lora = await srv.request_adapter(req)
         ids = await srv.chat_ids(req.messages, req.add_generation_prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

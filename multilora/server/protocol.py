@@ -126,6 +126,8 @@ class _SamplingFields(_Request):
     stop_token_ids: Optional[list[int]] = None
     repetition_penalty: Optional[float] = None
     min_tokens: Optional[int] = 0
+    # multilora's extra: an exact weighted mix of adapters, {"a": 0.7, "b": 0.3} (model: the base)
+    adapters: Optional[dict[str, float]] = None
     # known, not acted on: refused unless "off" (OFF_ONLY)
     response_format: Optional[dict[str, Any]] = None
     service_tier: Optional[str] = None
