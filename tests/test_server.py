@@ -854,3 +854,38 @@ def test_weighted_mix_over_http(served):
         assert assert_error(c.post("/v1/completions", json=dict(ok, model="a", adapters={"b": 1.0})), 400)["param"] == "adapters"
         assert assert_error(c.post("/v1/chat/completions", json=dict(model="mix", messages=CHAT, adapters={})),
                             400)["param"] == "adapters"
+
+
+def test_openapi_documents_every_route_body(served):
+    """/openapi.json carries each route's request body and responses from the models the routes
+    validate with (so /docs and schema-driven clients and fuzzers see the real fields)."""
+    from multilora.server import protocol as P
+    with served.http() as c:
+        doc = c.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    for path, model in (("/v1/completions", P.CompletionRequest), ("/v1/chat/completions", P.ChatCompletionRequest),
+                        ("/v1/load_lora_adapter", P.LoadLoRAAdapterRequest), ("/v1/detokenize", P.DetokenizeRequest)):
+        body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model.__name__}"}
+        assert set(schemas[model.__name__]["properties"]) == set(model.model_fields)
+    tok = doc["paths"]["/v1/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert len(tok["oneOf"]) == 2
+    ok = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"]["$ref"].endswith("/ChatCompletionResponse") and "text/event-stream" in ok
+    assert doc["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]["schema"][
+        "$ref"].endswith("/ModelList")
+    assert doc["paths"]["/v1/completions"]["post"]["responses"]["400"]["content"]["application/json"]["schema"][
+        "$ref"].endswith("/ErrorResponse")
+    refs = set()
+
+    def walk(x):
+        if isinstance(x, dict):
+            if "$ref" in x:
+                refs.add(x["$ref"].rsplit("/", 1)[-1])
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+    walk(doc)
+    assert refs <= set(schemas), refs - set(schemas)  # every reference resolves

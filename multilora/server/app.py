@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from multilora.args import add_engine_args, engine_kwargs
 from multilora.engine.request import SamplingParams
 from multilora.lora.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
+from multilora.server import openapi
 from multilora.server import protocol as P
 from multilora.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from multilora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -647,6 +648,7 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
     async def metrics():
         return Response(async_engine.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
+    openapi.install(app)
     return app
 
 
