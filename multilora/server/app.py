@@ -1,11 +1,13 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine, errors as OpenAI error
-JSON, API-key and body-size guards, and `run_serve(args)` for `multilora serve`. The SSE
-streams themselves are in multilora.server.streaming.
+"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine, the API-key and
+body-size guards, and `run_serve(args)` for `multilora serve`. What the routes share (model
+resolution, sampling fields, submit and collect) is in multilora.server.service, OpenAI's error
+JSON in multilora.server.errors, the SSE streams in multilora.server.streaming and the OpenAPI
+document in multilora.server.openapi.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models,
-POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter (vLLM's), GET /health, GET /metrics.
-A request picks an adapter by naming it in `model` (vLLM's convention); the base model answers to
-its folder name or its path. See docs/server.md.
+POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter, POST /v1/tokenize, POST /v1/detokenize
+(vLLM's), GET /health, GET /metrics. A request picks an adapter by naming it in `model` (vLLM's
+convention); the base model answers to its folder name or its path. See docs/server.md.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import json
 import logging
@@ -23,38 +24,24 @@ from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from multilora.args import add_engine_args, engine_kwargs
-from multilora.engine.request import SamplingParams
-from multilora.lora.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
+from multilora.lora.registry import AdapterConflictError
 from multilora.server import openapi
 from multilora.server import protocol as P
-from multilora.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
+from multilora.server.async_engine import AsyncEngine
+from multilora.server.errors import APIError, call_engine, err_text, error_response, parse_body
 from multilora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from multilora.server.service import MAX_ADAPTER_NAME, Server
 from multilora.server.streaming import SSEResponse, chat_stream, completion_stream
 
 log = logging.getLogger("multilora.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
-MAX_ADAPTER_NAME = 256
-MAX_CHOICES = 128  # n per prompt (OpenAI's limit)
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def error_response(status: int, message: str, param: Optional[str] = None,
-                   code: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
-    return JSONResponse(P.error_body(status, message, param, code), status_code=status, headers=headers)
-
-
-# ---- guards: API key and body size (a plain ASGI middleware, so that it sees the raw stream) -----
 class _BodyTooLarge(Exception):
     pass
 
@@ -111,353 +98,12 @@ class _Guard:
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-def _describe_validation(e: ValidationError) -> tuple[str, Optional[str]]:
-    errs = e.errors()
-    if errs and errs[0]["type"] == "json_invalid":
-        return f"the body is not valid JSON: {errs[0].get('ctx', {}).get('error', errs[0]['msg'])}", None
-    for err in errs:  # ours first: a field not taken, or not acted on (protocol.OFF_ONLY)
-        if err["type"] == "extra_forbidden":
-            where = ".".join(str(x) for x in err["loc"])
-            return (f"unknown field {where}: this server does not take it (/openapi.json lists the "
-                    "fields of each route)", str(err["loc"][-1]))
-        if err["type"] == "value_error" and "is not supported by this server" in err["msg"]:
-            msg = err["msg"].removeprefix("Value error, ")
-            where = ".".join(str(x) for x in err["loc"])
-            return (f"{where}: {msg}" if where else msg), msg.split(" ", 1)[0]
-    parts, param = [], None
-    seen = set()
-    for err in errs:
-        loc = [str(x) for x in err["loc"] if not (isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool")))]
-        where = ".".join(loc)
-        if err["type"] == "model_type" and not loc:
-            return "the body must be a JSON object", None
-        if param is None and loc:
-            param = loc[0]
-        if where in seen:
-            continue
-        seen.add(where)
-        parts.append(f"{where or 'body'}: {err['msg']}")
-    return "invalid request: " + "; ".join(parts[:4]), param
-
-
-async def _parse(request: Request, model: type[BaseModel]):
-    body = await request.body()
-    if not body.strip():
-        raise APIError(400, "the request body is empty; send a JSON object")
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        msg, param = _describe_validation(e)
-        raise APIError(400, msg, param)
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            return
-
-
-class _Server:
-    """The routes' shared state: the engine, its names and the adapter path policy."""
-
-    def __init__(self, aengine: AsyncEngine, lora_root: Optional[str], allow_any_lora_path: bool):
-        self.aengine = aengine
-        eng = aengine.engine
-        self.engine = eng
-        self.base_name = eng.model_name
-        self.base_names = {eng.model_name, str(eng.model_path)}
-        with contextlib.suppress(OSError):
-            self.base_names.add(str(Path(eng.model_path).resolve()))
-        self.lora_root = Path(lora_root).resolve() if lora_root else None
-        self.allow_any_lora_path = allow_any_lora_path
-        self._resolving: dict[str, asyncio.Future] = {}   # adapter name -> its first-use load
-
-    # ---- request building ------------------------------------------------------------------
-    async def resolve_model(self, name: str) -> Optional[str]:
-        """None for the base model, else the adapter name (the engine checks it exists). With
-        --lora-root, a name that is not registered yet but names an adapter folder under the
-        root is loaded now, on first use (read off the engine thread; concurrent first requests
-        share one load)."""
-        if not name:
-            raise APIError(400, "model is required: the base model's name or a LoRA adapter's", "model")
-        if name in self.base_names:
-            return None
-        if self.lora_root is not None and self.engine.slots is not None \
-                and name not in self.engine.registry.entries:
-            await self._load_on_first_use(name)
-        return name
-
-    async def request_adapter(self, req: P._SamplingFields) -> Optional[str]:
-        """The adapter a generation request runs: its `model`, or with the `adapters` extra the
-        weighted mix of those adapters (registered once, on the engine thread)."""
-        if req.adapters is None:
-            return await self.resolve_model(req.model)
-        if req.model not in self.base_names and req.model != "mix":
-            raise APIError(400, f"with adapters, model names the base model ({self.base_name!r}) or \"mix\", "
-                                f"got {req.model!r}", "adapters")
-        for part in req.adapters:
-            if part not in self.base_names:
-                await self.resolve_model(part)  # first-use loads under --lora-root
-        try:
-            return await _call(self.aengine.call(lambda e: e.add_mix(req.adapters)))
-        except (UnknownAdapterError, AdapterUnloadingError) as e:
-            raise APIError(404, f"adapters: {_err_text(e)}", "adapters", "model_not_found")
-        except ValueError as e:
-            raise APIError(400, str(e), "adapters")
-
-    async def known_model(self, name: str) -> None:
-        """resolve_model, and a 404 for a name that is neither the base model nor an adapter
-        (the generation routes get it from the engine when they submit)."""
-        lora = await self.resolve_model(name)
-        if lora is not None and (lora not in self.engine.registry.entries
-                                 or self.engine.registry.entries[lora].unloading):
-            raise APIError(404, f"the model {name!r} does not exist: it is neither the base model "
-                                f"{self.base_name!r} nor a loaded LoRA adapter", "model", "model_not_found")
-
-    async def _load_on_first_use(self, name: str) -> None:
-        fut = self._resolving.get(name)
-        if fut is None:
-            fut = self._resolving[name] = asyncio.ensure_future(self._resolve_from_root(name))
-            fut.add_done_callback(lambda _: self._resolving.pop(name, None))
-        await asyncio.shield(fut)
-
-    async def _resolve_from_root(self, name: str) -> None:
-        if len(name) > MAX_ADAPTER_NAME or any(ord(c) < 32 for c in name):
-            return  # not a folder name: the engine reports the unknown model
-        candidate = self.lora_root / name
-        resolved = candidate.resolve()
-        if resolved == self.lora_root or self.lora_root not in resolved.parents:
-            raise APIError(404, f"the model {name!r} does not exist: it is neither the base model "
-                                f"{self.base_name!r} nor a loaded LoRA adapter, and it does not name a "
-                                "folder inside the server's --lora-root", "model", "model_not_found")
-        if not (resolved / "adapter_config.json").is_file():
-            return  # no such adapter folder: the engine reports the unknown model (404)
-        try:
-            await self.aengine.load_lora_adapter(name, str(resolved))
-        except AdapterConflictError:
-            return  # registered meanwhile (another request, or /v1/load_lora_adapter)
-        except EngineStoppedError as e:
-            raise APIError(503, str(e), code="unavailable")
-        except ValueError as e:  # AdapterError: the folder is not a servable adapter
-            raise APIError(400, f"the model {name!r} names a folder under --lora-root that is not a "
-                                f"servable LoRA adapter: {e}", "model", "invalid_adapter")
-        log.info("loaded LoRA adapter %r from %s on first use", name, resolved)
-
-    async def chat_ids(self, messages: list, add_generation_prompt: bool) -> list[int]:
-        """The chat template over the messages -> prompt token ids (400s name what is wrong)."""
-        tok = self.engine.tokenizer
-        if tok is None:
-            raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
-        if not messages:
-            raise APIError(400, "messages must hold at least one message", "messages")
-        rendered = []
-        for i, m in enumerate(messages):
-            content = m.content
-            if isinstance(content, list):
-                if any(part.type != "text" for part in content):
-                    raise APIError(400, f"messages[{i}]: only text content parts are supported", "messages")
-                content = "".join(part.text or "" for part in content)
-            msg = {"role": m.role, "content": content or ""}
-            if m.name:
-                msg["name"] = m.name
-            rendered.append(msg)
-        try:
-            ids = await asyncio.to_thread(tok.encode_chat, rendered, add_generation_prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), "messages")
-        except Exception as e:  # jinja2 template errors (raise_exception in the template, bad roles)
-            raise APIError(400, f"the chat template failed on these messages: {e}", "messages")
-        if not ids:
-            raise APIError(400, "the rendered chat prompt is empty", "messages")
-        return ids
-
-    @staticmethod
-    def best_of(best_of: Optional[int], n: int, stream: bool) -> int:
-        """Candidates per prompt: best_of (default n), at least n, not streamed (OpenAI's rules)."""
-        if best_of is None or best_of == n:
-            return n
-        if not n <= best_of <= MAX_CHOICES:
-            raise APIError(400, f"best_of must be between n={n} and {MAX_CHOICES}, got {best_of}", "best_of")
-        if stream:
-            raise APIError(400, "best_of > n cannot be streamed (the best are known only at the end)", "best_of")
-        return best_of
-
-    @staticmethod
-    def choices(n: Optional[int]) -> int:
-        n = 1 if n is None else n
-        if not 1 <= n <= MAX_CHOICES:
-            raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {n}", "n")
-        return n
-
-    def tokenize(self, prompt) -> list[int]:
-        try:
-            ids = self.engine.tokenize(prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), "prompt")
-        if not ids:
-            raise APIError(400, "the prompt is empty: it must hold at least one token", "prompt")
-        return ids
-
-    def max_tokens_for(self, requested: Optional[int], prompt_len: int, param: str) -> int:
-        ctx = self.engine.max_model_len
-        if requested is not None and requested < 1:
-            raise APIError(400, f"{param} must be at least 1, got {requested}", param)
-        if prompt_len >= ctx:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context holds {ctx} "
-                                "tokens (max_model_len), leaving no room to generate", "prompt",
-                           "context_length_exceeded")
-        if requested is None:
-            return ctx - prompt_len
-        if prompt_len + requested > ctx:
-            raise APIError(400, f"this model's maximum context length is {ctx} tokens; you requested "
-                                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
-                                f"for the completion): reduce the prompt or {param}", param,
-                           "context_length_exceeded")
-        return requested
-
-    @staticmethod
-    def sampling(req: P._SamplingFields, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
-        bias = []
-        for key, value in (req.logit_bias or {}).items():
-            try:
-                bias.append((int(key), value))
-            except ValueError:
-                raise APIError(400, f"logit_bias keys must be token ids (integers as strings), got {key!r}",
-                               "logit_bias")
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=-1 if req.top_k is None else req.top_k,
-                seed=req.seed, stop=req.stop or (), stop_token_ids=req.stop_token_ids or (),
-                ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
-                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logit_bias=bias, min_tokens=req.min_tokens or 0)
-        except ValueError as e:
-            msg = str(e)
-            raise APIError(400, msg, msg.split(" ", 1)[0])
-
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, lora: Optional[str],
-                     model: str, n: int = 1) -> list[RequestStream]:
-        """n streams per prompt, prompt-major (OpenAI's choice index). A prompt's other choices
-        follow its first one: they wait for its prefill and share its pages (one prefill), and
-        draw their own random streams (seed + j when a seed is given)."""
-        streams: list[RequestStream] = []
-        try:
-            for ids in prompts:
-                lead = None
-                for j in range(n):
-                    p = params if j == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + j)
-                    st = await self.aengine.submit(ids, p, lora, follows=lead)
-                    lead = lead or st.request_id
-                    streams.append(st)
-        except BaseException as e:
-            for s in streams:
-                s.abort()
-            if isinstance(e, QueueFullError):
-                raise APIError(503, str(e), code="queue_full")
-            if isinstance(e, EngineStoppedError):
-                raise APIError(503, str(e), code="unavailable")
-            if isinstance(e, (UnknownAdapterError, AdapterUnloadingError)):
-                raise APIError(404, f"the model {model!r} does not exist: it is neither the base model "
-                                    f"{self.base_name!r} nor a loaded LoRA adapter ({_err_text(e)})",
-                               "model", "model_not_found")
-            if isinstance(e, ValueError):
-                raise APIError(400, str(e))
-            raise
-        return streams
-
-    async def collect(self, request: Request, streams: list[RequestStream]) -> Optional[list[dict]]:
-        """Run streams to the end (non-streaming); None if the client went away (all aborted)."""
-        async def one(s: RequestStream) -> dict:
-            text, ids, lps, reason = [], [], [], None
-            async for d in s:
-                text.append(d.text)
-                ids.extend(d.token_ids)
-                if d.logprobs:
-                    lps.extend(d.logprobs)
-                if d.finished:
-                    reason = d.finish_reason
-            if reason == "error":
-                raise APIError(500, f"the request failed: {s.error or 'engine error'}", code="engine_error")
-            return dict(text="".join(text), token_ids=ids, logprobs=lps, finish_reason=reason,
-                        prompt_tokens=len(s.prompt_token_ids), cached_tokens=s.num_cached_tokens)
-
-        watcher = asyncio.create_task(_wait_disconnect(request))
-        work = asyncio.ensure_future(asyncio.gather(*(one(s) for s in streams)))
-        try:
-            done, _ = await asyncio.wait({watcher, work}, return_when=asyncio.FIRST_COMPLETED)
-            if work in done:
-                return work.result()
-            return None
-        finally:
-            watcher.cancel()
-            if not work.done():
-                work.cancel()
-            for s in streams:
-                s.abort()
-
-    # ---- logprobs ----------------------------------------------------------------------------
-    def token_text(self, token_id: int) -> str:
-        tok = self.engine.tokenizer
-        if tok is None:
-            return f"token_id:{token_id}"
-        return tok.decode([token_id], skip_special_tokens=False)
-
-    def completion_logprobs(self, lps: list, offset: int) -> P.CompletionLogprobs:
-        out = P.CompletionLogprobs()
-        for lp in lps:
-            t = self.token_text(lp.token_id)
-            out.tokens.append(t)
-            out.token_logprobs.append(float(lp.logprob))
-            out.top_logprobs.append({self.token_text(i): float(v) for i, v in lp.top})
-            out.text_offset.append(offset)
-            offset += len(t)
-        return out
-
-    def chat_logprobs(self, lps: list) -> P.ChatLogprobs:
-        content = []
-        for lp in lps:
-            t = self.token_text(lp.token_id)
-            tops = [P.TopLogprob(token=self.token_text(i), logprob=float(v),
-                                 bytes=list(self.token_text(i).encode())) for i, v in lp.top]
-            content.append(P.TokenLogprob(token=t, logprob=float(lp.logprob), bytes=list(t.encode()),
-                                          top_logprobs=tops))
-        return P.ChatLogprobs(content=content)
-
-    # ---- adapter paths -----------------------------------------------------------------------
-    def check_lora_path(self, raw: str) -> str:
-        if not raw or "\x00" in raw:
-            raise APIError(400, "lora_path must be a non-empty path", "lora_path")
-        if self.lora_root is None:
-            if not self.allow_any_lora_path:
-                raise APIError(403, "loading adapters at run time is disabled: start the server with "
-                                    "--lora-root DIR (adapters under DIR may be loaded) or "
-                                    "--allow-any-lora-path", "lora_path", "lora_path_forbidden")
-            return str(Path(raw).expanduser().resolve())
-        p = Path(raw)
-        if not p.is_absolute():
-            p = self.lora_root / p
-        resolved = p.resolve()  # follows symlinks and '..': the real place is what is checked
-        if resolved != self.lora_root and self.lora_root not in resolved.parents:
-            raise APIError(403, f"lora_path must lie inside the server's --lora-root; {raw!r} does not",
-                           "lora_path", "lora_path_forbidden")
-        return str(resolved)
-
-
-def _err_text(e: BaseException) -> str:
-    return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-
-
 def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_root: Optional[str] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allow_any_lora_path: bool = False,
               drain_timeout: float = 30.0) -> FastAPI:
     """The FastAPI app. Its lifespan starts the engine thread and, at shutdown, lets running
     requests finish (up to drain_timeout seconds) before stopping it."""
-    srv = _Server(async_engine, lora_root, allow_any_lora_path)
+    srv = Server(async_engine, lora_root, allow_any_lora_path)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -493,7 +139,7 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
     # ---- generation ----------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req: P.CompletionRequest = await _parse(request, P.CompletionRequest)
+        req: P.CompletionRequest = await parse_body(request, P.CompletionRequest)
         lora = await srv.request_adapter(req)
         raw = req.prompt
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
@@ -530,7 +176,7 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req: P.ChatCompletionRequest = await _parse(request, P.ChatCompletionRequest)
+        req: P.ChatCompletionRequest = await parse_body(request, P.ChatCompletionRequest)
         lora = await srv.request_adapter(req)
         ids = await srv.chat_ids(req.messages, req.add_generation_prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -566,7 +212,7 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
             is_chat = "messages" in json.loads(body or b"{}")
         except ValueError:
             is_chat = False  # _parse reports the bad JSON
-        req = await _parse(request, P.TokenizeChatRequest if is_chat else P.TokenizeCompletionRequest)
+        req = await parse_body(request, P.TokenizeChatRequest if is_chat else P.TokenizeCompletionRequest)
         if req.model is not None:
             await srv.known_model(req.model)
         tok = srv.engine.tokenizer
@@ -582,7 +228,7 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
     @app.post("/v1/detokenize")
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        req: P.DetokenizeRequest = await _parse(request, P.DetokenizeRequest)
+        req: P.DetokenizeRequest = await parse_body(request, P.DetokenizeRequest)
         if req.model is not None:
             await srv.known_model(req.model)
         tok = srv.engine.tokenizer
@@ -597,7 +243,7 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
     # ---- models and adapters -------------------------------------------------------------------
     @app.get("/v1/models")
     async def models():
-        adapters = await _call(async_engine.list_lora_adapters())
+        adapters = await call_engine(async_engine.list_lora_adapters())
         cards = [P.ModelCard(id=srv.base_name, root=str(srv.engine.model_path),
                              max_model_len=srv.engine.max_model_len)]
         cards += [P.ModelCard(id=a["name"], root=a["path"], parent=srv.base_name,
@@ -607,7 +253,7 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
-        req: P.LoadLoRAAdapterRequest = await _parse(request, P.LoadLoRAAdapterRequest)
+        req: P.LoadLoRAAdapterRequest = await parse_body(request, P.LoadLoRAAdapterRequest)
         name = req.lora_name
         if not name or len(name) > MAX_ADAPTER_NAME or any(ord(c) < 32 for c in name):
             raise APIError(400, f"lora_name must be 1 to {MAX_ADAPTER_NAME} printable characters", "lora_name")
@@ -616,7 +262,7 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
                            "adapter_conflict")
         path = srv.check_lora_path(req.lora_path)
         try:
-            await _call(async_engine.load_lora_adapter(name, path, pinned=req.pinned))
+            await call_engine(async_engine.load_lora_adapter(name, path, pinned=req.pinned))
         except AdapterConflictError as e:
             raise APIError(409, str(e), "lora_name", "adapter_conflict")
         except ValueError as e:  # AdapterError: the folder is not a servable adapter
@@ -626,14 +272,14 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
-        req: P.UnloadLoRAAdapterRequest = await _parse(request, P.UnloadLoRAAdapterRequest)
+        req: P.UnloadLoRAAdapterRequest = await parse_body(request, P.UnloadLoRAAdapterRequest)
         name = req.lora_name
         if name in srv.base_names:
             raise APIError(400, "the base model cannot be unloaded", "lora_name")
         try:
-            await _call(async_engine.unload_lora_adapter(name))
+            await call_engine(async_engine.unload_lora_adapter(name))
         except KeyError as e:
-            raise APIError(404, _err_text(e), "lora_name", "adapter_not_found")
+            raise APIError(404, err_text(e), "lora_name", "adapter_not_found")
         log.info("unloading LoRA adapter %r", name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
@@ -650,13 +296,6 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
 
     openapi.install(app)
     return app
-
-
-async def _call(coro):
-    try:
-        return await coro
-    except EngineStoppedError as e:
-        raise APIError(503, str(e), code="unavailable")
 
 
 def _best(results: list[dict], best_of: int, n: int) -> list[dict]:

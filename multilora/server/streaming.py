@@ -17,7 +17,7 @@ from multilora.server import protocol as P
 from multilora.server.async_engine import RequestStream
 
 if TYPE_CHECKING:
-    from multilora.server.app import _Server
+    from multilora.server.service import Server as _Server
 
 
 async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, Any]]:

@@ -1,0 +1,323 @@
+"""What the routes share: the engine behind them (an AsyncEngine), how a request's `model`
+resolves to the base model, an adapter (loaded on first use under --lora-root) or a weighted
+mix, sampling parameters from the wire fields, submitting and collecting streams, logprobs in
+OpenAI's shapes, and the confinement of adapter paths."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Optional
+
+from fastapi import Request
+
+from multilora.engine.request import SamplingParams
+from multilora.lora.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
+from multilora.server import protocol as P
+from multilora.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
+from multilora.server.errors import APIError, call_engine, err_text
+
+log = logging.getLogger("multilora.server")
+
+MAX_ADAPTER_NAME = 256
+MAX_CHOICES = 128  # n per prompt (OpenAI's limit)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class Server:
+    """The routes' shared state: the engine, its names and the adapter path policy."""
+
+    def __init__(self, aengine: AsyncEngine, lora_root: Optional[str], allow_any_lora_path: bool):
+        self.aengine = aengine
+        eng = aengine.engine
+        self.engine = eng
+        self.base_name = eng.model_name
+        self.base_names = {eng.model_name, str(eng.model_path)}
+        with contextlib.suppress(OSError):
+            self.base_names.add(str(Path(eng.model_path).resolve()))
+        self.lora_root = Path(lora_root).resolve() if lora_root else None
+        self.allow_any_lora_path = allow_any_lora_path
+        self._resolving: dict[str, asyncio.Future] = {}   # adapter name -> its first-use load
+
+    # ---- request building ------------------------------------------------------------------
+    async def resolve_model(self, name: str) -> Optional[str]:
+        """None for the base model, else the adapter name (the engine checks it exists). With
+        --lora-root, a name that is not registered yet but names an adapter folder under the
+        root is loaded now, on first use (read off the engine thread; concurrent first requests
+        share one load)."""
+        if not name:
+            raise APIError(400, "model is required: the base model's name or a LoRA adapter's", "model")
+        if name in self.base_names:
+            return None
+        if self.lora_root is not None and self.engine.slots is not None \
+                and name not in self.engine.registry.entries:
+            await self._load_on_first_use(name)
+        return name
+
+    async def request_adapter(self, req: P._SamplingFields) -> Optional[str]:
+        """The adapter a generation request runs: its `model`, or with the `adapters` extra the
+        weighted mix of those adapters (registered once, on the engine thread)."""
+        if req.adapters is None:
+            return await self.resolve_model(req.model)
+        if req.model not in self.base_names and req.model != "mix":
+            raise APIError(400, f"with adapters, model names the base model ({self.base_name!r}) or \"mix\", "
+                                f"got {req.model!r}", "adapters")
+        for part in req.adapters:
+            if part not in self.base_names:
+                await self.resolve_model(part)  # first-use loads under --lora-root
+        try:
+            return await call_engine(self.aengine.call(lambda e: e.add_mix(req.adapters)))
+        except (UnknownAdapterError, AdapterUnloadingError) as e:
+            raise APIError(404, f"adapters: {err_text(e)}", "adapters", "model_not_found")
+        except ValueError as e:
+            raise APIError(400, str(e), "adapters")
+
+    async def known_model(self, name: str) -> None:
+        """resolve_model, and a 404 for a name that is neither the base model nor an adapter
+        (the generation routes get it from the engine when they submit)."""
+        lora = await self.resolve_model(name)
+        if lora is not None and (lora not in self.engine.registry.entries
+                                 or self.engine.registry.entries[lora].unloading):
+            raise APIError(404, f"the model {name!r} does not exist: it is neither the base model "
+                                f"{self.base_name!r} nor a loaded LoRA adapter", "model", "model_not_found")
+
+    async def _load_on_first_use(self, name: str) -> None:
+        fut = self._resolving.get(name)
+        if fut is None:
+            fut = self._resolving[name] = asyncio.ensure_future(self._resolve_from_root(name))
+            fut.add_done_callback(lambda _: self._resolving.pop(name, None))
+        await asyncio.shield(fut)
+
+    async def _resolve_from_root(self, name: str) -> None:
+        if len(name) > MAX_ADAPTER_NAME or any(ord(c) < 32 for c in name):
+            return  # not a folder name: the engine reports the unknown model
+        candidate = self.lora_root / name
+        resolved = candidate.resolve()
+        if resolved == self.lora_root or self.lora_root not in resolved.parents:
+            raise APIError(404, f"the model {name!r} does not exist: it is neither the base model "
+                                f"{self.base_name!r} nor a loaded LoRA adapter, and it does not name a "
+                                "folder inside the server's --lora-root", "model", "model_not_found")
+        if not (resolved / "adapter_config.json").is_file():
+            return  # no such adapter folder: the engine reports the unknown model (404)
+        try:
+            await self.aengine.load_lora_adapter(name, str(resolved))
+        except AdapterConflictError:
+            return  # registered meanwhile (another request, or /v1/load_lora_adapter)
+        except EngineStoppedError as e:
+            raise APIError(503, str(e), code="unavailable")
+        except ValueError as e:  # AdapterError: the folder is not a servable adapter
+            raise APIError(400, f"the model {name!r} names a folder under --lora-root that is not a "
+                                f"servable LoRA adapter: {e}", "model", "invalid_adapter")
+        log.info("loaded LoRA adapter %r from %s on first use", name, resolved)
+
+    async def chat_ids(self, messages: list, add_generation_prompt: bool) -> list[int]:
+        """The chat template over the messages -> prompt token ids (400s name what is wrong)."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
+        if not messages:
+            raise APIError(400, "messages must hold at least one message", "messages")
+        rendered = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if isinstance(content, list):
+                if any(part.type != "text" for part in content):
+                    raise APIError(400, f"messages[{i}]: only text content parts are supported", "messages")
+                content = "".join(part.text or "" for part in content)
+            msg = {"role": m.role, "content": content or ""}
+            if m.name:
+                msg["name"] = m.name
+            rendered.append(msg)
+        try:
+            ids = await asyncio.to_thread(tok.encode_chat, rendered, add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages")
+        except Exception as e:  # jinja2 template errors (raise_exception in the template, bad roles)
+            raise APIError(400, f"the chat template failed on these messages: {e}", "messages")
+        if not ids:
+            raise APIError(400, "the rendered chat prompt is empty", "messages")
+        return ids
+
+    @staticmethod
+    def best_of(best_of: Optional[int], n: int, stream: bool) -> int:
+        """Candidates per prompt: best_of (default n), at least n, not streamed (OpenAI's rules)."""
+        if best_of is None or best_of == n:
+            return n
+        if not n <= best_of <= MAX_CHOICES:
+            raise APIError(400, f"best_of must be between n={n} and {MAX_CHOICES}, got {best_of}", "best_of")
+        if stream:
+            raise APIError(400, "best_of > n cannot be streamed (the best are known only at the end)", "best_of")
+        return best_of
+
+    @staticmethod
+    def choices(n: Optional[int]) -> int:
+        n = 1 if n is None else n
+        if not 1 <= n <= MAX_CHOICES:
+            raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {n}", "n")
+        return n
+
+    def tokenize(self, prompt) -> list[int]:
+        try:
+            ids = self.engine.tokenize(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt")
+        if not ids:
+            raise APIError(400, "the prompt is empty: it must hold at least one token", "prompt")
+        return ids
+
+    def max_tokens_for(self, requested: Optional[int], prompt_len: int, param: str) -> int:
+        ctx = self.engine.max_model_len
+        if requested is not None and requested < 1:
+            raise APIError(400, f"{param} must be at least 1, got {requested}", param)
+        if prompt_len >= ctx:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context holds {ctx} "
+                                "tokens (max_model_len), leaving no room to generate", "prompt",
+                           "context_length_exceeded")
+        if requested is None:
+            return ctx - prompt_len
+        if prompt_len + requested > ctx:
+            raise APIError(400, f"this model's maximum context length is {ctx} tokens; you requested "
+                                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
+                                f"for the completion): reduce the prompt or {param}", param,
+                           "context_length_exceeded")
+        return requested
+
+    @staticmethod
+    def sampling(req: P._SamplingFields, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+        bias = []
+        for key, value in (req.logit_bias or {}).items():
+            try:
+                bias.append((int(key), value))
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                               "logit_bias")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k is None else req.top_k,
+                seed=req.seed, stop=req.stop or (), stop_token_ids=req.stop_token_ids or (),
+                ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=bias, min_tokens=req.min_tokens or 0)
+        except ValueError as e:
+            msg = str(e)
+            raise APIError(400, msg, msg.split(" ", 1)[0])
+
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, lora: Optional[str],
+                     model: str, n: int = 1) -> list[RequestStream]:
+        """n streams per prompt, prompt-major (OpenAI's choice index). A prompt's other choices
+        follow its first one: they wait for its prefill and share its pages (one prefill), and
+        draw their own random streams (seed + j when a seed is given)."""
+        streams: list[RequestStream] = []
+        try:
+            for ids in prompts:
+                lead = None
+                for j in range(n):
+                    p = params if j == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + j)
+                    st = await self.aengine.submit(ids, p, lora, follows=lead)
+                    lead = lead or st.request_id
+                    streams.append(st)
+        except BaseException as e:
+            for s in streams:
+                s.abort()
+            if isinstance(e, QueueFullError):
+                raise APIError(503, str(e), code="queue_full")
+            if isinstance(e, EngineStoppedError):
+                raise APIError(503, str(e), code="unavailable")
+            if isinstance(e, (UnknownAdapterError, AdapterUnloadingError)):
+                raise APIError(404, f"the model {model!r} does not exist: it is neither the base model "
+                                    f"{self.base_name!r} nor a loaded LoRA adapter ({err_text(e)})",
+                               "model", "model_not_found")
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e))
+            raise
+        return streams
+
+    async def collect(self, request: Request, streams: list[RequestStream]) -> Optional[list[dict]]:
+        """Run streams to the end (non-streaming); None if the client went away (all aborted)."""
+        async def one(s: RequestStream) -> dict:
+            text, ids, lps, reason = [], [], [], None
+            async for d in s:
+                text.append(d.text)
+                ids.extend(d.token_ids)
+                if d.logprobs:
+                    lps.extend(d.logprobs)
+                if d.finished:
+                    reason = d.finish_reason
+            if reason == "error":
+                raise APIError(500, f"the request failed: {s.error or 'engine error'}", code="engine_error")
+            return dict(text="".join(text), token_ids=ids, logprobs=lps, finish_reason=reason,
+                        prompt_tokens=len(s.prompt_token_ids), cached_tokens=s.num_cached_tokens)
+
+        watcher = asyncio.create_task(_wait_disconnect(request))
+        work = asyncio.ensure_future(asyncio.gather(*(one(s) for s in streams)))
+        try:
+            done, _ = await asyncio.wait({watcher, work}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            return None
+        finally:
+            watcher.cancel()
+            if not work.done():
+                work.cancel()
+            for s in streams:
+                s.abort()
+
+    # ---- logprobs ----------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        tok = self.engine.tokenizer
+        if tok is None:
+            return f"token_id:{token_id}"
+        return tok.decode([token_id], skip_special_tokens=False)
+
+    def completion_logprobs(self, lps: list, offset: int) -> P.CompletionLogprobs:
+        out = P.CompletionLogprobs()
+        for lp in lps:
+            t = self.token_text(lp.token_id)
+            out.tokens.append(t)
+            out.token_logprobs.append(float(lp.logprob))
+            out.top_logprobs.append({self.token_text(i): float(v) for i, v in lp.top})
+            out.text_offset.append(offset)
+            offset += len(t)
+        return out
+
+    def chat_logprobs(self, lps: list) -> P.ChatLogprobs:
+        content = []
+        for lp in lps:
+            t = self.token_text(lp.token_id)
+            tops = [P.TopLogprob(token=self.token_text(i), logprob=float(v),
+                                 bytes=list(self.token_text(i).encode())) for i, v in lp.top]
+            content.append(P.TokenLogprob(token=t, logprob=float(lp.logprob), bytes=list(t.encode()),
+                                          top_logprobs=tops))
+        return P.ChatLogprobs(content=content)
+
+    # ---- adapter paths -----------------------------------------------------------------------
+    def check_lora_path(self, raw: str) -> str:
+        if not raw or "\x00" in raw:
+            raise APIError(400, "lora_path must be a non-empty path", "lora_path")
+        if self.lora_root is None:
+            if not self.allow_any_lora_path:
+                raise APIError(403, "loading adapters at run time is disabled: start the server with "
+                                    "--lora-root DIR (adapters under DIR may be loaded) or "
+                                    "--allow-any-lora-path", "lora_path", "lora_path_forbidden")
+            return str(Path(raw).expanduser().resolve())
+        p = Path(raw)
+        if not p.is_absolute():
+            p = self.lora_root / p
+        resolved = p.resolve()  # follows symlinks and '..': the real place is what is checked
+        if resolved != self.lora_root and self.lora_root not in resolved.parents:
+            raise APIError(403, f"lora_path must lie inside the server's --lora-root; {raw!r} does not",
+                           "lora_path", "lora_path_forbidden")
+        return str(resolved)
