@@ -22,6 +22,7 @@ from multilora.config import LoRAConfig, ModelConfig, UnsupportedModelError
 from multilora.engine.batching import SeqChunk, build_batch, decode_first
 from multilora.engine.runner import jit_slot_writer
 from multilora.lora.adapter import load_adapter
+from multilora.lora.backend import kernels  # `native` needs a C++ compiler (built on first use)
 from multilora.lora.backend import get_backend
 from multilora.lora.batch import NO_ADAPTER
 from multilora.lora.pool import LoRASlots
@@ -32,7 +33,7 @@ from tests import reference
 
 FWD = jax.jit(forward, static_argnames=("cfg", "backend"))
 ATOL = 1e-4
-BACKENDS = ("bgmv", "sgmv", "dense", "native", "reference")
+BACKENDS = ("bgmv", "sgmv", "dense", "reference") + (("native",) if kernels.available() else ())
 KINDS = tuple(reference.TINY_CONFIGS)
 ADAPTERS = tuple(reference.ADAPTER_SPECS)  # in the main slots, adapter i lives in slot i + 1
 MAX_RANK = 16                              # the largest rank among ADAPTER_SPECS
