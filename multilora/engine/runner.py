@@ -204,14 +204,18 @@ class ModelRunner:
         return self._fwd.lower(self.weights, lora_w, self.kv, self._abstract(self._dummy_batch(t, x)),
                                cfg=self.cfg, backend=self.backend_for(t))
 
-    def _compiled_step(self, key):
-        fn = self._steps.get(key)
+    def _compiled(self, table: dict, lower, key, what: str):
+        """The compiled executable for key (compiled now, with a warning, after warm-up)."""
+        fn = table.get(key)
         if fn is None:
             if self.warm:
                 self.compiles_after_warmup += 1
-                log.warning("compiling step shape %s after warm-up (a missing bucket)", key)
-            fn = self._steps[key] = self._lower_step(key).compile()
+                log.warning("compiling %s shape %s after warm-up (a missing bucket)", what, key)
+            fn = table[key] = lower(key).compile()
         return fn
+
+    def _compiled_step(self, key):
+        return self._compiled(self._steps, self._lower_step, key, "step")
 
     def _lower_sampler(self, key):
         rows, mode, logprobs = key
@@ -222,14 +226,7 @@ class ModelRunner:
                                   mode=mode, logprobs=logprobs)
 
     def _compiled_sampler(self, rows: int, mode: str, logprobs: bool):
-        key = (rows, mode, logprobs)
-        fn = self._samplers.get(key)
-        if fn is None:
-            if self.warm:
-                self.compiles_after_warmup += 1
-                log.warning("compiling sampler shape %s after warm-up", key)
-            fn = self._samplers[key] = self._lower_sampler(key).compile()
-        return fn
+        return self._compiled(self._samplers, self._lower_sampler, (rows, mode, logprobs), "sampler")
 
     def _lower_processor(self, key):
         rows, hist = key
@@ -241,14 +238,7 @@ class ModelRunner:
         return self._process.lower(logits, *self._abstract(args))
 
     def _compiled_processor(self, rows: int, hist: int):
-        key = (rows, hist)
-        fn = self._processors.get(key)
-        if fn is None:
-            if self.warm:
-                self.compiles_after_warmup += 1
-                log.warning("compiling logits-processor shape %s after warm-up", key)
-            fn = self._processors[key] = self._lower_processor(key).compile()
-        return fn
+        return self._compiled(self._processors, self._lower_processor, (rows, hist), "logits-processor")
 
     def _processed(self, logits, rows: Sequence[SampleRow]):
         """Logits after each row's penalties and biases (rows without any pass unchanged)."""
