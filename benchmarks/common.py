@@ -52,10 +52,11 @@ def make_random_model(folder: Path, config: dict = SMOLLM2_135M, seed: int = 0) 
     return folder
 
 
-def make_random_adapters(model_dir: Path, root: Path, count: int, rank: int = 16,
+def make_random_adapters(model_dir: Path, root: Path, count: int, rank=16,
                          modules=tuple(ALL_MODULES)) -> list[Path]:
     """`count` PEFT adapter folders (rank `rank`, random A and B on every given projection), in
-    the exact layout PEFT's save_pretrained writes, so PEFT and multilora both load them."""
+    the exact layout PEFT's save_pretrained writes, so PEFT and multilora both load them. A
+    list of ranks is cycled: adapter i has rank[i % len(rank)]."""
     import numpy as np
     from safetensors.numpy import save_file
     c = json.loads((Path(model_dir) / "config.json").read_text())
@@ -65,9 +66,11 @@ def make_random_adapters(model_dir: Path, root: Path, count: int, rank: int = 16
             "v_proj": (d, c["num_key_value_heads"] * h), "o_proj": (c["num_attention_heads"] * h, d),
             "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
     paths = [root / f"adapter_{i:04d}" for i in range(count)]
+    ranks = [rank] if isinstance(rank, int) else list(rank)
     for i, p in enumerate(paths):
         if (p / "adapter_model.safetensors").is_file():
             continue
+        rank = ranks[i % len(ranks)]
         rng = np.random.default_rng(1000 + i)
         t = {}
         for layer in range(c["num_hidden_layers"]):

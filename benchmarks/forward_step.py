@@ -37,11 +37,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import SMOLLM2_135M, machine_info, save_json  # noqa: E402
-from multilora.config import LoRAConfig, ModelConfig  # noqa: E402
+from multilora.config import ModelConfig  # noqa: E402
 from multilora.engine.batching import SeqChunk, build_batch, pages_needed  # noqa: E402
-from multilora.lora.pool import init_lora_weights  # noqa: E402
-from multilora.model.sharding import make_mesh  # noqa: E402
-from multilora.model.llama import LayerWeights, Weights, forward, init_kv_cache  # noqa: E402
+from multilora.lora.pool import blocks_of, lora_feature_dims, slot_major_pool, slot_major_rows  # noqa: E402
+from multilora.model.llama import LayerWeights, LoRAWeights, Weights, forward, init_kv_cache  # noqa: E402
 
 
 def random_weights(cfg, seed=0):
@@ -58,14 +57,15 @@ def random_weights(cfg, seed=0):
 
 
 def random_lora(cfg, num_slots, rank, seed=1):
-    lw = init_lora_weights(cfg, LoRAConfig(max_loras_per_batch=num_slots - 1, max_lora_rank=rank),
-                           jnp.float32, make_mesh(1))
+    """Random adapters in slots 1..S-1, each at `rank`, as a pool read through slot_major_rows."""
     keys = iter(jax.random.split(jax.random.PRNGKey(seed), 32))
-
-    def fill(a):
-        r = 0.02 * jax.random.normal(next(keys), a.shape, a.dtype)
-        return r.at[:, 0].set(0.0)  # slot 0 stays zero
-    return jax.tree.map(fill, lw)
+    out = {}
+    for field, width in lora_feature_dims(cfg).items():
+        b = blocks_of(field)
+        w = 0.02 * jax.random.normal(next(keys), (cfg.num_layers, num_slots, b * rank, width), jnp.float32)
+        w = w.at[:, 0].set(0.0)  # slot 0 stays zero
+        out[field] = jax.vmap(lambda w, b=b: slot_major_pool(w, b))(w)
+    return LoRAWeights(**out)
 
 
 def workload_chunks(mode, n_seqs, ctx, page_size, num_adapters, rng, prompt=48, first_page=1):
@@ -162,7 +162,8 @@ def main(argv=None):
                                      be == "auto" and native_usable(jnp.float32, jax.devices()[:1]))
             lora_be = get_backend(backend.split(SWITCH)[0])
             cap = grouped_cap(t) if SWITCH in backend else None
-            prepare = lambda slot_T: lora_be.prepare_lora_batch(slot_T, scal, ranks, cap)  # noqa: E731
+            table = slot_major_rows(s, args.rank)
+            prepare = lambda slot_T: lora_be.prepare_lora_batch(slot_T, scal, ranks, table, cap)  # noqa: E731
         batch = build_batch(chunks, num_tokens=t, num_pages=x, num_logits=min(t, args.max_num_seqs),
                             page_size=page_size, prepare_lora=prepare)
         num_cache_pages = 1 + max(max(c.block_table) for c in chunks)

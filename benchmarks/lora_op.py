@@ -42,6 +42,7 @@ from benchmarks.common import machine_info, save_json  # noqa: E402
 from multilora.config import NO_ADAPTER  # noqa: E402
 from multilora.lora import backend as backends  # noqa: E402
 from multilora.lora.batch import make_lora_batch_info  # noqa: E402
+from multilora.lora.pool import slot_major_pool, slot_major_rows  # noqa: E402
 
 DEFAULT_OPS = ("bgmv", "sgmv", "onehot")
 ANCHOR = "onehot"  # sglang-jax's einsum; every other op is a multilora backend by name
@@ -109,10 +110,12 @@ def make_case(dim: int, num_tokens: int, num_adapters: int, rank: int, inner: in
     ranks = np.full((num_slots,), rank, np.int32)
     ranks[NO_ADAPTER] = 0
     slot_T = slot_assignment(num_tokens, num_adapters, seed)
-    info = make_lora_batch_info(slot_T, scalings, ranks)  # host, once per batch
+    # host, once per batch; the backends read the slots as the engine's pool of rank rows
+    info = make_lora_batch_info(slot_T, scalings, ranks, slot_major_rows(num_slots, rank))
     info_K = jax.tree.map(lambda v: np.stack([v] * inner), info)
     dev = jax.device_put  # everything on the device before timing
-    return dict(x=dev(x), w=dev(w), a=dev(a), b=dev(b), info=dev(info_K)), len(set(slot_T.tolist()))
+    return dict(x=dev(x), w=dev(w), a=dev(a), b=dev(b), a_pool=dev(slot_major_pool(a)),
+                b_pool=dev(slot_major_pool(b)), info=dev(info_K)), len(set(slot_T.tolist()))
 
 
 def check_agreement(outs: dict[str, np.ndarray]) -> float:
@@ -191,9 +194,10 @@ def run(args) -> list[dict]:
             for num_adapters in args.adapters:
                 c, distinct = make_case(dim, num_tokens, num_adapters, args.rank, inner, args.seed)
                 lora_args = (c["x"], c["a"], c["b"], c["info"])
+                pool_args = (c["x"], c["a_pool"], c["b_pool"], c["info"])
                 variants = {"base": (jitted["base"], (c["x"], c["w"], c["b"], c["info"])),
                             "floor": (jitted["floor"], lora_args)}
-                variants.update({op: (jitted[op], lora_args) for op in ops})
+                variants.update({op: (jitted[op], lora_args if op == ANCHOR else pool_args) for op in ops})
                 t0 = time.perf_counter()
                 res, outs = measure(variants, args.repeats, args.budget_s, args.skip_s, args.min_reps)
                 for r in res.values():  # per op application

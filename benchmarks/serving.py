@@ -57,13 +57,14 @@ def model_dir() -> Path:
     return Path(default_model_dir())
 
 
-def ensure_adapters(model: Path, root: Path, k: int, rank: int = 16, modules=None) -> list[Path]:
+def ensure_adapters(model: Path, root: Path, k: int, rank=16, modules=None) -> list[Path]:
     """The first k adapters of the pool, made lazily (about 20 MB each at rank 16 on all seven
-    projections) and reused across runs."""
+    projections) and reused across runs; a list of ranks is cycled over the pool."""
     from benchmarks.common import ALL_MODULES
     modules = tuple(modules or ALL_MODULES)
     have = sum((root / f"adapter_{i:04d}" / "adapter_model.safetensors").is_file() for i in range(k))
-    need_gb = (k - have) * ADAPTER_MB * rank / 16 * len(modules) / len(ALL_MODULES) / 1024
+    mean_rank = rank if isinstance(rank, int) else sum(rank) / len(rank)
+    need_gb = (k - have) * ADAPTER_MB * mean_rank / 16 * len(modules) / len(ALL_MODULES) / 1024
     if need_gb > 0:
         root.mkdir(parents=True, exist_ok=True)
         free_gb = shutil.disk_usage(root).free / 2**30
@@ -265,6 +266,7 @@ def run_engine(model, adapters, prompts, names, new_tokens, mlpb, mll, dtype, ba
     import jax
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.runner.weights))
     res = dict(system=system, adapters=len(adapters), slots=eng.lora_cfg.max_loras_per_batch if eng.slots else 0,
+               pool_rows=getattr(eng.lora_cfg, "pool_rows", None), max_lora_rank=eng.lora_cfg.max_lora_rank,
                max_loaded_loras=mll,
                dtype=dtype, backend=backend, tokens=toks, seconds=secs, tok_per_s=toks / secs,
                init_s=init_s, stats=stats, weight_bytes=weight_bytes,
@@ -773,6 +775,8 @@ def main(argv=None):
     ap.add_argument("--bf16-probe", action="store_true")
     ap.add_argument("--_bf16-child", dest="bf16_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--adapter-rank", type=int, default=16, help="rank of the random adapters")
+    ap.add_argument("--adapter-ranks", type=int, nargs="+", default=None,
+                    help="mixed ranks instead, cycled over the pool (adapter i: ranks[i %% n])")
     ap.add_argument("--adapter-modules", nargs="+", default=None,
                     help="projections the adapters target (default: all seven); 4096 rank-16 adapters on all "
                          "seven are 80 GB of disk, rank 4 on q_proj v_proj 3.6 GB")
@@ -802,11 +806,13 @@ def main(argv=None):
 
     model = model_dir()
     cfg = json.loads((model / "config.json").read_text())
+    rank = args.adapter_ranks or args.adapter_rank
+    rank_tag = f"r{rank}" if isinstance(rank, int) else "mixed-" + "-".join(map(str, rank))
     adapter_dir = Path(args.adapter_dir) if args.adapter_dir else (
-        CACHE / (f"serving-adapters-r{args.adapter_rank}" + ("" if args.adapter_modules is None
-                                                             else "-" + "-".join(args.adapter_modules))))
+        CACHE / (f"serving-adapters-{rank_tag}" + ("" if args.adapter_modules is None
+                                                   else "-" + "-".join(args.adapter_modules))))
     adapters = ensure_adapters(model, adapter_dir, max(args.adapters + [args.profile or 0]),
-                               args.adapter_rank, args.adapter_modules)
+                               rank, args.adapter_modules)
     adapter_bytes = (Path(adapters[0]) / "adapter_model.safetensors").stat().st_size if adapters else 0
     kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * \
         (4 if args.dtype == "float32" else 2)

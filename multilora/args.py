@@ -20,10 +20,12 @@ def parse_lora_modules(items) -> dict[str, str]:
 
 
 _HELP = {
-    "max_loras_per_batch": "device slots for adapters, i.e. distinct adapters in one batch (0 disables "
-                           "LoRA; default: as many as --lora-memory-gb holds, at most --max-num-seqs)",
-    "max_lora_rank": "largest adapter rank served (default: the largest rank among --lora-modules, at least 16)",
-    "lora_memory_gb": "device memory for adapter slots (default: 2 GB on CPU, 5%% of an accelerator's memory)",
+    "max_loras_per_batch": "adapter slots: distinct adapters resident, and so in one batch, at once (0 "
+                           "disables LoRA; default: --max-num-seqs)",
+    "max_lora_rank": "largest adapter rank served (default: the largest rank among --lora-modules, at least 16); "
+                     "adapters take their own rank's memory, not this",
+    "lora_memory_gb": "device memory for the adapter pool, where each adapter takes rows for its true rank "
+                      "(default: 2 GB on CPU, 5%% of an accelerator's memory)",
     "max_loaded_loras": "host copies of adapters kept in memory, LRU (default: bounded by --lora-host-memory-gb only)",
     "lora_host_memory_gb": "host memory for adapter copies, LRU (an evicted adapter is read again from its folder)",
     "lora_backend": "LoRA kernel: auto picks by step shape",

@@ -183,16 +183,27 @@ def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
-    """Device-side LoRA limits: how many adapters one batch may use and the padded rank."""
+    """Device-side LoRA limits: how many adapters one batch may use, the widest rank accepted,
+    and the pool's rank rows (multilora.lora.pool): each adapter takes as many as its rank."""
 
     max_loras_per_batch: int = 8
     max_lora_rank: int = 64
+    pool_rows: Optional[int] = None  # rank rows for adapters; None: every slot at max_lora_rank
     target_modules: tuple[str, ...] = LORA_MODULES
 
     @property
     def num_slots(self) -> int:
         """Slot 0 is "no adapter" (all zeros), so there is one more slot than adapters."""
         return self.max_loras_per_batch + 1
+
+    @property
+    def adapter_rows(self) -> int:
+        return self.max_loras_per_batch * self.max_lora_rank if self.pool_rows is None else self.pool_rows
+
+    @property
+    def num_rows(self) -> int:
+        """Row 0 is all zeros (what table entries past a rank read), so one more row."""
+        return self.adapter_rows + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,9 +213,9 @@ class EngineConfig:
     None means "derived": see the field comments."""
 
     # adapters
-    max_loras_per_batch: Optional[int] = None  # device slots (0: LoRA disabled); None: from memory
+    max_loras_per_batch: Optional[int] = None  # adapter slots (0: LoRA disabled); None: max_num_seqs
     max_lora_rank: Optional[int] = None   # None: the largest rank given at start, at least 16
-    lora_memory_gb: Optional[float] = None  # device memory for the slots; None: 2 GB (CPU) or 5 %
+    lora_memory_gb: Optional[float] = None  # device memory for the pool's rank rows; None: 2 GB (CPU) or 5 %
     max_loaded_loras: Optional[int] = None  # host copies kept (LRU); None: bounded by memory only
     lora_host_memory_gb: float = 4.0      # host copies kept (LRU) within this many GB
     lora_backend: str = "auto"
@@ -258,22 +269,22 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-def lora_slot_count(max_loras_per_batch: Optional[int], memory_given: bool, memory_bytes: int,
-                    slot_bytes: int, max_num_seqs: int) -> int:
-    """Device slots for adapters. Given alone, max_loras_per_batch is the count (0 disables
-    LoRA); with a memory budget too, it caps what the budget holds. Neither given: as many slots
-    as the budget holds, but no more than max_num_seqs (a batch never has more distinct adapters
-    than sequences; slots beyond would only cache adapters that no step can use at once)."""
-    by_memory = memory_bytes // max(slot_bytes, 1)
-    if max_loras_per_batch is not None:
-        if memory_given and 0 < by_memory < max_loras_per_batch:
-            return int(by_memory)
-        if memory_given and by_memory < 1 and max_loras_per_batch:
-            raise ValueError(f"lora_memory_gb={memory_bytes / 2**30:g} cannot hold one adapter slot "
-                             f"({slot_bytes / 2**20:.1f} MB at max_lora_rank)")
-        return max_loras_per_batch
-    if by_memory < 1:
-        raise ValueError(f"lora_memory_gb={memory_bytes / 2**30:g} cannot hold one adapter slot "
-                         f"({slot_bytes / 2**20:.1f} MB at max_lora_rank); raise it, lower max_lora_rank, "
-                         "or disable LoRA with max_loras_per_batch=0")
-    return int(min(by_memory, max_num_seqs))
+def lora_pool_size(max_loras_per_batch: Optional[int], memory_given: bool, memory_bytes: int,
+                   row_bytes: int, max_rank: int, max_num_seqs: int) -> tuple[int, int]:
+    """(adapter slots, rank rows) of the device pool. Slots: max_loras_per_batch if given (0
+    disables LoRA), else max_num_seqs (a batch never has more distinct adapters than sequences).
+    Rows: as many as the memory budget holds (an adapter of rank r takes r), but no more than
+    every slot at max_rank, which is also what a count given alone gets. The budget must hold
+    one adapter of max_rank."""
+    if max_loras_per_batch == 0:
+        return 0, 0
+    slots = max_num_seqs if max_loras_per_batch is None else max_loras_per_batch
+    full = slots * max_rank
+    if max_loras_per_batch is not None and not memory_given:
+        return slots, full
+    rows = min(memory_bytes // max(row_bytes, 1), full)
+    if rows < max_rank:
+        raise ValueError(f"lora_memory_gb={memory_bytes / 2**30:g} cannot hold one adapter of rank "
+                         f"max_lora_rank={max_rank} ({max_rank * row_bytes / 2**20:.1f} MB); raise it, lower "
+                         "max_lora_rank, or disable LoRA with max_loras_per_batch=0")
+    return min(slots, rows), int(rows)

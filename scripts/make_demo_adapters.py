@@ -264,22 +264,27 @@ def slot_fields(cfg, p):
         return jnp.swapaxes(p[m][1], 1, 2) if m in p else jnp.zeros((L, R, shapes[m][1]), jnp.float32)
 
     return dict(
-        qkv_a_LSRD=jnp.concatenate([a("q_proj"), a("k_proj"), a("v_proj")], axis=1),
-        q_b_LSRO=b("q_proj"), k_b_LSRO=b("k_proj"), v_b_LSRO=b("v_proj"),
-        o_a_LSRO=a("o_proj"), o_b_LSRD=b("o_proj"),
-        gate_up_a_LSRD=jnp.concatenate([a("gate_proj"), a("up_proj")], axis=1),
-        gate_b_LSRF=b("gate_proj"), up_b_LSRF=b("up_proj"),
-        down_a_LSRF=a("down_proj"), down_b_LSRD=b("down_proj"),
+        qkv_a_LUD=jnp.concatenate([a("q_proj"), a("k_proj"), a("v_proj")], axis=1),
+        q_b_LUO=b("q_proj"), k_b_LUO=b("k_proj"), v_b_LUO=b("v_proj"),
+        o_a_LUO=a("o_proj"), o_b_LUD=b("o_proj"),
+        gate_up_a_LUD=jnp.concatenate([a("gate_proj"), a("up_proj")], axis=1),
+        gate_b_LUF=b("gate_proj"), up_b_LUF=b("up_proj"),
+        down_a_LUF=a("down_proj"), down_b_LUD=b("down_proj"),
     )
 
 
 def lora_weights(cfg, params: dict):
-    """Slots [0: none, 1: shout, 2: signoff] stacked along axis 1."""
+    """Slots [0: none, 1: shout, 2: signoff] as the engine's pool of rank rows, read through
+    slot_major_rows (multilora.lora.pool)."""
+    import jax
     import jax.numpy as jnp
+    from multilora.lora.pool import blocks_of, slot_major_pool
     from multilora.model.llama import LoRAWeights
     per_slot = [slot_fields(cfg, params[n]) for n in ADAPTERS]
-    return LoRAWeights(**{k: jnp.stack([jnp.zeros_like(per_slot[0][k])] + [s[k] for s in per_slot], axis=1)
-                          for k in per_slot[0]})
+    return LoRAWeights(**{
+        k: jax.vmap(lambda w, k=k: slot_major_pool(w, blocks_of(k)))(
+            jnp.stack([jnp.zeros_like(per_slot[0][k])] + [s[k] for s in per_slot], axis=1))
+        for k in per_slot[0]})
 
 
 def save_adapter(folder: Path, p: dict, first_layer: int) -> int:
@@ -396,9 +401,11 @@ def pack_step(examples: list[Example], states: list[np.ndarray], tokens: int, se
     scalings = np.array([0.0] + [ALPHA / RANK] * len(ADAPTERS), np.float32)
     ranks = np.array([0] + [RANK] * len(ADAPTERS), np.int32)
     from multilora.lora.batch import make_lora_batch_info
+    from multilora.lora.pool import slot_major_rows
+    table = slot_major_rows(len(ADAPTERS) + 1, RANK)
     batch = build_batch(chunks, num_tokens=tokens, num_pages=tokens // PAGE_SIZE + seqs,
                         num_logits=seqs, page_size=PAGE_SIZE,
-                        prepare_lora=lambda slot_T: make_lora_batch_info(slot_T, scalings, ranks))
+                        prepare_lora=lambda slot_T: make_lora_batch_info(slot_T, scalings, ranks, table))
     batch = dataclasses.replace(batch, logits_idx_Q=np.array(idx + [0] * pad, np.int32))
     return (h_TD, batch, np.array(tgt + [0] * pad, np.int32),
             np.array([1.0] * q + [0.0] * pad, np.float32), np.array(ada + [0] * pad, np.int32))

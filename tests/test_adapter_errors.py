@@ -192,8 +192,8 @@ def test_failed_loads_leave_device_slots_intact(tmp_path, tiny_models, tiny_adap
     cfg, weights = load_weights(tiny_models["llama"], mesh=mesh)
     slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=2, max_lora_rank=8), jnp.float32, mesh,
                       jit_writer=jit_slot_writer)
-    slots.load(1, load_adapter("a", tiny_adapters[GOOD], cfg, 8))
-    slots.load(2, load_adapter("d", tiny_adapters[("llama", "d_regex_patterns")], cfg, 8))
+    slots.load(1, [1, 2, 3, 4, 5, 6, 7, 8], load_adapter("a", tiny_adapters[GOOD], cfg, 8))
+    slots.load(2, [16, 15, 14, 13, 12, 11, 10, 9], load_adapter("d", tiny_adapters[("llama", "d_regex_patterns")], cfg, 8))
 
     rng = np.random.default_rng(5)
     chunks = [SeqChunk(rng.integers(0, 256, n).tolist(), 0, pages, slot)
@@ -204,7 +204,7 @@ def test_failed_loads_leave_device_slots_intact(tmp_path, tiny_models, tiny_adap
         be = get_backend("bgmv")
         batch = build_batch(chunks, num_tokens=32, num_pages=8, num_logits=4, page_size=4,
                             prepare_lora=lambda slot_T: be.prepare_lora_batch(slot_T, slots.scalings_S,
-                                                                              slots.ranks_S),
+                                                                              slots.ranks_S, slots.rows_SR),
                             all_logits=True)
         logits, _ = fwd(weights, slots.weights, init_kv_cache(cfg, 12, 4, jnp.float32), batch, cfg=cfg,
                         backend="bgmv")
@@ -212,7 +212,7 @@ def test_failed_loads_leave_device_slots_intact(tmp_path, tiny_models, tiny_adap
 
     before = run()
     bufs = {k: np.asarray(v).copy() for k, v in vars(slots.weights).items()}
-    meta = (slots.scalings_S.copy(), slots.ranks_S.copy())
+    meta = (slots.scalings_S.copy(), slots.ranks_S.copy(), slots.rows_SR.copy())
 
     for case in CASES:
         folder, max_rank = _build(case, tmp_path, tiny_adapters)
@@ -221,12 +221,13 @@ def test_failed_loads_leave_device_slots_intact(tmp_path, tiny_models, tiny_adap
     # A valid adapter that does not fit the slots (rank 16 > 8) is refused by the pool itself.
     big = load_adapter("c", tiny_adapters[("llama", "c_mlp_r16")], cfg, 64)
     with pytest.raises(ValueError, match="max_lora_rank"):
-        slots.load(1, big)
+        slots.load(1, list(range(1, 17)), big)
 
     for k, v in vars(slots.weights).items():
         np.testing.assert_array_equal(np.asarray(v), bufs[k], err_msg=k)
     np.testing.assert_array_equal(slots.scalings_S, meta[0])
     np.testing.assert_array_equal(slots.ranks_S, meta[1])
+    np.testing.assert_array_equal(slots.rows_SR, meta[2])
     np.testing.assert_array_equal(run(), before)
 
 

@@ -1,8 +1,11 @@
 """LoRA backends against a plain numpy per-token loop, on random shapes and slot mixes.
 
 The loop is the definition: for token t in slot s != 0, y_t = ((x_t @ A[s].T) * scaling[s]) @ B[s].T;
-tokens in slot 0 (no adapter) get exactly zero. Buffers are zero past each slot's rank, as
-LoRASlots lays them out. A separate test writes junk into slot 0: base rows must never read it.
+tokens in slot 0 (no adapter) get exactly zero. The definition reads slot-major arrays (S, R, X),
+zero past each slot's rank; the backends read them as LoRASlots lays them out: a pool of rank
+rows, each slot's rows scattered through it in random order (the row table), row 0 zero, and
+rows that no slot names holding NaN (one read would show). A separate test points slot 0 at
+junk rows: base rows must never read them.
 """
 
 from __future__ import annotations
@@ -107,6 +110,39 @@ def make_scalings(rng, s):
     return sc
 
 
+def make_rows(rng, ranks, r, spare=3):
+    """A row table (S, R): each slot's rank rows at distinct random rows of a pool of
+    1 + sum(ranks) + spare rows; entries past a rank name row 0. Returns (rows_SR, U)."""
+    u = 1 + int(ranks.sum()) + spare
+    free = list(rng.permutation(np.arange(1, u)))
+    rows = np.zeros((len(ranks), r), np.int32)
+    for i, k in enumerate(ranks):
+        rows[i, :k] = [free.pop() for _ in range(k)]
+    return rows, u
+
+
+def page(w_SRX, rows_SR, u, blocks=1, fill=np.nan):
+    """Slot-major (S, blocks*R, X) -> a pool (blocks*U, X) laid out by the row table: row 0 of
+    each block zero, rows no slot names `fill`."""
+    s, br, x = w_SRX.shape
+    r = br // blocks
+    pool = np.full((blocks * u, x), fill, np.float32)
+    for j in range(blocks):
+        pool[j * u] = 0.0
+        for i in range(s):
+            for k in range(r):
+                if rows_SR[i, k] != 0:
+                    pool[j * u + rows_SR[i, k]] = w_SRX[i, j * r + k]
+    return pool
+
+
+def paged_inputs(rows_SR, u, a, b, qkv_a, qkv_b, gu_a, gu_b):
+    """The slot-major weights of one test case as the backends take them (pools)."""
+    return (page(a, rows_SR, u), page(b, rows_SR, u), page(qkv_a, rows_SR, u, 3),
+            tuple(page(w, rows_SR, u) for w in qkv_b), page(gu_a, rows_SR, u, 2),
+            tuple(page(w, rows_SR, u) for w in gu_b))
+
+
 def assert_close(got, want, what):
     got = np.asarray(got)
     assert got.shape == want.shape, (what, got.shape, want.shape)
@@ -143,7 +179,8 @@ def test_backend_matches_numpy(backend, shape, pattern):
         assert set(slot_T.tolist()) == set(range(s))
     ranks = make_ranks(rng, s, r)
     scalings = make_scalings(rng, s)
-    info = make_lora_batch_info(slot_T, scalings, ranks)
+    rows_SR, u = make_rows(rng, ranks, r)
+    info = make_lora_batch_info(slot_T, scalings, ranks, rows_SR)
     x = rng.standard_normal((t, d)).astype(np.float32)
     a = make_a(rng, s, r, d, ranks)
     b = make_b(rng, s, o, r, ranks)
@@ -155,7 +192,8 @@ def test_backend_matches_numpy(backend, shape, pattern):
     gu_a = make_a(rng, s, r, d, ranks, blocks=2)
     gu_b = (make_b(rng, s, o, r, ranks), make_b(rng, s, o, r, ranks))
 
-    got = ALL_OPS[backend](x, a, b, h_in, base, qkv_a, qkv_b, gu_a, gu_b, info)
+    pa, pb, pqkv_a, pqkv_b, pgu_a, pgu_b = paged_inputs(rows_SR, u, a, b, qkv_a, qkv_b, gu_a, gu_b)
+    got = ALL_OPS[backend](x, pa, pb, h_in, base, pqkv_a, pqkv_b, pgu_a, pgu_b, info)
     what = f"{backend} T={t} D={d} O={o} S={s} R={r} {pattern} slots={slot_T.tolist()[:16]}"
     assert_close(got["shrink"], np_shrink(x, a, scalings, slot_T), f"run_lora_a_gemm {what}")
     assert_close(got["lora"], np_lora(x, a, b, scalings, slot_T), f"shrink then expand {what}")
@@ -177,7 +215,8 @@ def test_shapes_cover_sgmv_tiles():
     from multilora.lora.backend.sgmv import LOOP_MIN_WIDTH, _use_loop
     loop_shapes = [(t, d, s) for t, d, _, s, _ in SHAPES if d >= LOOP_MIN_WIDTH]
     assert any(_use_loop(make_lora_batch_info(np.zeros(t, np.int32), np.ones(s, np.float32),
-                                              np.ones(s, np.int32)), t, d) for t, d, s in loop_shapes)
+                                              np.ones(s, np.int32), np.zeros((s, 4), np.int32)), t, d)
+               for t, d, s in loop_shapes)
 
 
 # --- slot range ------------------------------------------------------------------------------
@@ -188,23 +227,31 @@ def test_make_lora_batch_info_rejects_out_of_range_slots(bad):
     scalings, ranks = np.ones(s, np.float32), np.full(s, 4, np.int32)
     slot_T = np.array([0, 1, bad, 2], np.int32)
     with pytest.raises(ValueError, match="out of range"):
-        make_lora_batch_info(slot_T, scalings, ranks)
+        make_lora_batch_info(slot_T, scalings, ranks, np.zeros((s, 4), np.int32))
 
 
 def test_make_lora_batch_info_accepts_edge_slots():
     s = 5
-    info = make_lora_batch_info(np.array([0, s - 1, 0, 1]), np.ones(s, np.float32), np.ones(s, np.int32))
+    info = make_lora_batch_info(np.array([0, s - 1, 0, 1]), np.ones(s, np.float32), np.ones(s, np.int32),
+                                np.zeros((s, 4), np.int32))
     assert np.asarray(info.slot_T).tolist() == [0, s - 1, 0, 1]
+
+
+def test_make_lora_batch_info_rejects_a_row_table_for_other_slots():
+    s = 5
+    with pytest.raises(ValueError, match=r"rows_SR must be \(slots, max_rank\)"):
+        make_lora_batch_info(np.zeros(3, np.int32), np.ones(s, np.float32), np.ones(s, np.int32),
+                             np.zeros((s + 1, 4), np.int32))
 
 
 # --- slot 0 is never read --------------------------------------------------------------------
 
 JUNK_CASES = {
-    # junk buffers; slot 0's scaling left at 0 as LoRASlots keeps it
+    # slot 0's table names rows of junk (a rank too); its scaling left at 0 as LoRASlots keeps it
     "junk_buffers": dict(scale0=0.0, nonfinite=False),
-    # junk buffers and a junk scaling for slot 0
+    # junk rows and a junk scaling for slot 0
     "junk_buffers_and_scaling": dict(scale0=3.0, nonfinite=False),
-    # NaN/Inf in slot 0: only a backend that never touches slot 0 for base rows stays clean
+    # NaN/Inf in slot 0's rows: only a backend that never touches slot 0 for base rows stays clean
     "nonfinite_buffers": dict(scale0=0.0, nonfinite=True),
 }
 
@@ -233,15 +280,18 @@ def test_base_rows_never_read_slot_0(backend, case):
                 qkv=np_stacked(x, qkv_a, qkv_b, scalings, slot_T),
                 gate_up=np_stacked(x, gu_a, gu_b, scalings, slot_T))
 
-    # Now fill slot 0 with junk; the expected outputs above are unchanged.
+    # Now give slot 0 a rank and rows of junk; the expected outputs above are unchanged.
     scalings[NO_ADAPTER] = scale0
+    ranks[NO_ADAPTER] = r
+    rows_SR, u = make_rows(rng, ranks, r, spare=0)
     for arr in (a, b, qkv_a, *qkv_b, gu_a, *gu_b):
         arr[NO_ADAPTER] = rng.uniform(5.0, 10.0, arr.shape[1:])
         if nonfinite:
             arr[NO_ADAPTER].flat[::3] = np.nan
             arr[NO_ADAPTER].flat[1::3] = np.inf
-    info = make_lora_batch_info(slot_T, scalings, ranks)
-    got = ALL_OPS[backend](x, a, b, h_in, base, qkv_a, qkv_b, gu_a, gu_b, info)
+    info = make_lora_batch_info(slot_T, scalings, ranks, rows_SR)
+    pools = paged_inputs(rows_SR, u, a, b, qkv_a, qkv_b, gu_a, gu_b)
+    got = ALL_OPS[backend](x, *pools[:2], h_in, base, *pools[2:], info)
     base_rows = slot_T == NO_ADAPTER
     for op in ("shrink", "lora", "expand", "qkv", "gate_up"):
         outs = got[op] if isinstance(got[op], tuple) else (got[op],)
@@ -280,19 +330,21 @@ def test_tiles_sized_for_a_steps_few_adapters_and_the_per_token_fallback():
     ranks, scalings = make_ranks(rng, s, r), make_scalings(rng, s)
     x = rng.standard_normal((t, d)).astype(np.float32)
     a, b = make_a(rng, s, r, d, ranks), make_b(rng, s, o, r, ranks)
+    rows_SR, u = make_rows(rng, ranks, r)
+    pa, pb = page(a, rows_SR, u), page(b, rows_SR, u)
     few = rng.choice([0, 5, 17, 64], size=t).astype(np.int32)          # 3 adapters and base rows
     many = rng.integers(0, s, size=t).astype(np.int32)                  # ~40 adapters
     for slot_T, mode, name in ((few, GROUPED, "sgmv"), (many, PER_TOKEN, "bgmv")):
-        info = make_lora_batch_info(slot_T, scalings, ranks, max_grouped=8)
+        info = make_lora_batch_info(slot_T, scalings, ranks, rows_SR, max_grouped=8)
         assert int(info.mode) == mode
         assert info.tile_slot_G.shape[0] == sgmv_num_tiles(t, 9)        # sized for 8 adapters, not 64
         if mode == PER_TOKEN:
             assert (info.tile_slot_G == NO_ADAPTER).all()
         be = get_backend(name)
-        got = jax.jit(lambda x, a, b, info: be.run_lora_b_gemm(be.run_lora_a_gemm(x, a, info), b, info))(x, a, b, info)
+        got = jax.jit(lambda x, a, b, info: be.run_lora_b_gemm(be.run_lora_a_gemm(x, a, info), b, info))(x, pa, pb, info)
         assert_close(np.asarray(got), np_lora(x, a, b, scalings, slot_T), f"{name} mode {mode}")
-    assert int(make_lora_batch_info(np.zeros(t, np.int32), scalings, ranks, max_grouped=8).mode) == NO_LORA
-    assert int(make_lora_batch_info(few, scalings, ranks).mode) == GROUPED  # no cap: tiles for every slot
+    assert int(make_lora_batch_info(np.zeros(t, np.int32), scalings, ranks, rows_SR, max_grouped=8).mode) == NO_LORA
+    assert int(make_lora_batch_info(few, scalings, ranks, rows_SR).mode) == GROUPED  # no cap: every slot
 
 
 # --- multilora's CPU kernels (native) ----------------------------------------------------------
@@ -305,9 +357,10 @@ def _native():
 
 
 def test_native_reads_the_pool_in_place_at_the_layer_and_stops_at_each_true_rank():
-    """The kernel indexes a whole (L, S, R, X) pool at a traced layer (what forward hands it),
-    matches the numpy definition for that layer's slices, and never reads a row past a slot's
-    rank: those rows hold NaN here, so one read would show."""
+    """The kernel indexes a whole (L, blocks * U, X) pool at a traced layer (what forward hands
+    it), finds each slot's rows through the row table, matches the numpy definition for that
+    layer, and never reads a row that no slot names, nor a slot's rows past its rank: the pool's
+    spare rows hold NaN, and slot 0 (the base rows) names rows of NaN with a full rank."""
     from multilora.lora.backend.native import PoolLayer
     be = _native()
     rng = np.random.default_rng(11)
@@ -315,24 +368,22 @@ def test_native_reads_the_pool_in_place_at_the_layer_and_stops_at_each_true_rank
     ranks, scalings = make_ranks(rng, s, r), make_scalings(rng, s)
     slot_T = make_slots(rng, "random", t, s)
     x = rng.standard_normal((t, d)).astype(np.float32)
-    a_L = np.stack([make_a(rng, s, r, d, ranks, blocks) for _ in range(L)])
-    bs_L = [np.stack([make_b(rng, s, o + 8 * i, r, ranks) for _ in range(L)]) for i in range(blocks)]
+    a_L = [make_a(rng, s, r, d, ranks, blocks) for _ in range(L)]
+    bs_L = [[make_b(rng, s, o + 8 * i, r, ranks) for _ in range(L)] for i in range(blocks)]
     want = {layer: np_stacked(x, a_L[layer], [b[layer] for b in bs_L], scalings, slot_T) for layer in range(L)}
-    for arr in (a_L, *bs_L):  # poison the padding past each slot's rank, and the base slot
-        for i in range(s):
-            if arr is a_L:
-                for blk in range(blocks):
-                    arr[:, i, blk * r + ranks[i]:(blk + 1) * r] = np.nan
-            else:
-                arr[:, i, ranks[i]:] = np.nan
-        arr[:, NO_ADAPTER] = np.nan
-    info = make_lora_batch_info(slot_T, scalings, ranks)
+    ranks[NO_ADAPTER] = r  # the base slot names rows of NaN: never read for base rows
+    for arr in (*a_L, *(b for bl in bs_L for b in bl)):
+        arr[NO_ADAPTER] = np.nan
+    rows_SR, u = make_rows(rng, ranks, r, spare=5)
+    a_pool = np.stack([page(a, rows_SR, u, blocks) for a in a_L])
+    b_pools = [np.stack([page(b, rows_SR, u) for b in bl]) for bl in bs_L]
+    info = make_lora_batch_info(slot_T, scalings, ranks, rows_SR)
     run = jax.jit(lambda x, a, bs, layer, info: be.run_qkv_lora(
         x, PoolLayer(a, layer), tuple(PoolLayer(b, layer) for b in bs), info))
     for layer in range(L):
-        got = run(x, a_L, bs_L, np.int32(layer), info)
+        got = run(x, a_pool, b_pools, np.int32(layer), info)
         for i, (g, w) in enumerate(zip(got, want[layer])):
-            assert np.isfinite(np.asarray(g)).all(), f"layer {layer} block {i} read padding or slot 0"
+            assert np.isfinite(np.asarray(g)).all(), f"layer {layer} block {i} read a spare row or slot 0"
             assert_close(g, w, f"native layer {layer} block {i}")
 
 

@@ -1,34 +1,46 @@
-"""How many device slots an engine gets (multilora.config.lora_slot_count): sized by a
-memory budget unless a count is given; plain arithmetic, no jax."""
+"""How big an engine's adapter pool is (multilora.config.lora_pool_size): slots (adapters in a
+batch) and rank rows (each adapter takes as many as its rank), sized by a memory budget unless a
+count is given; plain arithmetic, no jax."""
 
 from __future__ import annotations
 
 import pytest
 
-from multilora.config import EngineConfig, lora_slot_count
+from multilora.config import EngineConfig, LoRAConfig, lora_pool_size
 
 MB = 2**20
 GB = 2**30
+ROW = int(1.25 * MB)  # one rank row of SmolLM2-135M at float32, roughly
 
 
-def test_by_memory_capped_at_max_num_seqs():
-    assert lora_slot_count(None, False, 2 * GB, 20 * MB, 64) == 64      # 102 fit, 64 sequences
-    assert lora_slot_count(None, False, 2 * GB, 80 * MB, 64) == 25      # rank 64: 25 fit
-    assert lora_slot_count(None, True, 1 * GB, 20 * MB, 256) == 51
+def test_by_memory_rows_at_true_rank_and_slots_up_to_max_num_seqs():
+    # 2 GB hold 1638 rows; 64 slots at rank 16 need only 1024: the rows stop there.
+    assert lora_pool_size(None, False, 2 * GB, ROW, 16, 64) == (64, 1024)
+    # max rank 128: 64 slots would need 8192 rows, the budget holds 1638 (12 rank-128 adapters,
+    # or 64 of rank 16: the slots are not padded to the max).
+    assert lora_pool_size(None, False, 2 * GB, ROW, 128, 64) == (64, 1638)
+    assert lora_pool_size(None, True, 1 * GB, ROW, 64, 256) == (256, 819)
 
 
-def test_a_given_count_is_kept_and_a_given_budget_caps_it():
-    assert lora_slot_count(8, False, 2 * GB, 80 * MB, 64) == 8
-    assert lora_slot_count(200, False, 2 * GB, 80 * MB, 64) == 200     # the count alone is obeyed
-    assert lora_slot_count(200, True, 2 * GB, 80 * MB, 64) == 25       # both: the budget caps it
-    assert lora_slot_count(0, True, 2 * GB, 80 * MB, 64) == 0          # 0 still disables LoRA
+def test_a_given_count_is_kept_and_a_given_budget_bounds_its_rows():
+    assert lora_pool_size(8, False, 2 * GB, ROW, 64, 64) == (8, 512)        # alone: every slot at max rank
+    assert lora_pool_size(200, False, 2 * GB, ROW, 64, 64) == (200, 12800)  # the count alone is obeyed
+    assert lora_pool_size(200, True, 2 * GB, ROW, 64, 64) == (200, 1638)    # both: the budget bounds the rows
+    assert lora_pool_size(0, True, 2 * GB, ROW, 64, 64) == (0, 0)           # 0 still disables LoRA
+    assert lora_pool_size(100, True, int(0.1 * GB), ROW, 64, 64) == (81, 81)  # never more slots than rows
 
 
-def test_a_budget_below_one_slot_is_refused_with_the_numbers():
-    with pytest.raises(ValueError, match=r"lora_memory_gb=0\.01 cannot hold one adapter slot \(80\.0 MB"):
-        lora_slot_count(None, True, int(0.01 * GB), 80 * MB, 64)
-    with pytest.raises(ValueError, match="cannot hold one adapter slot"):
-        lora_slot_count(4, True, int(0.01 * GB), 80 * MB, 64)
+def test_a_budget_below_one_adapter_of_max_rank_is_refused_with_the_numbers():
+    with pytest.raises(ValueError, match=r"lora_memory_gb=0\.01 cannot hold one adapter of rank "
+                                         r"max_lora_rank=64 \(80\.0 MB"):
+        lora_pool_size(None, True, int(0.01 * GB), ROW, 64, 64)
+    with pytest.raises(ValueError, match="cannot hold one adapter"):
+        lora_pool_size(4, True, int(0.01 * GB), ROW, 64, 64)
+
+
+def test_lora_config_rows():
+    assert LoRAConfig(max_loras_per_batch=4, max_lora_rank=16).num_rows == 4 * 16 + 1  # + the zero row
+    assert LoRAConfig(max_loras_per_batch=4, max_lora_rank=16, pool_rows=40).num_rows == 41
 
 
 @pytest.mark.parametrize("field,value", [("lora_memory_gb", 0), ("lora_memory_gb", -1.0), ("lora_memory_gb", "2"),

@@ -93,7 +93,8 @@ def _step(cfg, weights, slots, kv, chunks, backend):
     t = next(t for t in STEP_TOKENS if t >= sum(len(c.token_ids) for c in chunks))
     be = get_backend(backend)
     batch = build_batch(ordered, num_tokens=t, num_pages=STEP_PAGES, num_logits=t, page_size=PAGE_SIZE,
-                        prepare_lora=lambda slot_T: be.prepare_lora_batch(slot_T, slots.scalings_S, slots.ranks_S),
+                        prepare_lora=lambda slot_T: be.prepare_lora_batch(slot_T, slots.scalings_S, slots.ranks_S,
+                                                                          slots.rows_SR),
                         all_logits=True)
     assert int(batch.num_decode) == sum(len(c.token_ids) == 1 for c in chunks)
     logits, kv = FWD(weights, slots.weights, kv, batch, cfg=cfg, backend=backend)
@@ -134,8 +135,11 @@ def served(tiny_models, tiny_adapters):
             cfg, weights = load_weights(tiny_models[kind], mesh=MESH)
             slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=len(ADAPTERS), max_lora_rank=MAX_RANK),
                               jnp.float32, MESH, jit_writer=jit_slot_writer)
+            # Each adapter's rank rows drawn from anywhere in the pool (true rank, not contiguous).
+            free = list(np.random.default_rng(1).permutation(np.arange(1, slots.lora_cfg.num_rows)))
             for i, name in enumerate(ADAPTERS):
-                slots.load(i + 1, load_adapter(name, tiny_adapters[(kind, name)], cfg, MAX_RANK))
+                adapter = load_adapter(name, tiny_adapters[(kind, name)], cfg, MAX_RANK)
+                slots.load(i + 1, [free.pop() for _ in range(adapter.rank)], adapter)
             cache[kind] = (cfg, weights, slots)
         return cache[kind]
 
@@ -281,28 +285,50 @@ def test_small_ranks_slot_rewrite_and_clear(backend, tiny_models, tiny_adapters,
     pages = _page_lists(40, [n for n, _ in REWRITE_SEQS])
     chunks = [SeqChunk(t, 0, pg, s) for t, pg, (_, s) in zip(REWRITE_TOKENS, pages, REWRITE_SEQS)]
 
-    def load(slot, name):
-        slots.load(slot, load_adapter(name, tiny_adapters[(kind, name)], cfg, 32))
+    held = {}
+
+    def load(slot, name, rows=None):
+        adapter = load_adapter(name, tiny_adapters[(kind, name)], cfg, 32)
+        rows = held[slot][:adapter.rank] if rows is None else rows
+        held[slot] = rows
+        slots.load(slot, rows, adapter)
 
     def check(slot_names, phase):
         rows, _ = _step(cfg, weights, slots, _fresh_kv(cfg), chunks, backend)
         _check_prefill(rows, chunks, lambda i: REWRITE_TOKENS[i], ref, slot_names,
                        f"{kind}/{backend} {phase}")
 
-    load(1, "c_mlp_r16")
-    load(2, "a_all_r8")
+    load(1, "c_mlp_r16", list(range(40, 24, -1)))   # rows in descending order
+    load(2, "a_all_r8", [3, 50, 7, 1, 22, 9, 64, 2])  # scattered through the pool
     check({1: "c_mlp_r16", 2: "a_all_r8"}, "first load, ranks 16 and 8 under max 32")
 
-    load(2, "b_attn_r4_rslora")   # rank 4 attention-only over rank 8 on all modules
-    load(1, "d_regex_patterns")   # ranks 8/2 over rank 16 MLP-only
+    load(2, "b_attn_r4_rslora")   # rank 4 attention-only over rank 8 on all modules, in its rows
+    load(1, "d_regex_patterns")   # ranks 8/2 over rank 16 MLP-only, in its rows
     assert slots.ranks_S.tolist() == [0, 8, 4]
+    assert slots.rows_SR[2].tolist() == [3, 50, 7, 1] + [0] * 28    # past the rank: the zero row
     check({1: "d_regex_patterns", 2: "b_attn_r4_rslora"}, "slots rewritten")
 
     slots.clear(2)
-    assert slots.ranks_S[2] == 0 and slots.scalings_S[2] == 0.0
+    assert slots.ranks_S[2] == 0 and slots.scalings_S[2] == 0.0 and not slots.rows_SR[2].any()
     for name, buf in vars(slots.weights).items():
-        assert not np.any(np.asarray(buf[:, 2])), f"cleared slot 2 still holds data in {name}"
+        assert not np.any(np.asarray(buf[:, 0])), f"the zero row holds data in {name}"
     check({1: "d_regex_patterns", 2: None}, "slot 2 cleared (its rows are base rows)")
+
+
+def test_pool_refuses_rows_that_do_not_fit_the_adapter(tiny_models, tiny_adapters):
+    """LoRASlots.load wants one distinct row per unit of rank, inside the pool, never the zero
+    row; anything else is refused before a byte is written."""
+    cfg, _ = load_weights(tiny_models[REWRITE_KIND], mesh=MESH)
+    slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=2, max_lora_rank=8), jnp.float32, MESH)
+    adapter = load_adapter("a", tiny_adapters[(REWRITE_KIND, "a_all_r8")], cfg, 8)
+    before = {k: np.asarray(v).copy() for k, v in vars(slots.weights).items()}
+    for rows in ([1, 2, 3], list(range(1, 10)), [0, 1, 2, 3, 4, 5, 6, 7], [1, 1, 2, 3, 4, 5, 6, 7],
+                 [9, 10, 11, 12, 13, 14, 15, 16, 17][1:]):
+        with pytest.raises(ValueError, match="needs 8 distinct pool rows in 1..16"):
+            slots.load(1, rows, adapter)
+    for k, v in vars(slots.weights).items():
+        np.testing.assert_array_equal(np.asarray(v), before[k], err_msg=k)
+    assert not slots.rows_SR.any() and not slots.ranks_S.any()
 
 
 # --- config errors -------------------------------------------------------------------------

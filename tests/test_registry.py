@@ -22,14 +22,17 @@ class FakeReader:
         self.calls.append(name)
         if str(path).startswith("bad"):
             raise AdapterError(name, f"adapter folder {path!r} does not exist")
-        a = np.full((1, 2, 8), len(self.calls), np.float32)
-        b = np.zeros((1, 8, 2), np.float32)
-        return LoRAAdapter(name=name, path=str(path), rank=2, scaling=0.5, modules={"q_proj": (a, b)})
+        # "/r<N>/..." reads an adapter of rank N (rank 2 otherwise)
+        part = str(path).split("/")[1] if str(path).count("/") > 1 else ""
+        r = int(part[1:]) if part[:1] == "r" and part[1:].isdigit() else 2
+        a = np.full((1, r, 8), len(self.calls), np.float32)
+        b = np.zeros((1, 8, r), np.float32)
+        return LoRAAdapter(name=name, path=str(path), rank=r, scaling=0.5, modules={"q_proj": (a, b)})
 
 
-def make(num_slots=3, max_loaded=None):
+def make(num_slots=3, max_loaded=None, num_rows=None, max_rank=None):
     reader = FakeReader()
-    return AdapterRegistry(num_slots, max_loaded, reader), reader
+    return AdapterRegistry(num_slots, max_loaded, reader, num_rows=num_rows, max_rank=max_rank), reader
 
 
 def test_register_resolve_and_ids():
@@ -159,10 +162,10 @@ def test_slot_lru_evicts_least_recent_and_never_in_use():
     assert entry2.name == "d" and reg.resolve("c").slot is None and reg.resolve("a").slot is not None
     assert slot2 == slot
     # both slots needed by running sequences: nothing can be evicted
-    with pytest.raises(RuntimeError, match="no device slot can be freed"):
+    with pytest.raises(RuntimeError, match="no room in the device pool for an adapter of rank 2: its 2 slots hold"):
         reg.assign_slots({"b"}, {"a", "d"})
     # a batch that needs more adapters than slots cannot be placed either
-    with pytest.raises(RuntimeError, match="no device slot"):
+    with pytest.raises(RuntimeError, match="no room in the device pool"):
         reg.assign_slots({"a", "b", "c"}, set())
 
 
@@ -291,3 +294,58 @@ def test_background_read_arrives_only_for_the_folder_it_was_read_from():
     assert reg.ready("a") and reg.resolve("a").content_hash == fresh.content_hash
     reg.put_host("gone", "/p/gone", fresh)     # a name unloaded meanwhile: ignored
     assert "gone" not in reg.entries
+
+
+# --- pool rows: each resident adapter holds as many rank rows as its rank ---------------------
+
+def test_rows_at_true_rank_are_given_distinct_and_freed_on_eviction_and_unload():
+    reg, _ = make(num_slots=8, num_rows=40, max_rank=32)
+    for name, r in (("a", 8), ("b", 16), ("c", 4), ("d", 32)):
+        reg.register(name, f"/r{r}/{name}")
+    writes = dict((e.name, e.rows) for _, e in reg.assign_slots({"a", "b", "c"}, set()))
+    assert {n: len(r) for n, r in writes.items()} == {"a": 8, "b": 16, "c": 4}
+    rows = [r for rs in writes.values() for r in rs]
+    assert len(set(rows)) == 28 and min(rows) >= 1 and max(rows) <= 40  # never the zero row
+    assert reg.rows_in_use == 28
+    # d (rank 32) needs 32 of 40 rows: 12 are free, so LRU adapters go until it fits (a, then b);
+    # c, in use by a running sequence, stays.
+    reg.assign_slots({"c"}, set())  # c the most recent
+    [(d_slot, d)] = reg.assign_slots({"d"}, {"c"})
+    assert len(d.rows) == 32 and not set(d.rows) & set(writes["c"])
+    assert reg.resolve("a").slot is None and reg.resolve("b").slot is None and reg.resolve("a").rows == ()
+    assert reg.stats.slot_evictions == 2 and reg.rows_in_use == 36
+    # unloading a resident adapter gives its rows back at once
+    assert reg.unregister("d") == [d_slot]
+    assert reg.rows_in_use == 4
+    reg.drop_slot("c")
+    assert reg.rows_in_use == 0 and reg.resolve("c").slot is None
+
+
+def test_fits_counts_rows_as_well_as_slots():
+    reg, _ = make(num_slots=8, num_rows=40, max_rank=32)
+    for name, r in (("a", 8), ("b", 16), ("c", 32)):
+        reg.register(name, f"/r{r}/{name}")
+    assert reg.fits({"a", "b"}) and reg.fits({"a", "c"})
+    assert not reg.fits({"b", "c"})       # 48 rows > 40, though 2 slots of 8 are plenty
+    with pytest.raises(RuntimeError, match="no room in the device pool for an adapter of rank 32: "
+                                           "its 8 slots and 40 rank rows hold"):
+        reg.assign_slots({"b", "c"}, set())
+
+
+def test_a_rank_larger_than_the_pool_is_refused():
+    reg, _ = make(num_slots=2, num_rows=8, max_rank=8)
+    reg.register("big", "/r16/big")
+    with pytest.raises(RuntimeError, match="an adapter of rank 16 cannot fit the pool's 8 rank rows"):
+        reg.assign_slots({"big"}, set())
+    assert reg.rows_in_use == 0 and reg.resolve("big").slot is None
+
+
+def test_pinning_leaves_rows_for_one_adapter_of_max_rank():
+    reg, _ = make(num_slots=8, num_rows=48, max_rank=16)
+    reg.register("p1", "/r16/p1", pinned=True)
+    reg.register("p2", "/r16/p2", pinned=True)
+    with pytest.raises(AdapterConflictError, match="cannot pin 'p3': pinned adapters would hold 40 of "
+                                                   "the pool's 48 rank rows"):
+        reg.register("p3", "/r8/p3", pinned=True)
+    assert "p3" not in reg.entries
+    reg.register("p3", "/r8/p3")  # unpinned is fine

@@ -44,8 +44,8 @@ ERROR_RUNS = [dict(model="llama", tp=3, backend="bgmv"), dict(model="llama", tp=
 
 # The arrays whose per-device pieces are reported: weights, adapter slots, KV cache.
 WEIGHT_FIELDS = ["embed_VD", "lm_head_DV", "wq_LDO", "wk_LDO", "wo_LOD", "w_gate_LDF", "w_down_LFD", "bq_LO"]
-LORA_FIELDS = ["qkv_a_LSRD", "q_b_LSRO", "k_b_LSRO", "v_b_LSRO", "o_a_LSRO", "o_b_LSRD",
-               "gate_up_a_LSRD", "gate_b_LSRF", "up_b_LSRF", "down_a_LSRF", "down_b_LSRD"]
+LORA_FIELDS = ["qkv_a_LUD", "q_b_LUO", "k_b_LUO", "v_b_LUO", "o_a_LUO", "o_b_LUD",
+               "gate_up_a_LUD", "gate_b_LUF", "up_b_LUF", "down_a_LUF", "down_b_LUD"]
 
 
 def prompts() -> list[list[int]]:
@@ -248,16 +248,17 @@ def test_weights_slots_and_cache_are_sharded(tp, tp_runs):
     assert piece(w["wo_LOD"]) == [qo // tp, d]           # row-parallel
     assert piece(w["w_gate_LDF"]) == [d, f // tp]
     assert piece(w["w_down_LFD"]) == [f // tp, d]
-    lo = {k: e["piece"][2:] for k, e in r["lora"].items()}
-    assert lo["qkv_a_LSRD"] == [3 * 16, d]               # A of column-parallel layers: replicated
-    assert lo["q_b_LSRO"] == [16, qo // tp]              # ... B split by output
-    assert lo["k_b_LSRO"] == lo["v_b_LSRO"] == [16, kvo // g]
-    assert lo["o_a_LSRO"] == [16, qo // tp]              # A of row-parallel layers: split by input
-    assert lo["o_b_LSRD"] == [16, d]                     # ... B replicated
-    assert lo["gate_up_a_LSRD"] == [2 * 16, d]
-    assert lo["gate_b_LSRF"] == lo["up_b_LSRF"] == [16, f // tp]
-    assert lo["down_a_LSRF"] == [16, f // tp]
-    assert lo["down_b_LSRD"] == [16, d]
+    lo = {k: e["piece"][1:] for k, e in r["lora"].items()}
+    u = 4 * 16 + 1                                         # pool rows: 4 slots at rank 16, + the zero row
+    assert lo["qkv_a_LUD"] == [3 * u, d]                 # A of column-parallel layers: replicated
+    assert lo["q_b_LUO"] == [u, qo // tp]                # ... B split by output
+    assert lo["k_b_LUO"] == lo["v_b_LUO"] == [u, kvo // g]
+    assert lo["o_a_LUO"] == [u, qo // tp]                # A of row-parallel layers: split by input
+    assert lo["o_b_LUD"] == [u, d]                       # ... B replicated
+    assert lo["gate_up_a_LUD"] == [2 * u, d]
+    assert lo["gate_b_LUF"] == lo["up_b_LUF"] == [u, f // tp]
+    assert lo["down_a_LUF"] == [u, f // tp]
+    assert lo["down_b_LUD"] == [u, d]
     assert r["lora_kept_sharding"], "a slot write changed the buffers' sharding"
     assert r["kv_kept_sharding"], "the donated KV cache came back in another sharding"
     kv = r["kv"]

@@ -33,7 +33,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from multilora.config import EngineConfig, LoRAConfig, ModelConfig, lora_slot_count
+from multilora.config import EngineConfig, LoRAConfig, ModelConfig, lora_pool_size
 from multilora.engine.batching import SeqChunk
 from multilora.engine.kv_pages import PagePool
 from multilora.engine.request import Request, SamplingParams
@@ -98,7 +98,7 @@ class Engine:
 
         from multilora.engine.runner import jit_slot_writer
         from multilora.lora.backend import BACKEND_CHOICES
-        from multilora.lora.pool import LoRASlots, lora_buffer_shapes
+        from multilora.lora.pool import LoRASlots, rank_row_bytes
         from multilora.model.llama import init_kv_cache
         from multilora.model.loader import load_weights, resolve_dtype
         from multilora.model.sharding import KV_AXES, make_mesh, rules_for, sharding
@@ -153,15 +153,19 @@ class Engine:
         kv = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=kv_sharding),
                           jax.eval_shape(lambda: init_kv_cache(self.cfg, num_pages, page_size, self.dtype)))
 
-        slot_bytes = sum(int(np.prod(shape)) for shape in lora_buffer_shapes(self.cfg, 1, max_lora_rank).values()) \
-            * jnp.dtype(self.dtype).itemsize
+        row_bytes = rank_row_bytes(self.cfg, jnp.dtype(self.dtype).itemsize)
         memory_gb = c.lora_memory_gb or _default_lora_memory_gb(jax.devices()[0])
-        max_loras_per_batch = lora_slot_count(c.max_loras_per_batch, c.lora_memory_gb is not None,
-                                              int(memory_gb * 2**30), slot_bytes, max_num_seqs)
+        max_loras_per_batch, pool_rows = lora_pool_size(
+            c.max_loras_per_batch, c.lora_memory_gb is not None, int(memory_gb * 2**30), row_bytes,
+            max_lora_rank, max_num_seqs)
         if max_loras_per_batch:
-            log.info("LoRA: %d device slots of rank %d (%.1f MB each, %.2f GB)", max_loras_per_batch,
-                     max_lora_rank, slot_bytes / 2**20, max_loras_per_batch * slot_bytes / 2**30)
-        self.lora_cfg = LoRAConfig(max_loras_per_batch=max_loras_per_batch, max_lora_rank=max_lora_rank)
+            log.info("LoRA: %d adapter slots; a pool of %d rank rows (%.2f MB each, %.2f GB): adapters take "
+                     "their true rank (%d of rank %d, %d of rank 8)", max_loras_per_batch, pool_rows,
+                     row_bytes / 2**20, pool_rows * row_bytes / 2**30,
+                     min(max_loras_per_batch, pool_rows // max_lora_rank), max_lora_rank,
+                     min(max_loras_per_batch, pool_rows // 8))
+        self.lora_cfg = LoRAConfig(max_loras_per_batch=max_loras_per_batch, max_lora_rank=max_lora_rank,
+                                   pool_rows=pool_rows)
         self.slots = (LoRASlots(self.cfg, self.lora_cfg, self.dtype, self.mesh, jit_writer=jit_slot_writer)
                       if max_loras_per_batch > 0 else None)
         def read(name, path):
@@ -170,7 +174,8 @@ class Engine:
             return load_adapter(name, path, self.cfg, max_lora_rank)
 
         self.registry = AdapterRegistry(max(max_loras_per_batch, 1), c.max_loaded_loras, read,
-                                        max_host_bytes=int(c.lora_host_memory_gb * 2**30))
+                                        max_host_bytes=int(c.lora_host_memory_gb * 2**30),
+                                        num_rows=pool_rows, max_rank=max_lora_rank)
         self.loader = AdapterLoader(read)  # host copies read off the engine thread
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -270,13 +275,16 @@ class Engine:
 
     def _write_slots(self, needed: set[str]) -> None:
         in_use = self.scheduler.running_adapters() | self.registry.pinned_names()
+        # Host copies first: a copy read again may have another rank, and the rows follow it.
+        adapters = {n: self.registry.host_copy(self.registry.entries[n])
+                    for n in needed if self.registry.entries[n].slot is None}
         writes = self.registry.assign_slots(needed, in_use)
         for i, (slot, entry) in enumerate(writes):
             try:
-                self.runner.write_slot(slot, self.registry.host_copy(entry))
+                self.runner.write_slot(slot, entry.rows, adapters[entry.name])
             except BaseException:
-                # The registry already counts these as resident, but their slots were never
-                # written: forget them, or a later batch would run on the slots' old contents.
+                # The registry already counts these as resident, but their rows were never
+                # written: forget them, or a later batch would run on the rows' old contents.
                 for _, e in writes[i:]:
                     self.registry.drop_slot(e.name)
                 raise

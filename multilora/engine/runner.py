@@ -148,7 +148,7 @@ class ModelRunner:
         self.buckets = buckets
         self.lora_backend = lora_backend
         # multilora's CPU kernels for decode shapes, where they can serve the slots (see `auto`)
-        a = lora.weights.qkv_a_LSRD if lora is not None else None
+        a = lora.weights.qkv_a_LUD if lora is not None else None
         self._native = (lora_backend == "auto" and a is not None
                         and native_usable(a.dtype, a.sharding.device_set))
         self.page_size = kv.page_size
@@ -166,8 +166,8 @@ class ModelRunner:
         self.compiles_after_warmup = 0
 
     # ---- adapters in slots --------------------------------------------------------------------
-    def write_slot(self, slot: int, adapter) -> None:
-        self.lora.load(slot, adapter)
+    def write_slot(self, slot: int, rows, adapter) -> None:
+        self.lora.load(slot, rows, adapter)
 
     def clear_slot(self, slot: int) -> None:
         self.lora.clear(slot)
@@ -184,8 +184,8 @@ class ModelRunner:
         be = get_backend(name.split(SWITCH)[0])
         # a run-time switch: tiles sized for the step's few adapters, whatever the pool holds
         cap = grouped_cap(num_tokens) if SWITCH in name else None
-        s, r = self.lora.scalings_S, self.lora.ranks_S
-        return lambda slot_T: be.prepare_lora_batch(slot_T, s, r, cap)
+        s, r, rows = self.lora.scalings_S, self.lora.ranks_S, self.lora.rows_SR
+        return lambda slot_T: be.prepare_lora_batch(slot_T, s, r, rows, cap)
 
     def _dummy_batch(self, t, x):
         return build_batch([], num_tokens=t, num_pages=x, num_logits=self.buckets.logits_rows(t),
@@ -336,16 +336,19 @@ class ModelRunner:
         return StepResult(tokens, lp)
 
 
-def jit_slot_writer(write_slot, buffers, buffer_shardings, slot_shardings, replicated):
-    """The LoRA slot writer (multilora.lora.pool.write_slot) compiled now for one set of buffers
-    (so that the first adapter written after warm-up compiles nothing): donated, so a slot is
-    rewritten in place, and pinned to the buffers' shardings in and out (the new slot arrives split
-    like the buffers, the slot index replicated). One compile serves every slot: the index is
-    traced."""
-    fn = jax.jit(write_slot, donate_argnums=0, in_shardings=(buffer_shardings, replicated, slot_shardings),
+def jit_slot_writer(write_rows, buffers, buffer_shardings, rows_shardings, replicated, max_rank: int):
+    """The LoRA pool writer (multilora.lora.pool.write_rows) compiled now for one set of pools
+    (so that the first adapter written after warm-up compiles nothing): donated, so rows are
+    rewritten in place, and pinned to the pools' shardings in and out (the new rows arrive split
+    like the pools, the row ids replicated). One compile serves every adapter: its max_rank row
+    ids are traced (entries past its rank name the zero row)."""
+    from multilora.lora.pool import blocks_of
+    fn = jax.jit(write_rows, donate_argnums=0, in_shardings=(buffer_shardings, replicated, rows_shardings),
                  out_shardings=buffer_shardings)
-    slot_abstract = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[:1] + b.shape[2:], np.float32), buffers)
-    return fn.lower(buffers, jax.ShapeDtypeStruct((), np.int32), slot_abstract).compile()
+    rows_abstract = type(buffers)(**{
+        k: jax.ShapeDtypeStruct((b.shape[0], blocks_of(k) * max_rank, b.shape[2]), np.float32)
+        for k, b in vars(buffers).items()})
+    return fn.lower(buffers, jax.ShapeDtypeStruct((max_rank,), np.int32), rows_abstract).compile()
 
 
 def _replicated_like(s: jax.sharding.Sharding) -> jax.sharding.Sharding:

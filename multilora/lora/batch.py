@@ -21,7 +21,9 @@ class LoRABatchInfo:
 
     slot_T:       adapter slot of each token (NO_ADAPTER for base rows and padding).
     scalings_S:   per-slot scaling (alpha / r, or alpha / sqrt(r) with rsLoRA).
-    ranks_S:      per-slot rank (0 for empty slots); buffers are zero past it.
+    ranks_S:      per-slot rank (0 for empty slots).
+    rows_SR:      per-slot row table: the pool row holding rank row r of slot s (multilora.lora.pool);
+                  entries past a slot's rank, and every entry of an empty slot, are row 0 (zeros).
     tile_slot_G:  SGMV: the slot of each tile of rows.
     tile_rows_GM: SGMV: token index of each row of each tile (T = padding, reads a zero row).
     token_pos_T:  SGMV: where token t sits in the flattened tiles (G*M = "no adapter", zero row).
@@ -34,10 +36,20 @@ class LoRABatchInfo:
     slot_T: jax.Array
     scalings_S: jax.Array
     ranks_S: jax.Array
+    rows_SR: jax.Array
     tile_slot_G: jax.Array
     tile_rows_GM: jax.Array
     token_pos_T: jax.Array
     mode: jax.Array
+
+
+def stacked_rows(rows_R, blocks: int, num_rows: int):
+    """Row ids of every block of a stacked pool (multilora.lora.pool): rows_R (..., R) ->
+    (..., blocks * R), block j offset by j * num_rows. numpy or jax arrays alike."""
+    if blocks == 1:
+        return rows_R
+    xp = np if isinstance(rows_R, np.ndarray) else jax.numpy
+    return xp.concatenate([rows_R + j * num_rows for j in range(blocks)], axis=-1)
 
 
 # LoRABatchInfo.mode
@@ -101,7 +113,7 @@ def group_tokens_by_slot(slot_T: np.ndarray, num_slots: int) -> tuple[np.ndarray
 
 
 def make_lora_batch_info(slot_T: np.ndarray, scalings_S: np.ndarray, ranks_S: np.ndarray,
-                         max_grouped: int | None = None) -> LoRABatchInfo:
+                         rows_SR: np.ndarray, max_grouped: int | None = None) -> LoRABatchInfo:
     """Host arrays -> LoRABatchInfo (numpy; jit moves them to the device). max_grouped: size the
     tiles for at most this many distinct adapters (static per compiled shape, however many
     slots there are); a step with more gets empty tiles and mode PER_TOKEN."""
@@ -109,6 +121,10 @@ def make_lora_batch_info(slot_T: np.ndarray, scalings_S: np.ndarray, ranks_S: np
     num_slots = int(scalings_S.shape[0])
     if slot_T.size and (slot_T.min() < 0 or slot_T.max() >= num_slots):
         raise ValueError(f"adapter slot out of range: slots must be in [0, {num_slots})")
+    rows_SR = np.asarray(rows_SR, np.int32)
+    if rows_SR.ndim != 2 or rows_SR.shape[0] != num_slots or np.shape(ranks_S) != (num_slots,):
+        raise ValueError(f"rows_SR must be (slots, max_rank) and ranks_S (slots,) for {num_slots} slots, "
+                         f"got {rows_SR.shape} and {np.shape(ranks_S)}")
     tile_slots = num_slots if max_grouped is None else max(1, min(num_slots, max_grouped + 1))
     distinct = int(np.count_nonzero(np.unique(slot_T) != NO_ADAPTER))
     if distinct == 0:
@@ -123,6 +139,7 @@ def make_lora_batch_info(slot_T: np.ndarray, scalings_S: np.ndarray, ranks_S: np
         slot_T=slot_T,
         scalings_S=np.asarray(scalings_S, np.float32),
         ranks_S=np.asarray(ranks_S, np.int32),
+        rows_SR=rows_SR,
         tile_slot_G=tile_slot,
         tile_rows_GM=tile_rows,
         token_pos_T=token_pos,

@@ -1,18 +1,26 @@
-"""Device slots for adapters: stacked A/B buffers padded to max_lora_rank, one slot per adapter
-in a batch plus slot 0 ("no adapter", all zeros).
+"""The device pool for adapters: rank rows, allocated at each adapter's true rank.
 
-Putting an adapter into a slot rewrites buffer contents in place (an update that the runner
-jits, buffers donated, slot index traced), so shapes never change and nothing recompiles.
-Under tensor parallelism the buffers are sharded by LORA_AXES (B by output features where its
-base layer is column-parallel, A by input features where it is row-parallel); a slot write takes
-the new slot already split the same way and keeps every buffer's sharding (out_shardings), so
-each device receives only its part and the compiled steps see the shardings they were built for.
-Which adapter lives in which slot, and what to evict, is decided in multilora.lora.registry.
+Every LoRA buffer is a pool of U rows per layer, one row per unit of rank (S-LoRA's unified
+paging with a page of one rank row): an adapter of rank r holds r rows, anywhere in the pool, and
+a per-slot row table, rows_SR, says which (LoRABatchInfo carries it to every backend). Row 0 is
+all zeros and never written with anything else: table entries past a slot's rank, and the whole
+table of an empty slot, point at it. So a rank-8 adapter beside a rank-128 one takes 8 rows, not
+128, and the memory budget holds as many adapters as their true ranks allow; max_lora_rank is
+only the table's width (the widest adapter accepted), not every adapter's size.
+
+Stacked groups (q/k/v A, gate/up A) keep one block of U rows per projection: the stacked A is
+(L, blocks * U, D) and block j of a slot's row r is row j * U + rows_SR[slot, r].
+
+Writing an adapter scatters its rows into the pool in place (an update that the runner jits,
+buffers donated, the rows traced), so shapes never change and nothing recompiles; clearing a slot
+only resets its row table. Which adapter gets which slot and rows, and what to evict, is decided
+in multilora.lora.registry. Under tensor parallelism the pools are sharded by LORA_AXES (B by
+output features where its base layer is column-parallel, A by input features where it is
+row-parallel); a write takes the new rows already split the same way and keeps every pool's
+sharding (out_shardings).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -20,31 +28,39 @@ import numpy as np
 
 from multilora.config import LoRAConfig, ModelConfig
 from multilora.lora.adapter import LoRAAdapter
-from multilora.lora.batch import NO_ADAPTER
+from multilora.lora.batch import NO_ADAPTER, stacked_rows
 from multilora.model.llama import LoRAWeights
-from multilora.model.sharding import LORA_AXES, dataclass_shardings, put, replicated, rules_for, without_axis
+from multilora.model.sharding import LORA_AXES, LORA_ROWS_AXES, dataclass_shardings, put, replicated, rules_for
+
+ZERO_ROW = 0
+# Stacked groups: how many projections' blocks of rows a pool holds (the others hold one).
+BLOCKS = {"qkv_a_LUD": 3, "gate_up_a_LUD": 2}
 
 
-def lora_buffer_shapes(cfg: ModelConfig, num_slots: int, max_rank: int) -> dict[str, tuple[int, ...]]:
-    L, S, R, D, F = cfg.num_layers, num_slots, max_rank, cfg.hidden_size, cfg.intermediate_size
-    qo, kvo = cfg.q_dim, cfg.kv_dim
-    return {
-        "qkv_a_LSRD": (L, S, 3 * R, D),
-        "q_b_LSRO": (L, S, R, qo),
-        "k_b_LSRO": (L, S, R, kvo),
-        "v_b_LSRO": (L, S, R, kvo),
-        "o_a_LSRO": (L, S, R, qo),
-        "o_b_LSRD": (L, S, R, D),
-        "gate_up_a_LSRD": (L, S, 2 * R, D),
-        "gate_b_LSRF": (L, S, R, F),
-        "up_b_LSRF": (L, S, R, F),
-        "down_a_LSRF": (L, S, R, F),
-        "down_b_LSRD": (L, S, R, D),
-    }
+def blocks_of(field: str) -> int:
+    return BLOCKS.get(field, 1)
+
+
+def lora_feature_dims(cfg: ModelConfig) -> dict[str, int]:
+    """Each pool's row width (the features a rank row spans)."""
+    D, F, qo, kvo = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim
+    return {"qkv_a_LUD": D, "q_b_LUO": qo, "k_b_LUO": kvo, "v_b_LUO": kvo, "o_a_LUO": qo,
+            "o_b_LUD": D, "gate_up_a_LUD": D, "gate_b_LUF": F, "up_b_LUF": F, "down_a_LUF": F,
+            "down_b_LUD": D}
+
+
+def lora_buffer_shapes(cfg: ModelConfig, num_rows: int) -> dict[str, tuple[int, ...]]:
+    """The pools' shapes for num_rows rows (the zero row included)."""
+    return {k: (cfg.num_layers, blocks_of(k) * num_rows, x) for k, x in lora_feature_dims(cfg).items()}
+
+
+def rank_row_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    """Bytes of one rank row across every pool and layer: an adapter of rank r takes r of them."""
+    return sum(blocks_of(k) * x for k, x in lora_feature_dims(cfg).items()) * cfg.num_layers * itemsize
 
 
 def init_lora_weights(cfg: ModelConfig, lora_cfg: LoRAConfig, dtype, mesh) -> LoRAWeights:
-    shapes = lora_buffer_shapes(cfg, lora_cfg.num_slots, lora_cfg.max_lora_rank)
+    shapes = lora_buffer_shapes(cfg, lora_cfg.num_rows)
     shardings = lora_shardings(cfg, mesh)
     # Created in place, shard by shard: no device ever holds a whole (possibly large) buffer.
     return LoRAWeights(**{
@@ -53,17 +69,17 @@ def init_lora_weights(cfg: ModelConfig, lora_cfg: LoRAConfig, dtype, mesh) -> Lo
 
 
 def lora_shardings(cfg: ModelConfig, mesh, axes_table=LORA_AXES) -> LoRAWeights:
-    """A LoRAWeights of NamedShardings (per the rules table) for the slot buffers, or for one
-    slot's arrays with axes_table=without_axis(LORA_AXES, "slots")."""
+    """A LoRAWeights of NamedShardings (per the rules table) for the pools, or for one adapter's
+    rows with axes_table=LORA_ROWS_AXES."""
     host = LoRAWeights(**{k: np.zeros((), np.float32) for k in LORA_AXES})
     return dataclass_shardings(host, axes_table, mesh, rules_for(cfg, mesh))
 
 
 def adapter_slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, max_rank: int) -> LoRAWeights:
-    """One slot's contents (host float32, no S axis), laid out like LoRAWeights: A rows past a
-    module's rank and every untargeted module stay zero."""
-    shapes = {k: s[:1] + s[2:] for k, s in lora_buffer_shapes(cfg, 1, max_rank).items()}
-    out = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    """One adapter's rows (host float32, (L, blocks * max_rank, X)), laid out like LoRAWeights:
+    rows past a module's rank and every untargeted module stay zero."""
+    out = {k: np.zeros((cfg.num_layers, blocks_of(k) * max_rank, x), np.float32)
+           for k, x in lora_feature_dims(cfg).items()}
     if adapter is None:
         return LoRAWeights(**out)
     R = max_rank
@@ -76,43 +92,52 @@ def adapter_slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, max_rank:
 
     def put_b(field, module):
         if module in mods:
-            b_LOR = mods[module][1]  # PEFT's (out, rank); the slots keep (rank, out)
+            b_LOR = mods[module][1]  # PEFT's (out, rank); the pools keep (rank, out)
             out[field][:, :b_LOR.shape[2], :] = b_LOR.transpose(0, 2, 1)
 
     for i, m in enumerate(("q_proj", "k_proj", "v_proj")):
-        put_a("qkv_a_LSRD", m, i)
+        put_a("qkv_a_LUD", m, i)
     for i, m in enumerate(("gate_proj", "up_proj")):
-        put_a("gate_up_a_LSRD", m, i)
-    put_a("o_a_LSRO", "o_proj")
-    put_a("down_a_LSRF", "down_proj")
-    for field, m in (("q_b_LSRO", "q_proj"), ("k_b_LSRO", "k_proj"), ("v_b_LSRO", "v_proj"),
-                     ("o_b_LSRD", "o_proj"), ("gate_b_LSRF", "gate_proj"), ("up_b_LSRF", "up_proj"),
-                     ("down_b_LSRD", "down_proj")):
+        put_a("gate_up_a_LUD", m, i)
+    put_a("o_a_LUO", "o_proj")
+    put_a("down_a_LUF", "down_proj")
+    for field, m in (("q_b_LUO", "q_proj"), ("k_b_LUO", "k_proj"), ("v_b_LUO", "v_proj"),
+                     ("o_b_LUD", "o_proj"), ("gate_b_LUF", "gate_proj"), ("up_b_LUF", "up_proj"),
+                     ("down_b_LUD", "down_proj")):
         put_b(field, m)
     return LoRAWeights(**out)
 
 
-def write_slot(lora: LoRAWeights, slot: jax.Array, new: LoRAWeights) -> LoRAWeights:
-    """Pure: lora with slot `slot` replaced by `new` (jitted with donation in the runner)."""
-    return jax.tree.map(
-        lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), slot, axis=1),
-        lora, new)
+def write_rows(lora: LoRAWeights, rows_R: jax.Array, new: LoRAWeights) -> LoRAWeights:
+    """Pure: lora with the rows rows_R (R,) of every pool replaced by `new`'s (jitted with
+    donation in the runner). Entries past the adapter's rank are ZERO_ROW, and `new` is zero
+    there, so the zero row stays zero."""
+    def one(field):
+        buf, x = getattr(lora, field), getattr(new, field)
+        b = blocks_of(field)
+        idx = stacked_rows(rows_R, b, buf.shape[1] // b)
+        return buf.at[:, idx].set(x.astype(buf.dtype), mode="promise_in_bounds",
+                                  unique_indices=False)
+    return LoRAWeights(**{f: one(f) for f in LORA_AXES})
 
 
 class LoRASlots:
-    """The device buffers plus each slot's scaling and rank (host arrays fed to every batch)."""
+    """The device pools plus each slot's scaling, rank and row table (host arrays fed to every
+    batch)."""
 
     def __init__(self, cfg: ModelConfig, lora_cfg: LoRAConfig, dtype, mesh, jit_writer=None):
         """jit_writer: the runner's jit_slot_writer (jit lives in the runner; it is handed in so
-        that this module does not import the runner). Without it slots are written eagerly."""
+        that this module does not import the runner). Without it rows are written eagerly."""
         self.cfg, self.lora_cfg = cfg, lora_cfg
         self.shardings = lora_shardings(cfg, mesh)
         self.weights = init_lora_weights(cfg, lora_cfg, dtype, mesh)
-        self._slot_shardings = lora_shardings(cfg, mesh, without_axis(LORA_AXES, "slots"))
-        self._write = (jit_writer(write_slot, self.weights, self.shardings, self._slot_shardings,
-                                  replicated(mesh)) if jit_writer is not None else write_slot)
-        self.scalings_S = np.zeros((lora_cfg.num_slots,), np.float32)
-        self.ranks_S = np.zeros((lora_cfg.num_slots,), np.int32)
+        self._rows_shardings = lora_shardings(cfg, mesh, LORA_ROWS_AXES)
+        self._write = (jit_writer(write_rows, self.weights, self.shardings, self._rows_shardings,
+                                  replicated(mesh), lora_cfg.max_lora_rank) if jit_writer is not None else write_rows)
+        S, R = lora_cfg.num_slots, lora_cfg.max_lora_rank
+        self.scalings_S = np.zeros((S,), np.float32)
+        self.ranks_S = np.zeros((S,), np.int32)
+        self.rows_SR = np.full((S, R), ZERO_ROW, np.int32)
 
     @property
     def num_slots(self) -> int:
@@ -123,19 +148,49 @@ class LoRASlots:
             raise ValueError(f"slot {slot} out of range: adapter slots are 1..{self.num_slots - 1} "
                              f"(slot {NO_ADAPTER} is the base model)")
 
-    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+    def load(self, slot: int, rows, adapter: LoRAAdapter) -> None:
+        """Write `adapter` into the pool rows `rows` (one per unit of its rank) and point `slot`'s
+        table at them."""
         self._check(slot)
-        if adapter.rank > self.lora_cfg.max_lora_rank:
-            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank "
-                             f"{self.lora_cfg.max_lora_rank}")
-        new = adapter_slot_arrays(adapter, self.cfg, self.lora_cfg.max_lora_rank)
-        self.weights = self._write(self.weights, np.int32(slot), jax.tree.map(put, new, self._slot_shardings))
+        R = self.lora_cfg.max_lora_rank
+        if adapter.rank > R:
+            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank {R}")
+        rows = np.asarray(rows, np.int32)
+        if rows.shape != (adapter.rank,) or np.any(rows <= ZERO_ROW) or np.any(rows >= self.lora_cfg.num_rows) \
+                or len(set(rows.tolist())) != len(rows):
+            raise ValueError(f"adapter {adapter.name!r} of rank {adapter.rank} needs {adapter.rank} distinct "
+                             f"pool rows in 1..{self.lora_cfg.num_rows - 1}, got {rows.tolist()}")
+        rows_R = np.full((R,), ZERO_ROW, np.int32)
+        rows_R[:adapter.rank] = rows
+        new = adapter_slot_arrays(adapter, self.cfg, R)
+        self.weights = self._write(self.weights, rows_R, jax.tree.map(put, new, self._rows_shardings))
+        self.rows_SR[slot] = rows_R
         self.scalings_S[slot] = adapter.scaling
         self.ranks_S[slot] = adapter.rank
 
     def clear(self, slot: int) -> None:
+        """The slot reads the zero row again (its rows go back to the registry's free list; their
+        contents are overwritten whole by the next adapter that gets them)."""
         self._check(slot)
-        new = adapter_slot_arrays(None, self.cfg, self.lora_cfg.max_lora_rank)
-        self.weights = self._write(self.weights, np.int32(slot), jax.tree.map(put, new, self._slot_shardings))
+        self.rows_SR[slot] = ZERO_ROW
         self.scalings_S[slot] = 0.0
         self.ranks_S[slot] = 0
+
+
+# ---- slot-major arrays (one (R, X) block per slot) as a pool: for scripts and benchmarks -------
+
+def slot_major_rows(num_slots: int, rank: int) -> np.ndarray:
+    """The row table of slot_major_pool: slot s >= 1 at rows s * R .. s * R + R - 1, slot 0 at
+    the zero row."""
+    rows_SR = np.arange(num_slots * rank, dtype=np.int32).reshape(num_slots, rank)
+    rows_SR[NO_ADAPTER] = ZERO_ROW
+    return rows_SR
+
+
+def slot_major_pool(w_SRX, blocks: int = 1):
+    """Slot-major weights (S, blocks * R, X), slot 0 all zeros, -> a pool (blocks * S * R, X) read
+    through slot_major_rows (slot 0's first row is the zero row). numpy or jax arrays alike."""
+    s, br, x = w_SRX.shape
+    r = br // blocks
+    xp = np if isinstance(w_SRX, np.ndarray) else jnp
+    return xp.concatenate([w_SRX[:, j * r:(j + 1) * r].reshape(s * r, x) for j in range(blocks)], axis=0)

@@ -1,6 +1,8 @@
 """Adapter lifecycle: name -> unique id, refcounts, load and unload at run time, and the two
-tiers below the registry: host copies (LRU, bounded by max_loaded_loras) and device slots (LRU,
-never evicting a slot that a running sequence uses, never evicting a pinned adapter).
+tiers below the registry: host copies (LRU, bounded by max_loaded_loras and bytes) and the device
+pool (LRU, never evicting an adapter that a running sequence uses, never a pinned one). A resident
+adapter holds a slot (its row table, one per adapter in a batch) and as many of the pool's rank
+rows as its rank (multilora.lora.pool): eviction frees both, as many adapters as it takes.
 
 Plain Python, no jax: the engine applies the slot writes this module decides.
 """
@@ -8,6 +10,7 @@ Plain Python, no jax: the engine applies the slot writes this module decides.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 from collections import OrderedDict
 from typing import Callable, Iterable, Optional
@@ -46,6 +49,7 @@ class AdapterEntry:
     refcount: int = 0          # requests (waiting or running) that use it
     unloading: bool = False
     slot: Optional[int] = None
+    rows: tuple[int, ...] = ()  # its pool rows while resident, one per unit of rank
     rank: int = 0
     content_hash: bytes = b""  # of its weights and scaling: the root of its prefix-cache keys
 
@@ -64,13 +68,20 @@ class TierStats:
 
 class AdapterRegistry:
     def __init__(self, num_slots: int, max_loaded_loras: Optional[int],
-                 read_adapter: Callable[[str, str], LoRAAdapter], max_host_bytes: Optional[int] = None):
-        """num_slots: device slots for adapters (slot 0, the base model, not counted). Host
-        copies are kept LRU within max_loaded_loras copies and max_host_bytes bytes (either None:
-        no bound); the copy just read always stays."""
+                 read_adapter: Callable[[str, str], LoRAAdapter], max_host_bytes: Optional[int] = None,
+                 num_rows: Optional[int] = None, max_rank: Optional[int] = None):
+        """num_slots: device slots for adapters (slot 0, the base model, not counted); num_rows:
+        the pool's rank rows for adapters (row 0, the zero row, not counted; None: rows never
+        limit); max_rank: the widest adapter accepted (pinning keeps room for one). Host copies
+        are kept LRU within max_loaded_loras copies and max_host_bytes bytes (either None: no
+        bound); the copy just read always stays."""
         if max_loaded_loras is not None and max_loaded_loras < 1:
             raise ValueError(f"max_loaded_loras must be >= 1 or None, got {max_loaded_loras}")
         self.num_slots = num_slots
+        self.num_rows = num_rows
+        self.max_rank = max_rank
+        self._free_rows: list[int] = list(range(1, (num_rows or 0) + 1))  # a heap: lowest first
+        self._next_row = (num_rows or 0) + 1  # rows unbounded: new ids past every one given
         self.max_loaded_loras = max_loaded_loras
         self.max_host_bytes = max_host_bytes
         self.host_bytes = 0
@@ -97,7 +108,16 @@ class AdapterRegistry:
                 "and leave none for the others")
         if adapter is None:
             adapter = self._read(name, path)
-        entry = AdapterEntry(name=name, path=str(path), id=next(self._ids), pinned=pinned, rank=adapter.rank,
+        rank = adapter.rank
+        if pinned and self.num_rows is not None:
+            pinned_rows = sum(e.rank for e in self.entries.values() if e.pinned) + rank
+            room = self.num_rows - (self.max_rank or 1)
+            if pinned_rows > room:
+                raise AdapterConflictError(
+                    f"cannot pin {name!r}: pinned adapters would hold {pinned_rows} of the pool's "
+                    f"{self.num_rows} rank rows and leave no room for an adapter of rank "
+                    f"{self.max_rank or 1}; raise lora_memory_gb or pin fewer")
+        entry = AdapterEntry(name=name, path=str(path), id=next(self._ids), pinned=pinned, rank=rank,
                              content_hash=adapter.content_hash)
         self.entries[name] = entry
         self._put_host(name, adapter)
@@ -139,9 +159,7 @@ class AdapterRegistry:
         freed = []
         if entry.slot is not None:
             freed.append(entry.slot)
-            self._slot_of.pop(entry.slot)
-            self._slot_lru.pop(entry.slot, None)
-            entry.slot = None
+            self._evict(entry)
         return freed
 
     # ---- host tier -------------------------------------------------------------------------
@@ -183,8 +201,8 @@ class AdapterRegistry:
         """A host copy read in the background from `path` arrives (ignored if the name went away
         meanwhile, or was reloaded from another folder)."""
         entry = self.entries.get(name)
-        if entry is None or entry.path != path:
-            return
+        if entry is None or entry.path != path or entry.slot is not None:
+            return  # gone, reloaded elsewhere, or made resident meanwhile (its rows fit what was written)
         entry.content_hash, entry.rank = adapter.content_hash, adapter.rank
         self.stats.host_misses += 1
         self._put_host(name, adapter)
@@ -193,15 +211,23 @@ class AdapterRegistry:
     def num_host_copies(self) -> int:
         return len(self._host)
 
-    # ---- device slots ----------------------------------------------------------------------
+    # ---- device slots and pool rows -------------------------------------------------------
     def fits(self, names: set[str]) -> bool:
-        """Can these adapters be resident at once, beside the pinned ones?"""
-        pinned = {e.name for e in self.entries.values() if e.pinned}
-        return len(pinned | set(names)) <= self.num_slots
+        """Can these adapters be resident at once, beside the pinned ones (slots and rows)?"""
+        together = {e.name for e in self.entries.values() if e.pinned} | set(names)
+        if len(together) > self.num_slots:
+            return False
+        return self.num_rows is None or sum(self.entries[n].rank for n in together
+                                            if n in self.entries) <= self.num_rows
+
+    @property
+    def rows_in_use(self) -> int:
+        return sum(len(e.rows) for e in self._slot_of.values())
 
     def assign_slots(self, needed: set[str], in_use: set[str]) -> list[tuple[int, AdapterEntry]]:
-        """Give every adapter in `needed` a slot. Returns the (slot, entry) pairs whose contents
-        must be written. Evicts least recently used slots outside needed | in_use, never pinned."""
+        """Give every adapter in `needed` a slot and entry.rank pool rows (entry.rows). Returns
+        the (slot, entry) pairs whose contents must be written. Evicts least recently used
+        adapters outside needed | in_use, never pinned, until both fit."""
         writes = []
         for name in sorted(needed, key=lambda n: self.entries[n].id):
             entry = self.entries[name]
@@ -210,38 +236,54 @@ class AdapterRegistry:
                 self._slot_lru.move_to_end(entry.slot)
                 continue
             self.stats.slot_misses += 1
-            slot = self._free_slot(needed | in_use)
+            slot = self._make_room(needed | in_use, entry.rank)
             entry.slot = slot
+            entry.rows = self._take_rows(entry.rank)
             self._slot_of[slot] = entry
             self._slot_lru[slot] = None
             writes.append((slot, entry))
         return writes
 
     def drop_slot(self, name: str) -> None:
-        """Forget that `name` is resident (its slot write failed): the next assign_slots gives it
-        a slot again and has it written."""
+        """Forget that `name` is resident (its write failed): the next assign_slots gives it a
+        slot and rows again and has it written."""
         entry = self.entries.get(name)
         if entry is None or entry.slot is None:
             return
+        self._evict(entry)
+
+    def _evict(self, entry: AdapterEntry) -> None:
         self._slot_of.pop(entry.slot, None)
         self._slot_lru.pop(entry.slot, None)
-        entry.slot = None
+        for row in entry.rows:
+            heapq.heappush(self._free_rows, row)
+        entry.slot, entry.rows = None, ()
 
-    def _free_slot(self, keep: set[str]) -> int:
-        for slot in range(NO_ADAPTER + 1, self.num_slots + 1):
-            if slot not in self._slot_of:
-                return slot
-        for slot in self._slot_lru:
-            victim = self._slot_of[slot]
-            if victim.pinned or victim.name in keep:
-                continue
-            victim.slot = None
-            del self._slot_of[slot]
-            del self._slot_lru[slot]
+    def _take_rows(self, n: int) -> tuple[int, ...]:
+        if self.num_rows is None:
+            while len(self._free_rows) < n:
+                heapq.heappush(self._free_rows, self._next_row)
+                self._next_row += 1
+        return tuple(heapq.heappop(self._free_rows) for _ in range(n))
+
+    def _room(self, rows: int) -> bool:
+        slot_free = len(self._slot_of) < self.num_slots
+        return slot_free and (self.num_rows is None or len(self._free_rows) >= rows)
+
+    def _make_room(self, keep: set[str], rows: int) -> int:
+        """A free slot, with `rows` free rows beside it, evicting LRU adapters as needed."""
+        if self.num_rows is not None and rows > self.num_rows:
+            raise RuntimeError(f"an adapter of rank {rows} cannot fit the pool's {self.num_rows} rank rows")
+        while not self._room(rows):
+            victim = next((self._slot_of[s] for s in self._slot_lru
+                           if not self._slot_of[s].pinned and self._slot_of[s].name not in keep), None)
+            if victim is None:
+                held = f"{self.num_slots} slots" + ("" if self.num_rows is None else f" and {self.num_rows} rank rows")
+                raise RuntimeError(f"no room in the device pool for an adapter of rank {rows}: its {held} "
+                                   "hold adapters that running sequences use or that are pinned")
+            self._evict(victim)
             self.stats.slot_evictions += 1
-            return slot
-        raise RuntimeError(f"no device slot can be freed: {self.num_slots} slots are all in use "
-                           "by running sequences or pinned adapters")
+        return next(s for s in range(NO_ADAPTER + 1, self.num_slots + 1) if s not in self._slot_of)
 
     def pinned_names(self) -> set[str]:
         return {e.name for e in self.entries.values() if e.pinned}

@@ -8,7 +8,7 @@ chunks together (see Batch); every projection adds its per-token LoRA delta thro
 and a step with no adapter row skips the LoRA ops (slot 0 adds nothing either way).
 
 Legend: L layers, T tokens, D model dim, N/K query/kv heads, H head dim, F ffn dim, V vocab,
-P pages, p page size, X the step's pages, Q logits rows, S adapter slots, R rank, O out features.
+P pages, p page size, X the step's pages, Q logits rows, U adapter pool rows, O out features.
 """
 
 from __future__ import annotations
@@ -59,20 +59,22 @@ class Weights:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LoRAWeights:
-    """Device slots of every adapter projection, stacked along L, in PEFT layout (A: R x in,
-    B: out x R), padded to max_lora_rank with zeros. q/k/v and gate/up A are stacked along R."""
+    """The adapters' pools of rank rows (multilora.lora.pool), stacked along L: A rows in PEFT's
+    layout (one rank x in row each), B rows transposed from PEFT's (one out row per rank).
+    A slot's rows are LoRABatchInfo.rows_SR; row 0 is zeros. The q/k/v and gate/up A pools hold
+    one block of U rows per projection."""
 
-    qkv_a_LSRD: jax.Array  # R = 3 * max_rank
-    q_b_LSRO: jax.Array
-    k_b_LSRO: jax.Array
-    v_b_LSRO: jax.Array
-    o_a_LSRO: jax.Array
-    o_b_LSRD: jax.Array
-    gate_up_a_LSRD: jax.Array  # R = 2 * max_rank
-    gate_b_LSRF: jax.Array
-    up_b_LSRF: jax.Array
-    down_a_LSRF: jax.Array
-    down_b_LSRD: jax.Array
+    qkv_a_LUD: jax.Array  # (L, 3U, D)
+    q_b_LUO: jax.Array
+    k_b_LUO: jax.Array
+    v_b_LUO: jax.Array
+    o_a_LUO: jax.Array
+    o_b_LUD: jax.Array
+    gate_up_a_LUD: jax.Array  # (L, 2U, D)
+    gate_b_LUF: jax.Array
+    up_b_LUF: jax.Array
+    down_a_LUF: jax.Array
+    down_b_LUD: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -143,7 +145,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     # at run time, so they cost no extra compiled shapes.
 
     def with_lora(fn, idx, *zeros_like):
-        # The slots enter the branch whole and the layer is picked inside it, where the pick
+        # The pools enter the branch whole and the layer is picked inside it, where the pick
         # fuses into the backend's gathers: a layer slice taken outside was copied out whole (the
         # entire pool, every step) to be handed to the branch.
         def run(b):
@@ -165,7 +167,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         v = _proj(hid, lw.wv_LDO, lw.bv_LO)
         if be is not None:
             dq, dk, dv = with_lora(lambda ll, be: be.run_qkv_lora(
-                hid, ll.qkv_a_LSRD, (ll.q_b_LSRO, ll.k_b_LSRO, ll.v_b_LSRO), info), idx, q, k, v)
+                hid, ll.qkv_a_LUD, (ll.q_b_LUO, ll.k_b_LUO, ll.v_b_LUO), info), idx, q, k, v)
             q, k, v = q + dq.astype(q.dtype), k + dk.astype(k.dtype), v + dv.astype(v.dtype)
         q_TNH = apply_rope(q.reshape(t, n, h), cos_TH, sin_TH)
         k_TKH = apply_rope(k.reshape(t, kvh, h), cos_TH, sin_TH)
@@ -179,20 +181,20 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD)
         if be is not None:
             (do,) = with_lora(lambda ll, be: (be.run_lora_b_gemm(
-                be.run_lora_a_gemm(attn_TO, ll.o_a_LSRO, info), ll.o_b_LSRD, info),), idx, o)
+                be.run_lora_a_gemm(attn_TO, ll.o_a_LUO, info), ll.o_b_LUD, info),), idx, o)
             o = o + do.astype(o.dtype)
         x_TD = x_TD + o
         hid = rms_norm(x_TD, lw.mlp_norm_LD, cfg.rms_norm_eps)
         gate, up = _proj(hid, lw.w_gate_LDF), _proj(hid, lw.w_up_LDF)
         if be is not None:
             dg, du = with_lora(lambda ll, be: be.run_gate_up_lora(
-                hid, ll.gate_up_a_LSRD, (ll.gate_b_LSRF, ll.up_b_LSRF), info), idx, gate, up)
+                hid, ll.gate_up_a_LUD, (ll.gate_b_LUF, ll.up_b_LUF), info), idx, gate, up)
             gate, up = gate + dg.astype(gate.dtype), up + du.astype(up.dtype)
         act_TF = swiglu(gate, up)
         down = _proj(act_TF, lw.w_down_LFD)
         if be is not None:
             (dd,) = with_lora(lambda ll, be: (be.run_lora_b_gemm(
-                be.run_lora_a_gemm(act_TF, ll.down_a_LSRF, info), ll.down_b_LSRD, info),), idx, down)
+                be.run_lora_a_gemm(act_TF, ll.down_a_LUF, info), ll.down_b_LUD, info),), idx, down)
             down = down + dd.astype(down.dtype)
         return (x_TD + down, k_cache, v_cache), None
 

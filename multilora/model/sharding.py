@@ -44,7 +44,7 @@ BASE_RULES: dict[str, object] = {
     "head_dim": None,
     "pages": None,
     "page": None,
-    "slots": None,
+    "lora_rows": None,
     "rank": None,
 }
 
@@ -68,18 +68,20 @@ WEIGHT_AXES = {
 }
 
 LORA_AXES = {
-    "qkv_a_LSRD": ("layers", "slots", "rank", "embed"),
-    "q_b_LSRO": ("layers", "slots", "rank", "q_out"),
-    "k_b_LSRO": ("layers", "slots", "rank", "kv_out"),
-    "v_b_LSRO": ("layers", "slots", "rank", "kv_out"),
-    "o_a_LSRO": ("layers", "slots", "rank", "q_out"),
-    "o_b_LSRD": ("layers", "slots", "rank", "embed"),
-    "gate_up_a_LSRD": ("layers", "slots", "rank", "embed"),
-    "gate_b_LSRF": ("layers", "slots", "rank", "ffn"),
-    "up_b_LSRF": ("layers", "slots", "rank", "ffn"),
-    "down_a_LSRF": ("layers", "slots", "rank", "ffn"),
-    "down_b_LSRD": ("layers", "slots", "rank", "embed"),
+    "qkv_a_LUD": ("layers", "lora_rows", "embed"),
+    "q_b_LUO": ("layers", "lora_rows", "q_out"),
+    "k_b_LUO": ("layers", "lora_rows", "kv_out"),
+    "v_b_LUO": ("layers", "lora_rows", "kv_out"),
+    "o_a_LUO": ("layers", "lora_rows", "q_out"),
+    "o_b_LUD": ("layers", "lora_rows", "embed"),
+    "gate_up_a_LUD": ("layers", "lora_rows", "embed"),
+    "gate_b_LUF": ("layers", "lora_rows", "ffn"),
+    "up_b_LUF": ("layers", "lora_rows", "ffn"),
+    "down_a_LUF": ("layers", "lora_rows", "ffn"),
+    "down_b_LUD": ("layers", "lora_rows", "embed"),
 }
+# One adapter's rows on their way into the pools (multilora.lora.pool.write_rows): split alike.
+LORA_ROWS_AXES = {k: tuple("rank" if a == "lora_rows" else a for a in v) for k, v in LORA_AXES.items()}
 
 KV_AXES = ("layers", "pages", "page", "kv_heads", "head_dim")
 

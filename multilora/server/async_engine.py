@@ -391,6 +391,9 @@ class AsyncEngine:
             "multilora_kv_cache_usage_ratio": pages.num_used / max(pages.capacity, 1),
             "multilora_loaded_adapters": len(eng.registry.entries),
             "multilora_lora_loads_in_flight": eng.loader.in_flight(),
+            "multilora_lora_resident_adapters": sum(e.slot is not None for e in eng.registry.entries.values()),
+            "multilora_lora_pool_rows_used": eng.registry.rows_in_use,
+            "multilora_lora_pool_rows_total": eng.registry.num_rows or 0,
         }
         self.snapshot = snap
         self.metrics.set_snapshot(snap, dataclasses.asdict(eng.registry.stats), dict(eng.scheduler.stats))

@@ -172,6 +172,10 @@ class Metrics:
                 ("multilora_kv_cache_usage_ratio", "Fraction of KV cache pages in use."),
                 ("multilora_loaded_adapters", "LoRA adapters registered."),
                 ("multilora_lora_loads_in_flight", "Adapter host copies being read in the background."),
+                ("multilora_lora_resident_adapters", "Adapters resident in the device pool."),
+                ("multilora_lora_pool_rows_used", "Rank rows of the device pool held by resident adapters "
+                                                  "(each holds as many as its rank)."),
+                ("multilora_lora_pool_rows_total", "Rank rows of the device pool for adapters."),
             ]
             for name, help_ in gauges:
                 family(name, "gauge", help_, [("", {}, self.gauges.get(name, 0))])

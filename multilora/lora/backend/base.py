@@ -1,9 +1,13 @@
 """The LoRA compute interface, kept by name from sglang-jax.
 
-Legend: T tokens, D in features, O out features, S adapter slots, R (padded) rank.
-A keeps PEFT's layout, lora_a_SRD (rank x in); B is stored transposed from PEFT's (out x rank), as
-lora_b_SRO (rank x out), so that every expand reads it as a plain (rank, out) matrix. Stacked groups
-(q/k/v, gate/up) put their A matrices one after another along R so that one shrink serves them.
+Legend: T tokens, D in features, O out features, S adapter slots, R the row table's width
+(max_lora_rank), U pool rows (see multilora.lora.pool).
+The weights a backend receives are one layer of a pool of rank rows, shared by every slot:
+lora_a_UD holds A's rows (PEFT's rank x in layout, one row per unit of rank), lora_b_UO holds B's
+rows (PEFT's out x rank, transposed: one (out,) row per unit of rank, so that every expand reads
+a plain (rank, out) matrix). Which rows are a slot's is LoRABatchInfo.rows_SR; a stacked group
+(q/k/v, gate/up) keeps one block of U rows per projection, so that one shrink serves them all
+(`blocks`), giving h_TR with blocks * R columns.
 """
 
 from __future__ import annotations
@@ -14,42 +18,52 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from multilora.lora.batch import LoRABatchInfo, make_lora_batch_info
+from multilora.lora.batch import LoRABatchInfo, make_lora_batch_info, stacked_rows
 
 
 class BaseLoRABackend:
     name = "base"
 
-    def run_lora_a_gemm(self, x_TD: jax.Array, lora_a_SRD: jax.Array, info: LoRABatchInfo) -> jax.Array:
-        """Shrink: h_TR = (x_TD @ A[slot_t].T) * scaling[slot_t]."""
+    def run_lora_a_gemm(self, x_TD: jax.Array, lora_a_UD: jax.Array, info: LoRABatchInfo,
+                        blocks: int = 1) -> jax.Array:
+        """Shrink: h_TR = (x_TD @ A[slot_t].T) * scaling[slot_t], A[s] the slot's rows of each of
+        the pool's `blocks` blocks (h has blocks * R columns)."""
         raise NotImplementedError
 
-    def run_lora_b_gemm(self, h_TR: jax.Array, lora_b_SRO: jax.Array, info: LoRABatchInfo,
+    def run_lora_b_gemm(self, h_TR: jax.Array, lora_b_UO: jax.Array, info: LoRABatchInfo,
                         base_output_TO: jax.Array | None = None) -> jax.Array:
         """Expand: y_TO = h_TR @ B[slot_t], added to base_output_TO when given."""
         raise NotImplementedError
 
-    def run_qkv_lora(self, x_TD: jax.Array, qkv_a_SRD: jax.Array,
+    def run_qkv_lora(self, x_TD: jax.Array, qkv_a_UD: jax.Array,
                      lora_b: Sequence[jax.Array], info: LoRABatchInfo) -> tuple[jax.Array, ...]:
-        """One shrink over the stacked q/k/v A (R = 3 * rank), then one expand per output."""
-        return self._stacked(x_TD, qkv_a_SRD, lora_b, info)
+        """One shrink over the stacked q/k/v A (three blocks), then one expand per output."""
+        return self._stacked(x_TD, qkv_a_UD, lora_b, info)
 
-    def run_gate_up_lora(self, x_TD: jax.Array, gate_up_a_SRD: jax.Array,
+    def run_gate_up_lora(self, x_TD: jax.Array, gate_up_a_UD: jax.Array,
                          lora_b: Sequence[jax.Array], info: LoRABatchInfo) -> tuple[jax.Array, ...]:
-        """One shrink over the stacked gate/up A (R = 2 * rank), then one expand per output."""
-        return self._stacked(x_TD, gate_up_a_SRD, lora_b, info)
+        """One shrink over the stacked gate/up A (two blocks), then one expand per output."""
+        return self._stacked(x_TD, gate_up_a_UD, lora_b, info)
 
-    def _stacked(self, x_TD, a_SRD, lora_b, info):
-        h_TR = self.run_lora_a_gemm(x_TD, a_SRD, info)
-        r = a_SRD.shape[1] // len(lora_b)
-        return tuple(self.run_lora_b_gemm(h_TR[:, i * r:(i + 1) * r], b_SRO, info)
-                     for i, b_SRO in enumerate(lora_b))
+    def _stacked(self, x_TD, a_UD, lora_b, info):
+        h_TR = self.run_lora_a_gemm(x_TD, a_UD, info, len(lora_b))
+        r = h_TR.shape[1] // len(lora_b)
+        return tuple(self.run_lora_b_gemm(h_TR[:, i * r:(i + 1) * r], b_UO, info)
+                     for i, b_UO in enumerate(lora_b))
 
-    def prepare_lora_batch(self, slot_T: np.ndarray, scalings_S: np.ndarray,
-                           ranks_S: np.ndarray, max_grouped: int | None = None) -> LoRABatchInfo:
+    def prepare_lora_batch(self, slot_T: np.ndarray, scalings_S: np.ndarray, ranks_S: np.ndarray,
+                           rows_SR: np.ndarray, max_grouped: int | None = None) -> LoRABatchInfo:
         """Host-side metadata -> LoRABatchInfo. Every backend reads the same fields, so a batch
         prepared once serves all layers and any backend (max_grouped: see make_lora_batch_info)."""
-        return make_lora_batch_info(slot_T, scalings_S, ranks_S, max_grouped)
+        return make_lora_batch_info(slot_T, scalings_S, ranks_S, rows_SR, max_grouped)
+
+
+def slot_rows(pool_UX: jax.Array, info: LoRABatchInfo, slots_N: jax.Array, blocks: int = 1) -> jax.Array:
+    """The weights of slots_N gathered from one layer's pool: (N, blocks * R, X). Entries past a
+    slot's rank read the zero row."""
+    rows_NR = jnp.take(info.rows_SR, slots_N, axis=0, mode="clip")
+    rows_NR = stacked_rows(rows_NR, blocks, pool_UX.shape[0] // blocks)
+    return jnp.take(pool_UX, rows_NR, axis=0, mode="clip")
 
 
 def add_base(y_TO: jax.Array, base_output_TO: jax.Array | None) -> jax.Array:

@@ -113,20 +113,22 @@ def unavailable_reason() -> str:
     return _state.get("reason", "")
 
 
-def shrink(x_TD: jax.Array, a_LSRD: jax.Array, layer: jax.Array, slot_T: jax.Array,
-           scalings_S: jax.Array, ranks_S: jax.Array, blocks: int = 1) -> jax.Array:
-    """h_TR (R = A's rows): per token, its slot's A rows of layer `layer` (up to the slot's rank
-    in each of `blocks` stacked blocks) against x, times the slot's scaling; base rows zero."""
-    t, rt = x_TD.shape[0], a_LSRD.shape[2]
+def shrink(x_TD: jax.Array, a_LUD: jax.Array, layer: jax.Array, slot_T: jax.Array,
+           scalings_S: jax.Array, ranks_S: jax.Array, rows_SR: jax.Array, blocks: int = 1) -> jax.Array:
+    """h_TR (blocks * R columns, R = rows_SR's width): per token, its slot's rows of layer
+    `layer` of the pool (rows_SR[slot, r] for r below the slot's rank, in each of `blocks`
+    blocks of U rows) against x, times the slot's scaling; base rows zero."""
+    t, rt = x_TD.shape[0], blocks * rows_SR.shape[1]
     return jax.ffi.ffi_call("multilora_lora_shrink", jax.ShapeDtypeStruct((t, rt), jnp.float32))(
-        x_TD.astype(jnp.float32), a_LSRD, jnp.asarray(layer, jnp.int32), slot_T.astype(jnp.int32),
-        scalings_S.astype(jnp.float32), ranks_S.astype(jnp.int32), blocks=np.int64(blocks))
+        x_TD.astype(jnp.float32), a_LUD, jnp.asarray(layer, jnp.int32), slot_T.astype(jnp.int32),
+        scalings_S.astype(jnp.float32), ranks_S.astype(jnp.int32), rows_SR.astype(jnp.int32),
+        blocks=np.int64(blocks))
 
 
-def expand(h_TR: jax.Array, b_LSRO: jax.Array, layer: jax.Array, slot_T: jax.Array,
-           ranks_S: jax.Array) -> jax.Array:
+def expand(h_TR: jax.Array, b_LUO: jax.Array, layer: jax.Array, slot_T: jax.Array,
+           ranks_S: jax.Array, rows_SR: jax.Array) -> jax.Array:
     """y_TO: per token, h times its slot's B rows of layer `layer` (up to the slot's rank)."""
-    t, o = h_TR.shape[0], b_LSRO.shape[3]
+    t, o = h_TR.shape[0], b_LUO.shape[2]
     return jax.ffi.ffi_call("multilora_lora_expand", jax.ShapeDtypeStruct((t, o), jnp.float32))(
-        h_TR.astype(jnp.float32), b_LSRO, jnp.asarray(layer, jnp.int32), slot_T.astype(jnp.int32),
-        ranks_S.astype(jnp.int32))
+        h_TR.astype(jnp.float32), b_LUO, jnp.asarray(layer, jnp.int32), slot_T.astype(jnp.int32),
+        ranks_S.astype(jnp.int32), rows_SR.astype(jnp.int32))

@@ -1,14 +1,14 @@
-// Per-token LoRA shrink and expand for the CPU, reading the adapter slots in place.
+// Per-token LoRA shrink and expand for the CPU, reading the adapters' rows in place.
 //
 // XLA's CPU backend runs a per-token gather (bgmv) as a copy of each token's adapter matrices
 // followed by a batched matrix-vector product: the copy costs more than the product. These
-// kernels read each token's slot straight out of the whole (L, S, R, X) pool, at the layer given
-// as an operand (so the scan over layers copies nothing), visit a step's tokens grouped by slot
-// (a slot's rows stay in cache while its tokens use them), and stop at each slot's true rank
-// (rows past it are padding).
+// kernels read each token's rows straight out of the whole (L, blocks * U, X) pool of rank rows
+// (multilora/lora/pool.py), found through the slot's row table, at the layer given as an operand
+// (so the scan over layers copies nothing), visit a step's tokens grouped by slot (a slot's rows
+// stay in cache while its tokens use them), and stop at each slot's true rank.
 //
-// shrink: h_TR[t, j*R + r] = scale[s] * dot(x_TD[t], A[layer, s, j*R + r])   for r < rank[s]
-// expand: y_TO[t]          = sum_{r < rank[s]} h_TR[t, r] * B[layer, s, r]
+// shrink: h_TR[t, j*R + r] = scale[s] * dot(x_TD[t], A[layer, j*U + rows[s, r]])   for r < rank[s]
+// expand: y_TO[t]          = sum_{r < rank[s]} h_TR[t, r] * B[layer, rows[s, r]]
 // with s = slot_T[t]; rows of slot 0 (the base model) are zero.
 
 #include <algorithm>
@@ -111,14 +111,14 @@ void shrink_row(const Item& it, const float* __restrict x, int64_t D, const floa
 // is accumulated in registers while the rank's rows stream by (B read once per item).
 template <int N>
 void expand_item(const Item& it, const float* __restrict hp, int64_t R, int64_t rank,
-                 const float* __restrict b_s, int64_t O, float* __restrict y) {
+                 const float* const* b_rows, int64_t O, float* __restrict y) {
   const float* h[N];
   for (int k = 0; k < N; ++k) h[k] = hp + it.tok[k] * R;
   int64_t o0 = 0;
   for (; o0 + kLanes <= O; o0 += kLanes) {
     float acc[N][kLanes] = {};
     for (int64_t r = 0; r < rank; ++r) {
-      const float* row = b_s + r * O + o0;
+      const float* row = b_rows[r] + o0;
       for (int k = 0; k < N; ++k) {
         const float c = h[k][r];
 #pragma omp simd
@@ -130,67 +130,82 @@ void expand_item(const Item& it, const float* __restrict hp, int64_t R, int64_t 
   for (; o0 < O; ++o0)
     for (int k = 0; k < N; ++k) {
       float acc = 0.f;
-      for (int64_t r = 0; r < rank; ++r) acc += h[k][r] * b_s[r * O + o0];
+      for (int64_t r = 0; r < rank; ++r) acc += h[k][r] * b_rows[r][o0];
       y[it.tok[k] * O + o0] = acc;
     }
 }
 
-ffi::Error Shrink(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_TD, ffi::Buffer<ffi::F32> a_LSRD,
+// The pool row of each of a slot's rank rows (rows_SR[s, r], clamped into the pool's U rows).
+inline int64_t pool_row(const int32_t* rows, int64_t s, int64_t R, int64_t r, int64_t U) {
+  const int64_t u = rows[s * R + r];
+  return u < 0 ? 0 : (u >= U ? U - 1 : u);
+}
+
+ffi::Error Shrink(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_TD, ffi::Buffer<ffi::F32> a_LUD,
                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slot_T,
                   ffi::Buffer<ffi::F32> scalings_S, ffi::Buffer<ffi::S32> ranks_S,
-                  ffi::ResultBuffer<ffi::F32> h_TR, int64_t blocks) {
+                  ffi::Buffer<ffi::S32> rows_SR, ffi::ResultBuffer<ffi::F32> h_TR, int64_t blocks) {
   auto xd = x_TD.dimensions();
-  auto ad = a_LSRD.dimensions();
-  if (xd.size() != 2 || ad.size() != 4 || ad[3] != xd[1] || blocks < 1 || ad[2] % blocks ||
-      slot_T.element_count() != xd[0] || scalings_S.element_count() != ad[1] ||
-      ranks_S.element_count() != ad[1])
+  auto ad = a_LUD.dimensions();
+  auto rd = rows_SR.dimensions();
+  if (xd.size() != 2 || ad.size() != 3 || rd.size() != 2 || ad[2] != xd[1] || blocks < 1 ||
+      ad[1] % blocks || slot_T.element_count() != xd[0] || scalings_S.element_count() != rd[0] ||
+      ranks_S.element_count() != rd[0])
     return ffi::Error::InvalidArgument("multilora lora shrink: operand shapes disagree");
-  const int64_t T = xd[0], D = xd[1], L = ad[0], S = ad[1], RT = ad[2], R = RT / blocks;
+  const int64_t T = xd[0], D = xd[1], L = ad[0], U = ad[1] / blocks, S = rd[0], R = rd[1];
+  const int64_t RT = blocks * R;
   const float* x = x_TD.typed_data();
-  const float* a = a_LSRD.typed_data() + clamp_layer(layer.typed_data()[0], L) * S * RT * D;
+  const float* a = a_LUD.typed_data() + clamp_layer(layer.typed_data()[0], L) * ad[1] * D;
   const float* scalings = scalings_S.typed_data();
   const int32_t* ranks = ranks_S.typed_data();
+  const int32_t* rows = rows_SR.typed_data();
   float* h = h_TR->typed_data();
   std::memset(h, 0, sizeof(float) * T * RT);
   const std::vector<Item> items = items_by_slot(slot_T.typed_data(), T, S);
   parallel_items(pool, items, [&](const Item& it) {
     const int64_t rank = std::min<int64_t>(std::max<int32_t>(ranks[it.slot], 0), R);
-    const float* a_s = a + it.slot * RT * D;
+    const float scale = scalings[it.slot];
     for (int64_t j = 0; j < blocks; ++j)
-      for (int64_t r = 0; r < rank; ++r)
+      for (int64_t r = 0; r < rank; ++r) {
+        const float* row = a + (j * U + pool_row(rows, it.slot, R, r, U)) * D;
         switch (it.n) {
-          case 1: shrink_row<1>(it, x, D, a_s + (j * R + r) * D, scalings[it.slot], h, RT, j * R + r); break;
-          case 2: shrink_row<2>(it, x, D, a_s + (j * R + r) * D, scalings[it.slot], h, RT, j * R + r); break;
-          case 3: shrink_row<3>(it, x, D, a_s + (j * R + r) * D, scalings[it.slot], h, RT, j * R + r); break;
-          default: shrink_row<4>(it, x, D, a_s + (j * R + r) * D, scalings[it.slot], h, RT, j * R + r);
+          case 1: shrink_row<1>(it, x, D, row, scale, h, RT, j * R + r); break;
+          case 2: shrink_row<2>(it, x, D, row, scale, h, RT, j * R + r); break;
+          case 3: shrink_row<3>(it, x, D, row, scale, h, RT, j * R + r); break;
+          default: shrink_row<4>(it, x, D, row, scale, h, RT, j * R + r);
         }
+      }
   });
   return ffi::Error::Success();
 }
 
-ffi::Error Expand(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h_TR, ffi::Buffer<ffi::F32> b_LSRO,
+ffi::Error Expand(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h_TR, ffi::Buffer<ffi::F32> b_LUO,
                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slot_T,
-                  ffi::Buffer<ffi::S32> ranks_S, ffi::ResultBuffer<ffi::F32> y_TO) {
+                  ffi::Buffer<ffi::S32> ranks_S, ffi::Buffer<ffi::S32> rows_SR,
+                  ffi::ResultBuffer<ffi::F32> y_TO) {
   auto hd = h_TR.dimensions();
-  auto bd = b_LSRO.dimensions();
-  if (hd.size() != 2 || bd.size() != 4 || bd[2] != hd[1] || slot_T.element_count() != hd[0] ||
-      ranks_S.element_count() != bd[1])
+  auto bd = b_LUO.dimensions();
+  auto rd = rows_SR.dimensions();
+  if (hd.size() != 2 || bd.size() != 3 || rd.size() != 2 || rd[1] != hd[1] ||
+      slot_T.element_count() != hd[0] || ranks_S.element_count() != rd[0])
     return ffi::Error::InvalidArgument("multilora lora expand: operand shapes disagree");
-  const int64_t T = hd[0], R = hd[1], L = bd[0], S = bd[1], O = bd[3];
+  const int64_t T = hd[0], R = hd[1], L = bd[0], U = bd[1], O = bd[2], S = rd[0];
   const float* hp = h_TR.typed_data();
-  const float* b = b_LSRO.typed_data() + clamp_layer(layer.typed_data()[0], L) * S * R * O;
+  const float* b = b_LUO.typed_data() + clamp_layer(layer.typed_data()[0], L) * U * O;
   const int32_t* ranks = ranks_S.typed_data();
+  const int32_t* rows = rows_SR.typed_data();
   float* y = y_TO->typed_data();
   std::memset(y, 0, sizeof(float) * T * O);
   const std::vector<Item> items = items_by_slot(slot_T.typed_data(), T, S);
   parallel_items(pool, items, [&](const Item& it) {
     const int64_t rank = std::min<int64_t>(std::max<int32_t>(ranks[it.slot], 0), R);
-    const float* b_s = b + it.slot * R * O;
+    std::vector<const float*> b_rows(rank);
+    for (int64_t r = 0; r < rank; ++r) b_rows[r] = b + pool_row(rows, it.slot, R, r, U) * O;
     switch (it.n) {
-      case 1: expand_item<1>(it, hp, R, rank, b_s, O, y); break;
-      case 2: expand_item<2>(it, hp, R, rank, b_s, O, y); break;
-      case 3: expand_item<3>(it, hp, R, rank, b_s, O, y); break;
-      default: expand_item<4>(it, hp, R, rank, b_s, O, y);
+      case 1: expand_item<1>(it, hp, R, rank, b_rows.data(), O, y); break;
+      case 2: expand_item<2>(it, hp, R, rank, b_rows.data(), O, y); break;
+      case 3: expand_item<3>(it, hp, R, rank, b_rows.data(), O, y); break;
+      default: expand_item<4>(it, hp, R, rank, b_rows.data(), O, y);
     }
   });
   return ffi::Error::Success();
@@ -207,6 +222,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraLoraShrink, Shrink,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("blocks"));
 
@@ -215,6 +231,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraLoraExpand, Expand,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
