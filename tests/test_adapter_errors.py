@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 from multilora.config import LoRAConfig, ModelConfig
 from multilora.engine.batching import SeqChunk, build_batch
 from multilora.engine.runner import jit_slot_writer
-from multilora.lora.adapter import AdapterError, load_adapter
+from multilora.lora.adapter import AdapterError, load_adapter, probe_adapter
 from multilora.lora.backend import get_backend
 from multilora.lora.pool import LoRASlots
 from multilora.model.llama import forward, init_kv_cache
@@ -185,6 +185,34 @@ def test_bad_adapter_error_names_adapter_and_reason(case, tmp_path, tiny_adapter
     assert repr(name) in msg, msg
     for word in CASES[case][2]:
         assert word in msg, f"{case}: {word!r} missing from {msg!r}"
+
+
+DATA_ONLY = {"nan_weight", "inf_weight"}  # what only the weights tell: found when they are read
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_probe_from_the_header_refuses_what_the_full_read_refuses(case, tmp_path, tiny_adapters, llama_cfg):
+    """probe_adapter (config and safetensors header, no weights read: how adapters given at start
+    are registered) gives the full read's error, word for word, for every fault the header shows;
+    the faults only the weights show pass it, and load_adapter refuses them on first use."""
+    folder, max_rank = _build(case, tmp_path, tiny_adapters)
+    with pytest.raises(AdapterError) as full:
+        load_adapter("x", folder, llama_cfg, max_rank)
+    if case in DATA_ONLY:
+        probe = probe_adapter("x", folder, llama_cfg, max_rank)
+        assert probe.rank == 8 and probe.nbytes > 0
+        return
+    with pytest.raises(AdapterError) as probed:
+        probe_adapter("x", folder, llama_cfg, max_rank)
+    assert str(probed.value) == str(full.value)
+
+
+def test_probe_agrees_with_the_read_on_rank_and_size(tiny_adapters, llama_cfg):
+    for key in (GOOD, ("llama", "d_regex_patterns"), ("llama", "b_attn_r4_rslora")):
+        ad = load_adapter("x", tiny_adapters[key], llama_cfg, MAX_RANK)
+        probe = probe_adapter("x", tiny_adapters[key], llama_cfg, MAX_RANK)
+        assert (probe.rank, probe.nbytes) == (ad.rank, ad.nbytes), key
+        assert probe.fingerprint != ad.content_hash
 
 
 def test_failed_loads_leave_device_slots_intact(tmp_path, tiny_models, tiny_adapters, llama_cfg):

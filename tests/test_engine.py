@@ -152,6 +152,34 @@ def test_twelve_adapters_through_four_slots(max_loaded_loras, model_dir, extra_d
     assert [o.token_ids for o in outs2] == [outs[i].token_ids for i in order]
 
 
+def test_adapters_given_at_start_are_registered_unread_and_read_on_first_use(
+        model_dir, extra_dirs, short_dirs, peft_greedy_cache, tmp_path):
+    """Adapters given at start are validated from their config and safetensors header only: the
+    engine reads no more of them than the host tier holds (max_loaded_loras=3: three reads in
+    the background), a request for an unread one waits for its read off the step and gives
+    PEFT's tokens, and one whose weights hold NaN (what no header shows) fails only its own
+    requests, with the reason."""
+    from safetensors.numpy import load_file, save_file
+    bad = shutil.copytree(extra_dirs["x1"], tmp_path / "nan")
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    key = sorted(tensors)[0]
+    tensors[key] = np.full_like(tensors[key], np.nan)
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    eng = make_engine(model_dir, {**extra_dirs, "nan": bad}, lora_backend="bgmv", max_loaded_loras=3)
+    assert len(eng.registry.entries) == 13
+    assert eng.registry.num_host_copies == 0 and eng.loader.in_flight() == 3
+    assert [eng.registry.entries[f"x{i}"].rank for i in range(12)] == [[2, 4, 8, 16][i % 4] for i in range(12)]
+    prompts = prompts_of(21, [9, 14, 6, 11, 17, 8])
+    loras = ["x0", "nan", "x7", None, "x11", "nan"]
+    outs = gen(eng, prompts, GREEDY, loras)
+    for i in (1, 5):
+        assert outs[i].finish_reason == "error" and "'nan'" in outs[i].error and "NaN or Inf" in outs[i].error
+    keep = [0, 2, 3, 4]
+    check_vs_peft(peft_greedy_cache, model_dir, short_dirs, [prompts[i] for i in keep],
+                  [loras[i] for i in keep], [outs[i] for i in keep])
+    assert eng.registry.stats.load_failures == 1
+
+
 # ---- adapters at run time ------------------------------------------------------------------------
 def test_unload_while_requests_run(engine, model_dir, short_dirs, peft_greedy_cache):
     eng = engine

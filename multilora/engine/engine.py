@@ -40,7 +40,7 @@ from multilora.engine.request import Request, SamplingParams
 from multilora.engine.runner import Buckets, ModelRunner, ProcessRow, SampleRow
 from multilora.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from multilora.engine.tokenizer import Detokenizer, load_tokenizer
-from multilora.lora.adapter import AdapterError, LoRAAdapter, load_adapter
+from multilora.lora.adapter import AdapterError, LoRAAdapter, load_adapter, probe_adapter
 from multilora.lora.mix import MIX_PREFIX, check_weights, mix_adapters, mix_name, mix_path, read_mix
 from multilora.lora.loader import AdapterLoader
 from multilora.lora.registry import AdapterRegistry
@@ -194,8 +194,7 @@ class Engine:
         self.seed = c.seed
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "mixed_steps": 0,
                       "preemptions": 0, "prompt_tokens": 0, "generated_tokens": 0}
-        for name, path in lora_modules.items():
-            self.load_lora_adapter(name, path)
+        self._register_at_start(lora_modules, progress)
         if warmup:
             secs = self.runner.warmup(progress=progress)
             log.info("compiled %d step shapes in %.1fs", self.runner.num_compiled_steps, secs)
@@ -206,6 +205,32 @@ class Engine:
             self._sync = StepSync()
 
     # ---- adapters ----------------------------------------------------------------------------
+    def _register_at_start(self, lora_modules: dict[str, str], progress: bool) -> None:
+        """The adapters given at start: each validated from its config and safetensors header
+        (a bad one fails the start), registered unread, and read on first use; as many as the
+        host tier holds are read in the background from here on. Thousands of adapters thus cost
+        seconds at start, not a read of all their weights. Several processes read them all now
+        (their prefix-cache keys must agree from the first request)."""
+        if not lora_modules:
+            return
+        if self.slots is None:
+            raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
+        import jax
+        if jax.process_count() > 1:
+            for name, path in lora_modules.items():
+                self.load_lora_adapter(name, path)
+            return
+        bar = _Bar(len(lora_modules), "adapters", progress and len(lora_modules) > 1)
+        room = self.registry.max_host_bytes
+        count = self.registry.max_loaded_loras
+        for i, (name, path) in enumerate(lora_modules.items()):
+            probe = probe_adapter(name, path, self.cfg, self.lora_cfg.max_lora_rank)
+            self.registry.register(name, str(path), probe=probe)
+            if (room is None or probe.nbytes <= room) and (count is None or i < count):
+                self.loader.prefetch(name, str(path))
+                room = None if room is None else room - probe.nbytes
+            bar.update(1)
+
     def read_adapter_async(self, name: str, path: str):
         """Read, validate and hash an adapter folder on the loader's low-priority worker thread
         (it touches no engine state): a concurrent Future of the LoRAAdapter, which
@@ -445,6 +470,11 @@ class Engine:
             if adapter is not None:
                 self.registry.stats.loads += 1
                 self.registry.put_host(name, path, adapter)
+                entry = self.registry.entries.get(name)
+                if entry is not None:  # its content is known now: waiting requests key pages by it
+                    for req in self.scheduler.waiting:
+                        if req.adapter == name and not req.block_table and not req.num_computed_tokens:
+                            req.lora_hash = entry.content_hash
                 continue
             self.registry.stats.load_failures += 1
             log.warning("reading adapter %r from %s failed: %s", name, path, error)
@@ -455,8 +485,8 @@ class Engine:
         for req in self.scheduler.waiting:
             if req.adapter is not None and not self.registry.ready(req.adapter):
                 entry = self.registry.entries.get(req.adapter)
-                if entry is not None:
-                    self.loader.prefetch(req.adapter, entry.path)
+                if entry is not None and self.loader.prefetch(req.adapter, entry.path):
+                    self.registry.stats.host_misses += 1  # a request waits for this read
 
     def _make_resident(self, plan: StepPlan) -> None:
         """Every adapter of the plan in a device slot. An adapter that cannot be read again (an

@@ -132,21 +132,32 @@ def _check_config(name: str, cfg: dict) -> None:
             raise AdapterError(name, f"{key} must map module patterns to positive numbers, got {pat!r}")
 
 
-def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
-    """Read, validate and lay out one adapter. Raises AdapterError; touches no shared state."""
-    folder = Path(path)
-    cfg = _read_config(name, folder)
-    _check_config(name, cfg)
+@dataclasses.dataclass(frozen=True)
+class AdapterProbe:
+    """What an adapter folder's config and safetensors header say, read without its weights:
+    enough to register it (its rank, its size), with its data read on first use."""
+
+    name: str
+    path: str
+    rank: int
+    nbytes: int          # of its host copy once read (float32, stacked over layers)
+    fingerprint: bytes   # of the folder as found (config, file size and time): stands in for the
+                         # content hash until the weights are read
+
+
+def _weights_file(name: str, folder: Path) -> Path:
     weights_file = folder / "adapter_model.safetensors"
     if not weights_file.is_file():
         other = " (adapter_model.bin is not read: convert it to safetensors)" if (folder / "adapter_model.bin").exists() else ""
         raise AdapterError(name, f"no adapter_model.safetensors in {str(folder)!r}{other}")
-    try:
-        with safe_open(weights_file, "numpy") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError, TypeError) as e:
-        raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
+    return weights_file
 
+
+def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: ModelConfig,
+          max_lora_rank: int) -> tuple[dict[str, dict[int, tuple[str, str, float]]], int, float]:
+    """Check every tensor's name and shape against the config and the base model (what the
+    header alone tells). Returns module -> layer -> (A key, B key, scaling ratio folded into B),
+    the largest rank and the default scaling."""
     r_default = int(cfg.get("r", 8))
     alpha_default = float(cfg.get("lora_alpha", 8))
     rslora = bool(cfg.get("use_rslora", False))
@@ -157,8 +168,8 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_r
         return alpha / math.sqrt(r) if rslora else alpha / r
 
     default_scaling = scaling_of(alpha_default, r_default)
-    found: dict[tuple[int, str], dict[LoRAType, np.ndarray]] = {}
-    for key, arr in tensors.items():
+    found: dict[tuple[int, str], dict[LoRAType, str]] = {}
+    for key in shapes:
         m = _KEY_RE.search(key)
         if m is None:
             raise AdapterError(name, f"tensor {key!r} is not a LoRA A/B weight of "
@@ -171,23 +182,21 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_r
         if layer >= model_cfg.num_layers:
             raise AdapterError(name, f"tensor {key!r} names layer {layer}, but the base model has "
                                      f"{model_cfg.num_layers} layers (an adapter for another model?)")
-        if not np.all(np.isfinite(arr.astype(np.float32))):
-            raise AdapterError(name, f"tensor {key!r} holds NaN or Inf values")
-        found.setdefault((layer, module), {})[ab] = arr
+        found.setdefault((layer, module), {})[ab] = key
     if not found:
         raise AdapterError(name, "adapter_model.safetensors holds no LoRA weights")
 
-    per_module: dict[str, dict[int, tuple[np.ndarray, np.ndarray, float]]] = {}
+    plan: dict[str, dict[int, tuple[str, str, float]]] = {}
     max_rank = 0
     for (layer, module), ab in sorted(found.items()):
         if set(ab) != set(LoRAType):
             raise AdapterError(name, f"layer {layer} {module} has lora_{''.join(t.value for t in ab)} "
                                      "but not its pair")
-        a, b = ab[LoRAType.A].astype(np.float32), ab[LoRAType.B].astype(np.float32)
+        sa, sb = tuple(shapes[ab[LoRAType.A]]), tuple(shapes[ab[LoRAType.B]])
         d_in, d_out = model_cfg.module_dims(module)
-        r = a.shape[0]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != d_in or b.shape != (d_out, r):
-            raise AdapterError(name, f"layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} "
+        r = sa[0] if sa else 0
+        if len(sa) != 2 or len(sb) != 2 or sa[1] != d_in or sb != (d_out, r):
+            raise AdapterError(name, f"layer {layer} {module}: lora_A {sa} / lora_B {sb} "
                                      f"do not fit the base model's {module} ({d_in} -> {d_out}); "
                                      "an adapter for another model?")
         if r > max_lora_rank:
@@ -198,17 +207,68 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_r
         if r_cfg != r:
             raise AdapterError(name, f"layer {layer} {module}: weights have rank {r} but the config "
                                      f"says {r_cfg}")
-        ratio = scaling_of(alpha, r) / default_scaling
-        per_module.setdefault(module, {})[layer] = (a, b, ratio)
+        plan.setdefault(module, {})[layer] = (ab[LoRAType.A], ab[LoRAType.B], scaling_of(alpha, r) / default_scaling)
         max_rank = max(max_rank, r)
+    return plan, max_rank, default_scaling
+
+
+def _host_bytes(plan, shapes, model_cfg: ModelConfig) -> int:
+    total = 0
+    for module, layers in plan.items():
+        d_in, d_out = model_cfg.module_dims(module)
+        r_mod = max(shapes[ka][0] for ka, _, _ in layers.values())
+        total += 4 * model_cfg.num_layers * r_mod * (d_in + d_out)
+    return total
+
+
+def probe_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int) -> AdapterProbe:
+    """Validate an adapter folder from its config and its safetensors header only (names,
+    shapes, ranks against the base model and max_lora_rank), reading none of its weights; what
+    only the weights can tell (NaN or Inf) is checked when load_adapter reads them."""
+    folder = Path(path)
+    cfg = _read_config(name, folder)
+    _check_config(name, cfg)
+    weights_file = _weights_file(name, folder)
+    try:
+        with safe_open(weights_file, "numpy") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        st = weights_file.stat()
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
+        raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
+    plan, rank, _ = _plan(name, cfg, shapes, model_cfg, max_lora_rank)
+    h = hashlib.sha256(b"multilora:lora-unread:v1")
+    h.update(json.dumps(cfg, sort_keys=True).encode())
+    h.update(struct.pack("<qq", st.st_size, st.st_mtime_ns))
+    h.update(str(weights_file.resolve()).encode())
+    return AdapterProbe(name=name, path=str(folder), rank=rank, nbytes=_host_bytes(plan, shapes, model_cfg),
+                        fingerprint=h.digest())
+
+
+def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
+    """Read, validate and lay out one adapter. Raises AdapterError; touches no shared state."""
+    folder = Path(path)
+    cfg = _read_config(name, folder)
+    _check_config(name, cfg)
+    weights_file = _weights_file(name, folder)
+    try:
+        with safe_open(weights_file, "numpy") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
+        raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
+    plan, max_rank, default_scaling = _plan(name, cfg, {k: v.shape for k, v in tensors.items()},
+                                            model_cfg, max_lora_rank)
+    for key, arr in tensors.items():
+        if not np.all(np.isfinite(arr.astype(np.float32))):
+            raise AdapterError(name, f"tensor {key!r} holds NaN or Inf values")
 
     modules = {}
-    for module, layers in per_module.items():
+    for module, layers in plan.items():
         d_in, d_out = model_cfg.module_dims(module)
-        r_mod = max(a.shape[0] for a, _, _ in layers.values())
+        r_mod = max(tensors[ka].shape[0] for ka, _, _ in layers.values())
         a_LRI = np.zeros((model_cfg.num_layers, r_mod, d_in), np.float32)
         b_LOR = np.zeros((model_cfg.num_layers, d_out, r_mod), np.float32)
-        for layer, (a, b, ratio) in layers.items():
+        for layer, (ka, kb, ratio) in layers.items():
+            a, b = tensors[ka].astype(np.float32), tensors[kb].astype(np.float32)
             r = a.shape[0]
             a_LRI[layer, :r] = a
             b_LOR[layer, :, :r] = b * ratio if ratio != 1.0 else b

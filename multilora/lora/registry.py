@@ -16,7 +16,7 @@ from collections import OrderedDict
 from typing import Callable, Iterable, Optional
 
 from multilora.config import NO_ADAPTER
-from multilora.lora.adapter import LoRAAdapter
+from multilora.lora.adapter import AdapterProbe, LoRAAdapter
 
 
 class UnknownAdapterError(KeyError):
@@ -95,9 +95,11 @@ class AdapterRegistry:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def register(self, name: str, path: str, pinned: bool = False,
-                 adapter: Optional[LoRAAdapter] = None) -> AdapterEntry:
+                 adapter: Optional[LoRAAdapter] = None, probe: Optional[AdapterProbe] = None) -> AdapterEntry:
         """Read and validate the adapter now (or take `adapter`, already read off the engine
-        thread); on any error nothing changes."""
+        thread); on any error nothing changes. With `probe` (its config and header, validated)
+        and no adapter, it is registered unread: its weights are read on first use, and until
+        then its content hash is the probe's fingerprint."""
         if not name or not isinstance(name, str):
             raise ValueError("adapter name must be a non-empty string")
         if name in self.entries:
@@ -106,9 +108,9 @@ class AdapterRegistry:
             raise AdapterConflictError(
                 f"cannot pin {name!r}: pinned adapters would fill all {self.num_slots} device slots "
                 "and leave none for the others")
-        if adapter is None:
+        if adapter is None and (probe is None or pinned):
             adapter = self._read(name, path)
-        rank = adapter.rank
+        rank = adapter.rank if adapter is not None else probe.rank
         if pinned and self.num_rows is not None:
             pinned_rows = sum(e.rank for e in self.entries.values() if e.pinned) + rank
             room = self.num_rows - (self.max_rank or 1)
@@ -118,9 +120,10 @@ class AdapterRegistry:
                     f"{self.num_rows} rank rows and leave no room for an adapter of rank "
                     f"{self.max_rank or 1}; raise lora_memory_gb or pin fewer")
         entry = AdapterEntry(name=name, path=str(path), id=next(self._ids), pinned=pinned, rank=rank,
-                             content_hash=adapter.content_hash)
+                             content_hash=adapter.content_hash if adapter is not None else probe.fingerprint)
         self.entries[name] = entry
-        self._put_host(name, adapter)
+        if adapter is not None:
+            self._put_host(name, adapter)
         return entry
 
     def unregister(self, name: str) -> list[int]:
@@ -204,7 +207,6 @@ class AdapterRegistry:
         if entry is None or entry.path != path or entry.slot is not None:
             return  # gone, reloaded elsewhere, or made resident meanwhile (its rows fit what was written)
         entry.content_hash, entry.rank = adapter.content_hash, adapter.rank
-        self.stats.host_misses += 1
         self._put_host(name, adapter)
 
     @property
