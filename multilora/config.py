@@ -181,10 +181,19 @@ def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
     )
 
 
+# The adapter pool (multilora.lora.pool) hands out rank rows in aligned pages of this many: an
+# adapter of rank r holds ceil(r / PAGE_ROWS) pages, and a backend gathers a page as one slice.
+PAGE_ROWS = 8
+
+
+def round_to_pages(rank: int) -> int:
+    return -(-rank // PAGE_ROWS) * PAGE_ROWS
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
     """Device-side LoRA limits: how many adapters one batch may use, the widest rank accepted,
-    and the pool's rank rows (multilora.lora.pool): each adapter takes as many as its rank."""
+    and the pool's rank rows (multilora.lora.pool): each adapter takes its rank's pages."""
 
     max_loras_per_batch: int = 8
     max_lora_rank: int = 64
@@ -197,13 +206,20 @@ class LoRAConfig:
         return self.max_loras_per_batch + 1
 
     @property
+    def table_width(self) -> int:
+        """Entries in a slot's row table: max_lora_rank in whole pages."""
+        return round_to_pages(self.max_lora_rank)
+
+    @property
     def adapter_rows(self) -> int:
-        return self.max_loras_per_batch * self.max_lora_rank if self.pool_rows is None else self.pool_rows
+        """Rows for adapters, in whole pages."""
+        rows = self.max_loras_per_batch * self.table_width if self.pool_rows is None else self.pool_rows
+        return rows // PAGE_ROWS * PAGE_ROWS
 
     @property
     def num_rows(self) -> int:
-        """Row 0 is all zeros (what table entries past a rank read), so one more row."""
-        return self.adapter_rows + 1
+        """Page 0 is all zeros (what table entries past an adapter's pages read): one page more."""
+        return self.adapter_rows + PAGE_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,16 +291,16 @@ def lora_pool_size(max_loras_per_batch: Optional[int], memory_given: bool, memor
     disables LoRA), else max_num_seqs (a batch never has more distinct adapters than sequences).
     Rows: as many as the memory budget holds (an adapter of rank r takes r), but no more than
     every slot at max_rank, which is also what a count given alone gets. The budget must hold
-    one adapter of max_rank."""
+    one adapter of max_rank. Rows come in whole pages (PAGE_ROWS)."""
     if max_loras_per_batch == 0:
         return 0, 0
     slots = max_num_seqs if max_loras_per_batch is None else max_loras_per_batch
-    full = slots * max_rank
+    full = slots * round_to_pages(max_rank)
     if max_loras_per_batch is not None and not memory_given:
         return slots, full
-    rows = min(memory_bytes // max(row_bytes, 1), full)
-    if rows < max_rank:
+    rows = min(memory_bytes // max(row_bytes, 1), full) // PAGE_ROWS * PAGE_ROWS
+    if rows < round_to_pages(max_rank):
         raise ValueError(f"lora_memory_gb={memory_bytes / 2**30:g} cannot hold one adapter of rank "
                          f"max_lora_rank={max_rank} ({max_rank * row_bytes / 2**20:.1f} MB); raise it, lower "
                          "max_lora_rank, or disable LoRA with max_loras_per_batch=0")
-    return min(slots, rows), int(rows)
+    return min(slots, rows // PAGE_ROWS), int(rows)

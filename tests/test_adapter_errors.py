@@ -23,7 +23,7 @@ from multilora.engine.batching import SeqChunk, build_batch
 from multilora.engine.runner import jit_slot_writer
 from multilora.lora.adapter import AdapterError, load_adapter, probe_adapter
 from multilora.lora.backend import get_backend
-from multilora.lora.pool import LoRASlots
+from multilora.lora.pool import LoRASlots, page_rows
 from multilora.model.llama import forward, init_kv_cache
 from multilora.model.loader import load_weights
 from multilora.model.sharding import make_mesh
@@ -220,8 +220,8 @@ def test_failed_loads_leave_device_slots_intact(tmp_path, tiny_models, tiny_adap
     cfg, weights = load_weights(tiny_models["llama"], mesh=mesh)
     slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=2, max_lora_rank=8), jnp.float32, mesh,
                       jit_writer=jit_slot_writer)
-    slots.load(1, [1, 2, 3, 4, 5, 6, 7, 8], load_adapter("a", tiny_adapters[GOOD], cfg, 8))
-    slots.load(2, [16, 15, 14, 13, 12, 11, 10, 9], load_adapter("d", tiny_adapters[("llama", "d_regex_patterns")], cfg, 8))
+    slots.load(1, page_rows([2]), load_adapter("a", tiny_adapters[GOOD], cfg, 8))
+    slots.load(2, page_rows([1]), load_adapter("d", tiny_adapters[("llama", "d_regex_patterns")], cfg, 8))
 
     rng = np.random.default_rng(5)
     chunks = [SeqChunk(rng.integers(0, 256, n).tolist(), 0, pages, slot)
@@ -249,7 +249,7 @@ def test_failed_loads_leave_device_slots_intact(tmp_path, tiny_models, tiny_adap
     # A valid adapter that does not fit the slots (rank 16 > 8) is refused by the pool itself.
     big = load_adapter("c", tiny_adapters[("llama", "c_mlp_r16")], cfg, 64)
     with pytest.raises(ValueError, match="max_lora_rank"):
-        slots.load(1, list(range(1, 17)), big)
+        slots.load(1, page_rows([1, 2]), big)
 
     for k, v in vars(slots.weights).items():
         np.testing.assert_array_equal(np.asarray(v), bufs[k], err_msg=k)

@@ -111,8 +111,20 @@ def make_scalings(rng, s):
 
 
 def make_rows(rng, ranks, r, spare=3):
-    """A row table (S, R): each slot's rank rows at distinct random rows of a pool of
-    1 + sum(ranks) + spare rows; entries past a rank name row 0. Returns (rows_SR, U)."""
+    """A row table (S, R) and the pool's rows per block. When R is whole pages (a multiple of 8,
+    as LoRASlots keeps it): each slot's ceil(rank / 8) pages, aligned runs of 8 rows, at random
+    pages of a pool of the pages needed, `spare` pages more and the zero page (rows 0..7), which
+    the entries past a slot's pages name. Otherwise each rank row at a random row, entries past
+    the rank naming row 0."""
+    if r % 8 == 0:
+        need = [-(-int(k) // 8) for k in ranks]
+        n_pages = 1 + sum(need) + spare
+        free = list(rng.permutation(np.arange(1, n_pages)))
+        rows = np.tile(np.arange(r, dtype=np.int32) % 8, (len(ranks), 1))
+        for i, n in enumerate(need):
+            for p in range(n):
+                rows[i, 8 * p:8 * p + 8] = free.pop() * 8 + np.arange(8)
+        return rows, 8 * n_pages
     u = 1 + int(ranks.sum()) + spare
     free = list(rng.permutation(np.arange(1, u)))
     rows = np.zeros((len(ranks), r), np.int32)
@@ -122,16 +134,17 @@ def make_rows(rng, ranks, r, spare=3):
 
 
 def page(w_SRX, rows_SR, u, blocks=1, fill=np.nan):
-    """Slot-major (S, blocks*R, X) -> a pool (blocks*U, X) laid out by the row table: row 0 of
-    each block zero, rows no slot names `fill`."""
+    """Slot-major (S, blocks*R, X) -> a pool (blocks*U, X) laid out by the row table: the zero
+    page (or row) of each block zero, rows no slot names `fill`."""
     s, br, x = w_SRX.shape
     r = br // blocks
+    zero = 8 if r % 8 == 0 else 1
     pool = np.full((blocks * u, x), fill, np.float32)
     for j in range(blocks):
-        pool[j * u] = 0.0
+        pool[j * u:j * u + zero] = 0.0
         for i in range(s):
             for k in range(r):
-                if rows_SR[i, k] != 0:
+                if rows_SR[i, k] >= zero:
                     pool[j * u + rows_SR[i, k]] = w_SRX[i, j * r + k]
     return pool
 

@@ -16,18 +16,20 @@ ROW = int(1.25 * MB)  # one rank row of SmolLM2-135M at float32, roughly
 def test_by_memory_rows_at_true_rank_and_slots_up_to_max_num_seqs():
     # 2 GB hold 1638 rows; 64 slots at rank 16 need only 1024: the rows stop there.
     assert lora_pool_size(None, False, 2 * GB, ROW, 16, 64) == (64, 1024)
-    # max rank 128: 64 slots would need 8192 rows, the budget holds 1638 (12 rank-128 adapters,
-    # or 64 of rank 16: the slots are not padded to the max).
-    assert lora_pool_size(None, False, 2 * GB, ROW, 128, 64) == (64, 1638)
-    assert lora_pool_size(None, True, 1 * GB, ROW, 64, 256) == (256, 819)
+    # max rank 128: 64 slots would need 8192 rows, the budget holds 1632 in whole pages of 8
+    # (12 rank-128 adapters, or 64 of rank 16: the slots are not padded to the max).
+    assert lora_pool_size(None, False, 2 * GB, ROW, 128, 64) == (64, 1632)
+    # never more slots than pages: 816 rows are 102 pages
+    assert lora_pool_size(None, True, 1 * GB, ROW, 64, 256) == (102, 816)
 
 
 def test_a_given_count_is_kept_and_a_given_budget_bounds_its_rows():
     assert lora_pool_size(8, False, 2 * GB, ROW, 64, 64) == (8, 512)        # alone: every slot at max rank
     assert lora_pool_size(200, False, 2 * GB, ROW, 64, 64) == (200, 12800)  # the count alone is obeyed
-    assert lora_pool_size(200, True, 2 * GB, ROW, 64, 64) == (200, 1638)    # both: the budget bounds the rows
+    assert lora_pool_size(200, True, 2 * GB, ROW, 64, 64) == (200, 1632)    # both: the budget bounds the rows
     assert lora_pool_size(0, True, 2 * GB, ROW, 64, 64) == (0, 0)           # 0 still disables LoRA
-    assert lora_pool_size(100, True, int(0.1 * GB), ROW, 64, 64) == (81, 81)  # never more slots than rows
+    assert lora_pool_size(100, True, int(0.1 * GB), ROW, 64, 64) == (10, 80)  # never more slots than pages
+    assert lora_pool_size(4, False, 2 * GB, ROW, 12, 64) == (4, 64)         # rank 12 slots: whole pages, 16
 
 
 def test_a_budget_below_one_adapter_of_max_rank_is_refused_with_the_numbers():
@@ -39,8 +41,9 @@ def test_a_budget_below_one_adapter_of_max_rank_is_refused_with_the_numbers():
 
 
 def test_lora_config_rows():
-    assert LoRAConfig(max_loras_per_batch=4, max_lora_rank=16).num_rows == 4 * 16 + 1  # + the zero row
-    assert LoRAConfig(max_loras_per_batch=4, max_lora_rank=16, pool_rows=40).num_rows == 41
+    assert LoRAConfig(max_loras_per_batch=4, max_lora_rank=16).num_rows == 4 * 16 + 8  # + the zero page
+    assert LoRAConfig(max_loras_per_batch=4, max_lora_rank=16, pool_rows=40).num_rows == 48
+    assert LoRAConfig(max_loras_per_batch=4, max_lora_rank=12).table_width == 16       # whole pages
 
 
 @pytest.mark.parametrize("field,value", [("lora_memory_gb", 0), ("lora_memory_gb", -1.0), ("lora_memory_gb", "2"),

@@ -25,7 +25,7 @@ from multilora.lora.adapter import load_adapter
 from multilora.lora.backend import kernels  # `native` needs a C++ compiler (built on first use)
 from multilora.lora.backend import get_backend
 from multilora.lora.batch import NO_ADAPTER
-from multilora.lora.pool import LoRASlots
+from multilora.lora.pool import LoRASlots, page_rows
 from multilora.model.llama import forward, init_kv_cache
 from multilora.model.loader import load_weights
 from multilora.model.sharding import make_mesh
@@ -135,11 +135,11 @@ def served(tiny_models, tiny_adapters):
             cfg, weights = load_weights(tiny_models[kind], mesh=MESH)
             slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=len(ADAPTERS), max_lora_rank=MAX_RANK),
                               jnp.float32, MESH, jit_writer=jit_slot_writer)
-            # Each adapter's rank rows drawn from anywhere in the pool (true rank, not contiguous).
-            free = list(np.random.default_rng(1).permutation(np.arange(1, slots.lora_cfg.num_rows)))
+            # Each adapter's pages drawn from anywhere in the pool (true rank, in no order).
+            free = list(np.random.default_rng(1).permutation(np.arange(1, slots.lora_cfg.num_rows // 8)))
             for i, name in enumerate(ADAPTERS):
                 adapter = load_adapter(name, tiny_adapters[(kind, name)], cfg, MAX_RANK)
-                slots.load(i + 1, [free.pop() for _ in range(adapter.rank)], adapter)
+                slots.load(i + 1, page_rows([free.pop() for _ in range(-(-adapter.rank // 8))]), adapter)
             cache[kind] = (cfg, weights, slots)
         return cache[kind]
 
@@ -287,48 +287,53 @@ def test_small_ranks_slot_rewrite_and_clear(backend, tiny_models, tiny_adapters,
 
     held = {}
 
-    def load(slot, name, rows=None):
+    def load(slot, name, pages=None):
         adapter = load_adapter(name, tiny_adapters[(kind, name)], cfg, 32)
-        rows = held[slot][:adapter.rank] if rows is None else rows
-        held[slot] = rows
-        slots.load(slot, rows, adapter)
+        pages = held[slot][:-(-adapter.rank // 8)] if pages is None else pages
+        held[slot] = pages
+        slots.load(slot, page_rows(pages), adapter)
 
     def check(slot_names, phase):
         rows, _ = _step(cfg, weights, slots, _fresh_kv(cfg), chunks, backend)
         _check_prefill(rows, chunks, lambda i: REWRITE_TOKENS[i], ref, slot_names,
                        f"{kind}/{backend} {phase}")
 
-    load(1, "c_mlp_r16", list(range(40, 24, -1)))   # rows in descending order
-    load(2, "a_all_r8", [3, 50, 7, 1, 22, 9, 64, 2])  # scattered through the pool
+    load(1, "c_mlp_r16", [7, 3])   # pages out of order
+    load(2, "a_all_r8", [5])
     check({1: "c_mlp_r16", 2: "a_all_r8"}, "first load, ranks 16 and 8 under max 32")
 
-    load(2, "b_attn_r4_rslora")   # rank 4 attention-only over rank 8 on all modules, in its rows
-    load(1, "d_regex_patterns")   # ranks 8/2 over rank 16 MLP-only, in its rows
+    load(2, "b_attn_r4_rslora")   # rank 4 attention-only over rank 8 on all modules, in its page
+    load(1, "d_regex_patterns")   # ranks 8/2 over rank 16 MLP-only, in its first page
     assert slots.ranks_S.tolist() == [0, 8, 4]
-    assert slots.rows_SR[2].tolist() == [3, 50, 7, 1] + [0] * 28    # past the rank: the zero row
+    zero_page = list(range(8))
+    assert slots.rows_SR[2].tolist() == page_rows([5]) + zero_page * 3   # past its page: the zero page
     check({1: "d_regex_patterns", 2: "b_attn_r4_rslora"}, "slots rewritten")
 
     slots.clear(2)
-    assert slots.ranks_S[2] == 0 and slots.scalings_S[2] == 0.0 and not slots.rows_SR[2].any()
+    assert slots.ranks_S[2] == 0 and slots.scalings_S[2] == 0.0 and slots.rows_SR[2].tolist() == zero_page * 4
     for name, buf in vars(slots.weights).items():
-        assert not np.any(np.asarray(buf[:, 0])), f"the zero row holds data in {name}"
+        b = buf.shape[1] // slots.lora_cfg.num_rows
+        for j in range(b):
+            assert not np.any(np.asarray(buf[:, j * slots.lora_cfg.num_rows:][:, :8])), f"zero page of {name}"
     check({1: "d_regex_patterns", 2: None}, "slot 2 cleared (its rows are base rows)")
 
 
 def test_pool_refuses_rows_that_do_not_fit_the_adapter(tiny_models, tiny_adapters):
-    """LoRASlots.load wants one distinct row per unit of rank, inside the pool, never the zero
-    row; anything else is refused before a byte is written."""
+    """LoRASlots.load wants the rows of its rank's pages (aligned runs of 8), inside the pool,
+    never the zero page; anything else is refused before a byte is written."""
     cfg, _ = load_weights(tiny_models[REWRITE_KIND], mesh=MESH)
     slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=2, max_lora_rank=8), jnp.float32, MESH)
     adapter = load_adapter("a", tiny_adapters[(REWRITE_KIND, "a_all_r8")], cfg, 8)
     before = {k: np.asarray(v).copy() for k, v in vars(slots.weights).items()}
-    for rows in ([1, 2, 3], list(range(1, 10)), [0, 1, 2, 3, 4, 5, 6, 7], [1, 1, 2, 3, 4, 5, 6, 7],
-                 [9, 10, 11, 12, 13, 14, 15, 16, 17][1:]):
-        with pytest.raises(ValueError, match="needs 8 distinct pool rows in 1..16"):
+    table = slots.rows_SR.copy()
+    for rows in ([8, 9, 10], page_rows([1, 2]), page_rows([0]), list(range(9, 17)), page_rows([3]),
+                 [8, 9, 10, 11, 12, 13, 15, 14]):
+        with pytest.raises(ValueError, match="needs the rows of 1 distinct pages of 8 in 1..2"):
             slots.load(1, rows, adapter)
     for k, v in vars(slots.weights).items():
         np.testing.assert_array_equal(np.asarray(v), before[k], err_msg=k)
-    assert not slots.rows_SR.any() and not slots.ranks_S.any()
+    np.testing.assert_array_equal(slots.rows_SR, table)
+    assert not slots.ranks_S.any()
 
 
 # --- config errors -------------------------------------------------------------------------

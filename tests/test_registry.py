@@ -303,20 +303,22 @@ def test_rows_at_true_rank_are_given_distinct_and_freed_on_eviction_and_unload()
     for name, r in (("a", 8), ("b", 16), ("c", 4), ("d", 32)):
         reg.register(name, f"/r{r}/{name}")
     writes = dict((e.name, e.rows) for _, e in reg.assign_slots({"a", "b", "c"}, set()))
-    assert {n: len(r) for n, r in writes.items()} == {"a": 8, "b": 16, "c": 4}
+    assert {n: len(r) for n, r in writes.items()} == {"a": 8, "b": 16, "c": 8}  # whole pages of 8
     rows = [r for rs in writes.values() for r in rs]
-    assert len(set(rows)) == 28 and min(rows) >= 1 and max(rows) <= 40  # never the zero row
-    assert reg.rows_in_use == 28
-    # d (rank 32) needs 32 of 40 rows: 12 are free, so LRU adapters go until it fits (a, then b);
+    assert len(set(rows)) == 32 and min(rows) >= 8 and max(rows) < 48  # never the zero page
+    assert all(rs[i:i + 8] == tuple(range(rs[i], rs[i] + 8)) and rs[i] % 8 == 0
+               for rs in writes.values() for i in range(0, len(rs), 8))  # aligned runs: pages
+    assert reg.rows_in_use == 32
+    # d (rank 32) needs 32 of 40 rows: 8 are free, so LRU adapters go until it fits (a, then b);
     # c, in use by a running sequence, stays.
     reg.assign_slots({"c"}, set())  # c the most recent
     [(d_slot, d)] = reg.assign_slots({"d"}, {"c"})
     assert len(d.rows) == 32 and not set(d.rows) & set(writes["c"])
     assert reg.resolve("a").slot is None and reg.resolve("b").slot is None and reg.resolve("a").rows == ()
-    assert reg.stats.slot_evictions == 2 and reg.rows_in_use == 36
+    assert reg.stats.slot_evictions == 2 and reg.rows_in_use == 40
     # unloading a resident adapter gives its rows back at once
     assert reg.unregister("d") == [d_slot]
-    assert reg.rows_in_use == 4
+    assert reg.rows_in_use == 8
     reg.drop_slot("c")
     assert reg.rows_in_use == 0 and reg.resolve("c").slot is None
 

@@ -605,11 +605,12 @@ def test_metrics_parse(served):
     assert metric(ms, "multilora_generation_tokens_total", model="b") >= 3
     assert metric(ms, "multilora_kv_pages_total") == served.engine.pages.capacity
     assert metric(ms, "multilora_lora_slot_misses_total") >= 1
-    # the pool: 4 slots at rank 16 (ENGINE_KW); "b" (and whatever else is resident) holds its rank's rows
+    # the pool: 4 slots at rank 16 (ENGINE_KW); "b" (and whatever else is resident) holds its
+    # rank's pages of 8 rows
     resident = [e for e in served.engine.registry.entries.values() if e.slot is not None]
     assert metric(ms, "multilora_lora_pool_rows_total") == 4 * 16
     assert metric(ms, "multilora_lora_resident_adapters") == len(resident) >= 1
-    assert metric(ms, "multilora_lora_pool_rows_used") == sum(e.rank for e in resident)
+    assert metric(ms, "multilora_lora_pool_rows_used") == sum(-(-e.rank // 8) * 8 for e in resident)
     for h in ("multilora_time_to_first_token_seconds", "multilora_inter_token_latency_seconds"):
         buckets = sorted(((float(dict(k[1])["le"]), v) for k, v in ms.items()
                           if k != "__types__" and k[0] == f"{h}_bucket"), key=lambda t: t[0])

@@ -249,7 +249,7 @@ def test_weights_slots_and_cache_are_sharded(tp, tp_runs):
     assert piece(w["w_gate_LDF"]) == [d, f // tp]
     assert piece(w["w_down_LFD"]) == [f // tp, d]
     lo = {k: e["piece"][1:] for k, e in r["lora"].items()}
-    u = 4 * 16 + 1                                         # pool rows: 4 slots at rank 16, + the zero row
+    u = 4 * 16 + 8                                       # pool rows: 4 slots at rank 16, + the zero page
     assert lo["qkv_a_LUD"] == [3 * u, d]                 # A of column-parallel layers: replicated
     assert lo["q_b_LUO"] == [u, qo // tp]                # ... B split by output
     assert lo["k_b_LUO"] == lo["v_b_LUO"] == [u, kvo // g]

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from multilora.config import NO_ADAPTER, LoRAType  # noqa: F401  (defined in config, which has no jax)
+from multilora.config import NO_ADAPTER, PAGE_ROWS, LoRAType  # noqa: F401  (defined in config, which has no jax)
 
 
 @jax.tree_util.register_dataclass
@@ -22,8 +22,10 @@ class LoRABatchInfo:
     slot_T:       adapter slot of each token (NO_ADAPTER for base rows and padding).
     scalings_S:   per-slot scaling (alpha / r, or alpha / sqrt(r) with rsLoRA).
     ranks_S:      per-slot rank (0 for empty slots).
-    rows_SR:      per-slot row table: the pool row holding rank row r of slot s (multilora.lora.pool);
-                  entries past a slot's rank, and every entry of an empty slot, are row 0 (zeros).
+    rows_SR:      per-slot row table: the pool row holding rank row r of slot s (multilora.lora.pool),
+                  in aligned runs of PAGE_ROWS (pages) when its width is a multiple of PAGE_ROWS;
+                  entries past a slot's pages, and every entry of an empty slot, name page 0
+                  (zeros), rows past its rank inside its last page hold zeros.
     tile_slot_G:  SGMV: the slot of each tile of rows.
     tile_rows_GM: SGMV: token index of each row of each tile (T = padding, reads a zero row).
     token_pos_T:  SGMV: where token t sits in the flattened tiles (G*M = "no adapter", zero row).

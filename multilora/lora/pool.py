@@ -1,12 +1,16 @@
 """The device pool for adapters: rank rows, allocated at each adapter's true rank.
 
-Every LoRA buffer is a pool of U rows per layer, one row per unit of rank (S-LoRA's unified
-paging with a page of one rank row): an adapter of rank r holds r rows, anywhere in the pool, and
-a per-slot row table, rows_SR, says which (LoRABatchInfo carries it to every backend). Row 0 is
-all zeros and never written with anything else: table entries past a slot's rank, and the whole
-table of an empty slot, point at it. So a rank-8 adapter beside a rank-128 one takes 8 rows, not
-128, and the memory budget holds as many adapters as their true ranks allow; max_lora_rank is
-only the table's width (the widest adapter accepted), not every adapter's size.
+Every LoRA buffer is a pool of U rows per layer, one row per unit of rank, handed out in aligned
+pages of PAGE_ROWS (8) rows (S-LoRA's unified paging): an adapter of rank r holds ceil(r / 8)
+pages, anywhere in the pool, and a per-slot row table, rows_SR, says which rows (LoRABatchInfo
+carries it to every backend). Page 0 is all zeros and never written with anything else: table
+entries past a slot's pages, and the whole table of an empty slot, name its rows; an adapter's
+rows past its rank inside its last page are written zero. So a rank-8 adapter beside a rank-128
+one takes 8 rows, not 128, and the memory budget holds as many adapters as their true ranks
+allow; max_lora_rank is only the table's width (the widest adapter accepted). Pages rather than
+single rows because a backend's gather then moves 8-row slices (a one-row gather costs XLA's CPU
+backend about 1.5x more); the price is at most 7 rows per adapter of a rank that is not a
+multiple of 8.
 
 Stacked groups (q/k/v A, gate/up A) keep one block of U rows per projection: the stacked A is
 (L, blocks * U, D) and block j of a slot's row r is row j * U + rows_SR[slot, r].
@@ -26,13 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from multilora.config import LoRAConfig, ModelConfig
+from multilora.config import PAGE_ROWS, LoRAConfig, ModelConfig, round_to_pages
 from multilora.lora.adapter import LoRAAdapter
 from multilora.lora.batch import NO_ADAPTER, stacked_rows
 from multilora.model.llama import LoRAWeights
 from multilora.model.sharding import LORA_AXES, LORA_ROWS_AXES, dataclass_shardings, put, replicated, rules_for
 
-ZERO_ROW = 0
 # Stacked groups: how many projections' blocks of rows a pool holds (the others hold one).
 BLOCKS = {"qkv_a_LUD": 3, "gate_up_a_LUD": 2}
 
@@ -108,10 +111,20 @@ def adapter_slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, max_rank:
     return LoRAWeights(**out)
 
 
+def page_rows(pages) -> list[int]:
+    """The rows of these pages, in order."""
+    return [p * PAGE_ROWS + i for p in pages for i in range(PAGE_ROWS)]
+
+
+def empty_table_row(width: int) -> np.ndarray:
+    """A slot's table with no adapter: every page names the zero page."""
+    return np.arange(width, dtype=np.int32) % PAGE_ROWS
+
+
 def write_rows(lora: LoRAWeights, rows_R: jax.Array, new: LoRAWeights) -> LoRAWeights:
     """Pure: lora with the rows rows_R (R,) of every pool replaced by `new`'s (jitted with
-    donation in the runner). Entries past the adapter's rank are ZERO_ROW, and `new` is zero
-    there, so the zero row stays zero."""
+    donation in the runner). Entries past the adapter's pages name the zero page, and `new` is
+    zero there (and past its rank), so the zero page stays zero."""
     def one(field):
         buf, x = getattr(lora, field), getattr(new, field)
         b = blocks_of(field)
@@ -133,11 +146,11 @@ class LoRASlots:
         self.weights = init_lora_weights(cfg, lora_cfg, dtype, mesh)
         self._rows_shardings = lora_shardings(cfg, mesh, LORA_ROWS_AXES)
         self._write = (jit_writer(write_rows, self.weights, self.shardings, self._rows_shardings,
-                                  replicated(mesh), lora_cfg.max_lora_rank) if jit_writer is not None else write_rows)
-        S, R = lora_cfg.num_slots, lora_cfg.max_lora_rank
+                                  replicated(mesh), lora_cfg.table_width) if jit_writer is not None else write_rows)
+        S, R = lora_cfg.num_slots, lora_cfg.table_width
         self.scalings_S = np.zeros((S,), np.float32)
         self.ranks_S = np.zeros((S,), np.int32)
-        self.rows_SR = np.full((S, R), ZERO_ROW, np.int32)
+        self.rows_SR = np.tile(empty_table_row(R), (S, 1))
 
     @property
     def num_slots(self) -> int:
@@ -149,19 +162,23 @@ class LoRASlots:
                              f"(slot {NO_ADAPTER} is the base model)")
 
     def load(self, slot: int, rows, adapter: LoRAAdapter) -> None:
-        """Write `adapter` into the pool rows `rows` (one per unit of its rank) and point `slot`'s
-        table at them."""
+        """Write `adapter` into the pool rows `rows` (the rows of its pages: page_rows) and point
+        `slot`'s table at them."""
         self._check(slot)
-        R = self.lora_cfg.max_lora_rank
-        if adapter.rank > R:
-            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank {R}")
+        R = self.lora_cfg.table_width
+        if adapter.rank > self.lora_cfg.max_lora_rank:
+            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank "
+                             f"{self.lora_cfg.max_lora_rank}")
         rows = np.asarray(rows, np.int32)
-        if rows.shape != (adapter.rank,) or np.any(rows <= ZERO_ROW) or np.any(rows >= self.lora_cfg.num_rows) \
-                or len(set(rows.tolist())) != len(rows):
-            raise ValueError(f"adapter {adapter.name!r} of rank {adapter.rank} needs {adapter.rank} distinct "
-                             f"pool rows in 1..{self.lora_cfg.num_rows - 1}, got {rows.tolist()}")
-        rows_R = np.full((R,), ZERO_ROW, np.int32)
-        rows_R[:adapter.rank] = rows
+        n = round_to_pages(adapter.rank)
+        pages = rows.ravel()[::PAGE_ROWS] // PAGE_ROWS
+        if rows.shape != (n,) or rows.tolist() != page_rows(pages.tolist()) or np.any(pages < 1) \
+                or np.any(rows >= self.lora_cfg.num_rows) or len(set(pages.tolist())) != len(pages):
+            raise ValueError(f"adapter {adapter.name!r} of rank {adapter.rank} needs the rows of {n // PAGE_ROWS} "
+                             f"distinct pages of {PAGE_ROWS} in 1..{self.lora_cfg.num_rows // PAGE_ROWS - 1}, "
+                             f"got {rows.tolist()}")
+        rows_R = empty_table_row(R)
+        rows_R[:n] = rows
         new = adapter_slot_arrays(adapter, self.cfg, R)
         self.weights = self._write(self.weights, rows_R, jax.tree.map(put, new, self._rows_shardings))
         self.rows_SR[slot] = rows_R
@@ -172,7 +189,7 @@ class LoRASlots:
         """The slot reads the zero row again (its rows go back to the registry's free list; their
         contents are overwritten whole by the next adapter that gets them)."""
         self._check(slot)
-        self.rows_SR[slot] = ZERO_ROW
+        self.rows_SR[slot] = empty_table_row(self.lora_cfg.table_width)
         self.scalings_S[slot] = 0.0
         self.ranks_S[slot] = 0
 
@@ -180,16 +197,15 @@ class LoRASlots:
 # ---- slot-major arrays (one (R, X) block per slot) as a pool: for scripts and benchmarks -------
 
 def slot_major_rows(num_slots: int, rank: int) -> np.ndarray:
-    """The row table of slot_major_pool: slot s >= 1 at rows s * R .. s * R + R - 1, slot 0 at
-    the zero row."""
-    rows_SR = np.arange(num_slots * rank, dtype=np.int32).reshape(num_slots, rank)
-    rows_SR[NO_ADAPTER] = ZERO_ROW
-    return rows_SR
+    """The row table of slot_major_pool: slot s at rows s * R .. s * R + R - 1 (slot 0, all
+    zeros, is the zero page when R is whole pages)."""
+    return np.arange(num_slots * rank, dtype=np.int32).reshape(num_slots, rank)
 
 
 def slot_major_pool(w_SRX, blocks: int = 1):
     """Slot-major weights (S, blocks * R, X), slot 0 all zeros, -> a pool (blocks * S * R, X) read
-    through slot_major_rows (slot 0's first row is the zero row). numpy or jax arrays alike."""
+    through slot_major_rows (R a multiple of PAGE_ROWS: slot 0 holds the zero page). numpy or jax
+    arrays alike."""
     s, br, x = w_SRX.shape
     r = br // blocks
     xp = np if isinstance(w_SRX, np.ndarray) else jnp

@@ -1,8 +1,8 @@
 """Adapter lifecycle: name -> unique id, refcounts, load and unload at run time, and the two
 tiers below the registry: host copies (LRU, bounded by max_loaded_loras and bytes) and the device
 pool (LRU, never evicting an adapter that a running sequence uses, never a pinned one). A resident
-adapter holds a slot (its row table, one per adapter in a batch) and as many of the pool's rank
-rows as its rank (multilora.lora.pool): eviction frees both, as many adapters as it takes.
+adapter holds a slot (its row table, one per adapter in a batch) and its rank's pages of the
+pool's rank rows (multilora.lora.pool): eviction frees both, as many adapters as it takes.
 
 Plain Python, no jax: the engine applies the slot writes this module decides.
 """
@@ -15,7 +15,7 @@ import itertools
 from collections import OrderedDict
 from typing import Callable, Iterable, Optional
 
-from multilora.config import NO_ADAPTER
+from multilora.config import NO_ADAPTER, PAGE_ROWS, round_to_pages
 from multilora.lora.adapter import AdapterProbe, LoRAAdapter
 
 
@@ -49,7 +49,7 @@ class AdapterEntry:
     refcount: int = 0          # requests (waiting or running) that use it
     unloading: bool = False
     slot: Optional[int] = None
-    rows: tuple[int, ...] = ()  # its pool rows while resident, one per unit of rank
+    rows: tuple[int, ...] = ()  # its pool rows while resident: the rows of its pages
     rank: int = 0
     content_hash: bytes = b""  # of its weights and scaling: the root of its prefix-cache keys
 
@@ -71,8 +71,9 @@ class AdapterRegistry:
                  read_adapter: Callable[[str, str], LoRAAdapter], max_host_bytes: Optional[int] = None,
                  num_rows: Optional[int] = None, max_rank: Optional[int] = None):
         """num_slots: device slots for adapters (slot 0, the base model, not counted); num_rows:
-        the pool's rank rows for adapters (row 0, the zero row, not counted; None: rows never
-        limit); max_rank: the widest adapter accepted (pinning keeps room for one). Host copies
+        the pool's rank rows for adapters, whole pages of PAGE_ROWS (page 0, the zero page, not
+        counted; None: rows never limit); max_rank: the widest adapter accepted (pinning keeps
+        room for one). Host copies
         are kept LRU within max_loaded_loras copies and max_host_bytes bytes (either None: no
         bound); the copy just read always stays."""
         if max_loaded_loras is not None and max_loaded_loras < 1:
@@ -80,8 +81,9 @@ class AdapterRegistry:
         self.num_slots = num_slots
         self.num_rows = num_rows
         self.max_rank = max_rank
-        self._free_rows: list[int] = list(range(1, (num_rows or 0) + 1))  # a heap: lowest first
-        self._next_row = (num_rows or 0) + 1  # rows unbounded: new ids past every one given
+        num_pages = (num_rows or 0) // PAGE_ROWS
+        self._free_pages: list[int] = list(range(1, num_pages + 1))  # a heap: lowest first
+        self._next_page = num_pages + 1  # rows unbounded: new pages past every one given
         self.max_loaded_loras = max_loaded_loras
         self.max_host_bytes = max_host_bytes
         self.host_bytes = 0
@@ -112,8 +114,9 @@ class AdapterRegistry:
             adapter = self._read(name, path)
         rank = adapter.rank if adapter is not None else probe.rank
         if pinned and self.num_rows is not None:
-            pinned_rows = sum(e.rank for e in self.entries.values() if e.pinned) + rank
-            room = self.num_rows - (self.max_rank or 1)
+            pinned_rows = sum(round_to_pages(e.rank) for e in self.entries.values() if e.pinned) \
+                + round_to_pages(rank)
+            room = self.num_rows - round_to_pages(self.max_rank or 1)
             if pinned_rows > room:
                 raise AdapterConflictError(
                     f"cannot pin {name!r}: pinned adapters would hold {pinned_rows} of the pool's "
@@ -219,7 +222,7 @@ class AdapterRegistry:
         together = {e.name for e in self.entries.values() if e.pinned} | set(names)
         if len(together) > self.num_slots:
             return False
-        return self.num_rows is None or sum(self.entries[n].rank for n in together
+        return self.num_rows is None or sum(round_to_pages(self.entries[n].rank) for n in together
                                             if n in self.entries) <= self.num_rows
 
     @property
@@ -227,7 +230,7 @@ class AdapterRegistry:
         return sum(len(e.rows) for e in self._slot_of.values())
 
     def assign_slots(self, needed: set[str], in_use: set[str]) -> list[tuple[int, AdapterEntry]]:
-        """Give every adapter in `needed` a slot and entry.rank pool rows (entry.rows). Returns
+        """Give every adapter in `needed` a slot and its rank's pages of rows (entry.rows). Returns
         the (slot, entry) pairs whose contents must be written. Evicts least recently used
         adapters outside needed | in_use, never pinned, until both fit."""
         writes = []
@@ -257,31 +260,34 @@ class AdapterRegistry:
     def _evict(self, entry: AdapterEntry) -> None:
         self._slot_of.pop(entry.slot, None)
         self._slot_lru.pop(entry.slot, None)
-        for row in entry.rows:
-            heapq.heappush(self._free_rows, row)
+        for row in entry.rows[::PAGE_ROWS]:
+            heapq.heappush(self._free_pages, row // PAGE_ROWS)
         entry.slot, entry.rows = None, ()
 
-    def _take_rows(self, n: int) -> tuple[int, ...]:
+    def _take_rows(self, rank: int) -> tuple[int, ...]:
+        n = round_to_pages(rank) // PAGE_ROWS
         if self.num_rows is None:
-            while len(self._free_rows) < n:
-                heapq.heappush(self._free_rows, self._next_row)
-                self._next_row += 1
-        return tuple(heapq.heappop(self._free_rows) for _ in range(n))
+            while len(self._free_pages) < n:
+                heapq.heappush(self._free_pages, self._next_page)
+                self._next_page += 1
+        pages = [heapq.heappop(self._free_pages) for _ in range(n)]
+        return tuple(p * PAGE_ROWS + i for p in pages for i in range(PAGE_ROWS))
 
-    def _room(self, rows: int) -> bool:
+    def _room(self, rank: int) -> bool:
         slot_free = len(self._slot_of) < self.num_slots
-        return slot_free and (self.num_rows is None or len(self._free_rows) >= rows)
+        return slot_free and (self.num_rows is None
+                              or len(self._free_pages) * PAGE_ROWS >= round_to_pages(rank))
 
-    def _make_room(self, keep: set[str], rows: int) -> int:
-        """A free slot, with `rows` free rows beside it, evicting LRU adapters as needed."""
-        if self.num_rows is not None and rows > self.num_rows:
-            raise RuntimeError(f"an adapter of rank {rows} cannot fit the pool's {self.num_rows} rank rows")
-        while not self._room(rows):
+    def _make_room(self, keep: set[str], rank: int) -> int:
+        """A free slot, with room for `rank` rows beside it, evicting LRU adapters as needed."""
+        if self.num_rows is not None and round_to_pages(rank) > self.num_rows:
+            raise RuntimeError(f"an adapter of rank {rank} cannot fit the pool's {self.num_rows} rank rows")
+        while not self._room(rank):
             victim = next((self._slot_of[s] for s in self._slot_lru
                            if not self._slot_of[s].pinned and self._slot_of[s].name not in keep), None)
             if victim is None:
                 held = f"{self.num_slots} slots" + ("" if self.num_rows is None else f" and {self.num_rows} rank rows")
-                raise RuntimeError(f"no room in the device pool for an adapter of rank {rows}: its {held} "
+                raise RuntimeError(f"no room in the device pool for an adapter of rank {rank}: its {held} "
                                    "hold adapters that running sequences use or that are pinned")
             self._evict(victim)
             self.stats.slot_evictions += 1

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from multilora.lora.batch import LoRABatchInfo, make_lora_batch_info, stacked_rows
+from multilora.lora.batch import PAGE_ROWS, LoRABatchInfo, make_lora_batch_info, stacked_rows
 
 
 class BaseLoRABackend:
@@ -59,11 +59,19 @@ class BaseLoRABackend:
 
 
 def slot_rows(pool_UX: jax.Array, info: LoRABatchInfo, slots_N: jax.Array, blocks: int = 1) -> jax.Array:
-    """The weights of slots_N gathered from one layer's pool: (N, blocks * R, X). Entries past a
-    slot's rank read the zero row."""
+    """The weights of slots_N gathered from one layer's pool: (N, blocks * R, X). A table of
+    whole pages (R a multiple of PAGE_ROWS, as LoRASlots keeps it) is gathered a page, an
+    aligned run of PAGE_ROWS rows, per slice; any other width a row per slice."""
     rows_NR = jnp.take(info.rows_SR, slots_N, axis=0, mode="clip")
+    paged = rows_NR.shape[1] % PAGE_ROWS == 0
     rows_NR = stacked_rows(rows_NR, blocks, pool_UX.shape[0] // blocks)
-    return jnp.take(pool_UX, rows_NR, axis=0, mode="clip")
+    n, r = rows_NR.shape
+    if not paged:
+        return jnp.take(pool_UX, rows_NR, axis=0, mode="clip")
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(2, 3), collapsed_slice_dims=(), start_index_map=(0,))
+    first_NP1 = rows_NR[:, ::PAGE_ROWS, None]
+    pages = jax.lax.gather(pool_UX, first_NP1, dims, slice_sizes=(PAGE_ROWS, pool_UX.shape[1]), mode="clip")
+    return pages.reshape(n, r, pool_UX.shape[1])
 
 
 def add_base(y_TO: jax.Array, base_output_TO: jax.Array | None) -> jax.Array:
