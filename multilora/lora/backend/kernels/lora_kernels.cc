@@ -27,6 +27,7 @@ namespace {
 
 constexpr int64_t kRows = 4;   // tokens of one slot handled together: each weight row is read once
 constexpr int64_t kLanes = 16; // output features per register block in the expand
+constexpr int64_t kStackRows = 256;  // B row pointers kept on the stack up to this rank
 
 // A work item: up to kRows tokens that share a slot.
 struct Item {
@@ -199,13 +200,15 @@ ffi::Error Expand(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h_TR, ffi::Buffer<
   const std::vector<Item> items = items_by_slot(slot_T.typed_data(), T, S);
   parallel_items(pool, items, [&](const Item& it) {
     const int64_t rank = std::min<int64_t>(std::max<int32_t>(ranks[it.slot], 0), R);
-    std::vector<const float*> b_rows(rank);
+    const float* on_stack[kStackRows];  // the slot's B rows, found through its table once
+    std::vector<const float*> on_heap(rank > kStackRows ? rank : 0);
+    const float** b_rows = rank > kStackRows ? on_heap.data() : on_stack;
     for (int64_t r = 0; r < rank; ++r) b_rows[r] = b + pool_row(rows, it.slot, R, r, U) * O;
     switch (it.n) {
-      case 1: expand_item<1>(it, hp, R, rank, b_rows.data(), O, y); break;
-      case 2: expand_item<2>(it, hp, R, rank, b_rows.data(), O, y); break;
-      case 3: expand_item<3>(it, hp, R, rank, b_rows.data(), O, y); break;
-      default: expand_item<4>(it, hp, R, rank, b_rows.data(), O, y);
+      case 1: expand_item<1>(it, hp, R, rank, b_rows, O, y); break;
+      case 2: expand_item<2>(it, hp, R, rank, b_rows, O, y); break;
+      case 3: expand_item<3>(it, hp, R, rank, b_rows, O, y); break;
+      default: expand_item<4>(it, hp, R, rank, b_rows, O, y);
     }
   });
   return ffi::Error::Success();
