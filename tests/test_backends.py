@@ -404,7 +404,8 @@ def test_auto_takes_native_for_decode_shapes_only_where_it_can_serve():
     from multilora.lora.backend import choose_backend
     assert choose_backend("auto", 64, True, 65, native=True) == "native"
     assert choose_backend("auto", 8, True, 9, native=True) == "native"
-    assert choose_backend("auto", 512, False, 65, native=True) == "sgmv"  # prefill keeps its tiles
+    assert choose_backend("auto", 512, False, 65, native=True) == "native"  # prefill too: no tile copies
+    assert choose_backend("auto", 512, False, 65) == "sgmv"               # without the kernels: tiles
     assert choose_backend("auto", 64, True, 1, native=True) == "bgmv"     # no adapter slot at all
     assert choose_backend("bgmv", 64, True, 65, native=True) == "bgmv"    # an explicit choice stands
     from multilora.lora.backend import native_usable

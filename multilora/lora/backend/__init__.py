@@ -53,7 +53,10 @@ def native_usable(dtype, devices) -> bool:
 def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int | None = None,
                    native: bool = False) -> str:
     """Resolve "auto" for one compiled shape (tokens and slots are both static there).
-    Prefill groups tokens into tiles (`sgmv`). Decode does too when the tokens would fill every
+    Where multilora's CPU kernels serve (`native`), every shape with adapter slots takes them:
+    they read each adapter's rows in place, where the tile backends copy every tile's weights
+    (forward_step, a 512-token prefill with 8 adapters in 64 slots: native 1.16x of no adapter,
+    sgmv 1.82x). Otherwise prefill groups tokens into tiles (`sgmv`). Decode does too when the tokens would fill every
     adapter's tile on average (T >= M * adapters), reads the whole small pool once (`dense`)
     when the adapters are still few next to the tokens (4 * adapters <= T); with more slots
     than that (a pool sized by memory), the shape carries both `sgmv` (tiles sized for the few
@@ -63,10 +66,10 @@ def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int |
     if name != "auto":
         get_backends(name)
         return name
+    adapters = 0 if num_slots is None else num_slots - 1
+    if native and adapters:
+        return "native"
     if is_decode or num_tokens <= 64:
-        adapters = 0 if num_slots is None else num_slots - 1
-        if native and adapters:
-            return "native"
         if adapters and num_tokens >= sgmv_tile_rows(num_tokens, num_slots) * adapters:
             return "sgmv"
         if adapters and adapters * 4 <= num_tokens:

@@ -6,7 +6,7 @@ more than the product. These kernels read each token's rows in place (by the slo
 pool at the step's layer (forward hands a `PoolLayer` instead of a layer slice, so the scan over
 layers copies nothing either), take a slot's tokens together so its rows are read once per step,
 and stop at each slot's true rank. Float32 on the CPU, on one device (under tensor parallelism
-the XLA backends keep their shardings); `auto` picks it for decode shapes when it is available.
+the XLA backends keep their shardings); `auto` picks it for every shape when it is available.
 """
 
 from __future__ import annotations
