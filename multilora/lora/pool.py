@@ -8,9 +8,9 @@ entries past a slot's pages, and the whole table of an empty slot, name its rows
 rows past its rank inside its last page are written zero. So a rank-8 adapter beside a rank-128
 one takes 8 rows, not 128, and the memory budget holds as many adapters as their true ranks
 allow; max_lora_rank is only the table's width (the widest adapter accepted). Pages rather than
-single rows because a backend's gather then moves 8-row slices (a one-row gather costs XLA's CPU
-backend about 1.5x more); the price is at most 7 rows per adapter of a rank that is not a
-multiple of 8.
+single rows so that a backend's gather moves 8-row slices (one run measured single-row gathers
+1.46x slower on XLA's CPU backend; reruns were level: BENCHMARKS.md); the price is at most 7 rows
+per adapter of a rank that is not a multiple of 8.
 
 Stacked groups (q/k/v A, gate/up A) keep one block of U rows per projection: the stacked A is
 (L, blocks * U, D) and block j of a slot's row r is row j * U + rows_SR[slot, r].
