@@ -221,19 +221,29 @@ def _host_bytes(plan, shapes, model_cfg: ModelConfig) -> int:
     return total
 
 
-def probe_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int) -> AdapterProbe:
-    """Validate an adapter folder from its config and its safetensors header only (names,
-    shapes, ranks against the base model and max_lora_rank), reading none of its weights; what
-    only the weights can tell (NaN or Inf) is checked when load_adapter reads them."""
+def _open_folder(name: str, path: str | Path, take):
+    """The folder's config (checked) and take(the open safetensors file): what both reads share."""
     folder = Path(path)
     cfg = _read_config(name, folder)
     _check_config(name, cfg)
     weights_file = _weights_file(name, folder)
     try:
         with safe_open(weights_file, "numpy") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        st = weights_file.stat()
+            got = take(f)
     except (SafetensorError, OSError, ValueError, TypeError) as e:
+        raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
+    return folder, cfg, weights_file, got
+
+
+def probe_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int) -> AdapterProbe:
+    """Validate an adapter folder from its config and its safetensors header only (names,
+    shapes, ranks against the base model and max_lora_rank), reading none of its weights; what
+    only the weights can tell (NaN or Inf) is checked when load_adapter reads them."""
+    folder, cfg, weights_file, shapes = _open_folder(
+        name, path, lambda f: {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    try:
+        st = weights_file.stat()
+    except OSError as e:
         raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
     plan, rank, _ = _plan(name, cfg, shapes, model_cfg, max_lora_rank)
     h = hashlib.sha256(b"multilora:lora-unread:v1")
@@ -246,15 +256,7 @@ def probe_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_
 
 def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
     """Read, validate and lay out one adapter. Raises AdapterError; touches no shared state."""
-    folder = Path(path)
-    cfg = _read_config(name, folder)
-    _check_config(name, cfg)
-    weights_file = _weights_file(name, folder)
-    try:
-        with safe_open(weights_file, "numpy") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError, TypeError) as e:
-        raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
+    folder, cfg, _, tensors = _open_folder(name, path, lambda f: {k: f.get_tensor(k) for k in f.keys()})
     plan, max_rank, default_scaling = _plan(name, cfg, {k: v.shape for k, v in tensors.items()},
                                             model_cfg, max_lora_rank)
     for key, arr in tensors.items():
