@@ -33,7 +33,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from multilora.config import EngineConfig, LoRAConfig, ModelConfig, lora_pool_size
+from multilora.config import EngineConfig, LoRAConfig, ModelConfig, lora_pool_size, round_to_pages
 from multilora.engine.batching import SeqChunk
 from multilora.engine.kv_pages import PagePool
 from multilora.engine.request import Request, SamplingParams
@@ -162,7 +162,7 @@ class Engine:
             log.info("LoRA: %d adapter slots; a pool of %d rank rows (%.2f MB each, %.2f GB): adapters take "
                      "their true rank (%d of rank %d, %d of rank 8)", max_loras_per_batch, pool_rows,
                      row_bytes / 2**20, pool_rows * row_bytes / 2**30,
-                     min(max_loras_per_batch, pool_rows // max_lora_rank), max_lora_rank,
+                     min(max_loras_per_batch, pool_rows // round_to_pages(max_lora_rank)), max_lora_rank,
                      min(max_loras_per_batch, pool_rows // 8))
         self.lora_cfg = LoRAConfig(max_loras_per_batch=max_loras_per_batch, max_lora_rank=max_lora_rank,
                                    pool_rows=pool_rows)

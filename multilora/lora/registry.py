@@ -73,9 +73,8 @@ class AdapterRegistry:
         """num_slots: device slots for adapters (slot 0, the base model, not counted); num_rows:
         the pool's rank rows for adapters, whole pages of PAGE_ROWS (page 0, the zero page, not
         counted; None: rows never limit); max_rank: the widest adapter accepted (pinning keeps
-        room for one). Host copies
-        are kept LRU within max_loaded_loras copies and max_host_bytes bytes (either None: no
-        bound); the copy just read always stays."""
+        room for one). Host copies are kept LRU within max_loaded_loras copies and
+        max_host_bytes bytes (either None: no bound); the copy just read always stays."""
         if max_loaded_loras is not None and max_loaded_loras < 1:
             raise ValueError(f"max_loaded_loras must be >= 1 or None, got {max_loaded_loras}")
         self.num_slots = num_slots
