@@ -41,6 +41,34 @@ ADAPTER_SPECS = {
 }
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tiny_tokenizer(folder: Path) -> int:
+    """A byte-level BPE over printable ASCII with exactly 256 tokens (the tiny models' vocab):
+    <|endoftext|>, <|im_start|>, <|im_end|> (= eos id 2 of the tiny config), then the rest."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = sorted({c for w, _ in tok.pre_tokenizer.pre_tokenize_str(string.printable) for c in w})
+    corpus = ("the quick brown fox jumps over the lazy dog. hello world, how are you today? "
+              "once upon a time there was a little model that served many adapters at once. "
+              "user assistant system: tell me a story about cats and dogs and birds. "
+              "many small requests share one batch; each names its adapter or none. "
+              "streaming tokens arrive one by one while other clients wait their turn.").split(". ") * 10
+    trainer = trainers.BpeTrainer(vocab_size=256, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None}))
+    return tok.get_vocab_size()
+
+
 def make_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg_dict = dict(TINY_CONFIGS[kind])

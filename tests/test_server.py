@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import socket
-import string
 import subprocess
 import sys
 import threading
@@ -34,35 +33,11 @@ MAX_MODEL_LEN = 128
 ENGINE_KW = dict(max_loras_per_batch=4, max_lora_rank=16, max_num_seqs=8, max_num_batched_tokens=64,
                  page_size=8, max_model_len=MAX_MODEL_LEN)
 MAX_BODY = 64 * 1024
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 PROMPTS = ["hello world", "once upon a time there was", "tell me a story about cats",
            "the quick brown fox jumps over", "many small requests share one batch",
            "how are you today?", "a little model that served", "streaming tokens arrive"]
 ADAPTERS = {"a": "a_all_r8", "b": "b_attn_r4_rslora", "c": "c_mlp_r16"}   # c: loaded at run time
 CHAT = [{"role": "system", "content": "you are a model"}, {"role": "user", "content": "tell me a story"}]
-
-
-def build_tokenizer(folder: Path) -> int:
-    """A byte-level BPE over printable ASCII with exactly 256 tokens (the tiny models' vocab):
-    <|endoftext|>, <|im_start|>, <|im_end|> (= eos id 2 of the tiny config), then the rest."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    alphabet = sorted({c for w, _ in tok.pre_tokenizer.pre_tokenize_str(string.printable) for c in w})
-    corpus = ("the quick brown fox jumps over the lazy dog. hello world, how are you today? "
-              "once upon a time there was a little model that served many adapters at once. "
-              "user assistant system: tell me a story about cats and dogs and birds. "
-              "many small requests share one batch; each names its adapter or none. "
-              "streaming tokens arrive one by one while other clients wait their turn.").split(". ") * 10
-    trainer = trainers.BpeTrainer(vocab_size=256, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=alphabet, show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None}))
-    return tok.get_vocab_size()
 
 
 def free_port() -> int:
@@ -107,7 +82,7 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
     model_dir = root / "model"
     model_dir.mkdir()
-    vocab = build_tokenizer(model_dir)
+    vocab = reference.make_tiny_tokenizer(model_dir)
     assert vocab == reference.TINY_CONFIGS["llama"]["vocab_size"]
     reference.make_tiny_model(model_dir, "llama")
     lora_root = root / "adapters"
@@ -694,8 +669,11 @@ def test_nothing_is_silently_ignored(served):
     schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
     refused = [
         ("/v1/completions", dict(ok, frobnicate=1), "frobnicate"),
-        ("/v1/completions", dict(ok, response_format={"type": "json_object"}), "response_format"),
-        ("/v1/chat/completions", dict(chat, response_format=schema), "response_format"),
+        ("/v1/completions", dict(ok, response_format={"type": "xml"}), "response_format"),
+        ("/v1/chat/completions", dict(chat, response_format=schema, guided_regex="a+"), "response_format"),
+        ("/v1/completions", dict(ok, guided_decoding_backend="xgrammar", guided_regex="a+"),
+         "guided_decoding_backend"),
+        ("/v1/completions", dict(ok, structured_outputs={"xml": "<a/>"}), "structured_outputs"),
         ("/v1/chat/completions", dict(chat, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
         ("/v1/chat/completions", dict(chat, tool_choice="auto"), "tool_choice"),
         ("/v1/completions", dict(ok, n=0), "n"),
@@ -704,7 +682,11 @@ def test_nothing_is_silently_ignored(served):
         ("/v1/completions", dict(ok, best_of=1, n=2), "best_of"),
         ("/v1/completions", dict(ok, echo=True), "echo"),
         ("/v1/completions", dict(ok, suffix="!"), "suffix"),
-        ("/v1/completions", dict(ok, guided_json={"type": "object"}), "guided_json"),
+        ("/v1/completions", dict(ok, guided_json={"type": "objectx"}), "guided_json"),
+        ("/v1/completions", dict(ok, guided_regex="a(b"), "guided_regex"),
+        ("/v1/completions", dict(ok, guided_choice=[]), "guided_choice"),
+        ("/v1/chat/completions", dict(chat, response_format={"type": "json_schema", "json_schema": "x"}),
+         "response_format"),
         ("/v1/completions", dict(ok, min_p=0.1), "min_p"),
         ("/v1/completions", dict(ok, logit_bias={"x": 1.0}), "logit_bias"),
         ("/v1/completions", dict(ok, presence_penalty=3.0), "presence_penalty"),
@@ -727,6 +709,71 @@ def test_nothing_is_silently_ignored(served):
         assert r.status_code == 200, r.text
         r = c.post("/v1/completions", json=dict(ok, echo=False, best_of=1, suffix=None, n=1))
         assert r.status_code == 200, r.text
+
+
+STRUCTURED_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "n", "tag"],
+                     "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                    "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                    "tag": {"type": "string", "pattern": "^[a-z]{1,6}$"}}}
+
+
+def test_structured_output_for_base_and_adapters_in_one_batch(served):
+    """The openai client, unchanged: response_format json_schema for the base model and two
+    adapters, concurrently, beside free rows whose tokens stay those of the offline reference;
+    every constrained output parses and validates (jsonschema); vLLM's guided_* extras and
+    json_object on completions; a streamed constrained output is the same JSON."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from concurrent.futures import ThreadPoolExecutor
+    client = served.client()
+    rf = {"type": "json_schema", "json_schema": {"name": "thing", "schema": STRUCTURED_SCHEMA, "strict": True}}
+    free = [(p, lora, 8 + 2 * (i % 7)) for i, p in enumerate(PROMPTS[:4]) for lora in (None, "a")]
+
+    def constrained(lora, temperature):
+        r = client.chat.completions.create(model=model_name(served, lora), messages=CHAT, max_tokens=96,
+                                           temperature=temperature, seed=7, response_format=rf)
+        return r.choices[0]
+
+    def plain(job):
+        prompt, lora, max_tokens = job
+        r = client.completions.create(model=model_name(served, lora), prompt=prompt, **greedy(max_tokens=max_tokens))
+        return job, r.choices[0].text
+
+    with ThreadPoolExecutor(12) as pool:
+        cons = [pool.submit(constrained, lora, t) for lora in (None, "a", "b") for t in (0.0, 1.0)]
+        frees = [pool.submit(plain, j) for j in free]
+        for f in frees:
+            job, text = f.result()
+            assert text == served.refs[ref_key(*job)].text, job
+        for f in cons:
+            choice = f.result()
+            assert choice.finish_reason == "stop", choice
+            jsonschema.validate(json.loads(choice.message.content), STRUCTURED_SCHEMA)
+    base = served.engine.model_name
+    r = client.completions.create(model="b", prompt=PROMPTS[2], max_tokens=32, temperature=1.0, seed=3,
+                                  extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert r.choices[0].text in ("yes", "no", "maybe") and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=base, prompt=PROMPTS[0], max_tokens=32, temperature=1.0, seed=4,
+                                  extra_body={"guided_regex": r"[0-9]{3}-[a-c]{2}"})
+    assert re.fullmatch(r"[0-9]{3}-[a-c]{2}", r.choices[0].text), r.choices[0].text
+    r = client.completions.create(model="a", prompt=PROMPTS[1], max_tokens=48, temperature=0.0,
+                                  extra_body={"guided_json": STRUCTURED_SCHEMA})
+    jsonschema.validate(json.loads(r.choices[0].text), STRUCTURED_SCHEMA)
+    r = client.completions.create(model="a", prompt=PROMPTS[1], max_tokens=48, temperature=0.0,
+                                  extra_body={"structured_outputs": {"json": STRUCTURED_SCHEMA}})
+    jsonschema.validate(json.loads(r.choices[0].text), STRUCTURED_SCHEMA)
+    # json_object: any object; with a random model it may not close within max_tokens, but what
+    # comes out is always a prefix of one
+    r = client.completions.create(model=base, prompt=PROMPTS[3], max_tokens=24, temperature=0.0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    text = r.choices[0].text
+    assert text.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    whole = constrained("b", 0.0).message.content
+    stream = client.chat.completions.create(model="b", messages=CHAT, max_tokens=96, temperature=0.0, seed=7,
+                                            response_format=rf, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole
+    wait_idle(served)
 
 
 def test_logit_bias_min_tokens_and_penalties_change_tokens_as_specified(served):

@@ -39,6 +39,7 @@ from multilora.engine.kv_pages import PagePool
 from multilora.engine.request import Request, SamplingParams
 from multilora.engine.runner import Buckets, ModelRunner, ProcessRow, SampleRow
 from multilora.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from multilora.engine.structured import Grammars
 from multilora.engine.tokenizer import Detokenizer, load_tokenizer
 from multilora.lora.adapter import AdapterError, LoRAAdapter, load_adapter, probe_adapter
 from multilora.lora.mix import MIX_PREFIX, check_weights, mix_adapters, mix_name, mix_path, read_mix
@@ -187,6 +188,11 @@ class Engine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.max_model_len, page_size=page_size, num_pages=num_pages)
         self.runner = ModelRunner(self.cfg, weights, kv, self.slots, self.buckets, c.lora_backend)
+        # structured output (llguidance), built on first use; a grammar ends on any EOS token
+        self.grammars = (Grammars(self.tokenizer.to_json, self.cfg.vocab_size,
+                                  sorted(t for t in self.eos_token_ids if 0 <= t < self.cfg.vocab_size))
+                         if self.tokenizer is not None else None)
+        self.runner.fill_masks = self.grammars.fill if self.grammars is not None else None
         self._requests: dict[str, Request] = {}
         self._finished_unreported: list[str] = []  # finished since the last step's deltas
         self._ids = itertools.count()
@@ -350,6 +356,11 @@ class Engine:
             raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         if lora is not None and self.slots is None:
             raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
+        matcher = None
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError(f"structured output needs the model's tokenizer.json, which {self.model_path!r} lacks")
+            matcher = self.grammars.matcher(params.structured)  # ValueError if it does not compile
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -357,7 +368,7 @@ class Engine:
             self.registry.acquire(lora)  # raises for unknown or unloading adapters
         arrival = next(self._arrival)
         req = Request(request_id=request_id, prompt_token_ids=ids, params=params,
-                      arrival=arrival, adapter=lora)
+                      arrival=arrival, adapter=lora, matcher=matcher)
         if lora is not None:
             req.lora_hash = self.registry.entries[lora].content_hash
         req.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
@@ -428,7 +439,8 @@ class Engine:
                           top_p=c.request.params.top_p, seed=c.request.sample_seed,
                           step=len(c.request.output_token_ids),
                           logprobs=c.request.params.logprobs is not None,
-                          process=self._process_row(c.request) if c.request.params.processes_logits else None)
+                          process=self._process_row(c.request) if c.request.params.processes_logits else None,
+                          matcher=c.request.matcher if c.completes_prefill else None)
                 for c in plan.chunks]
         result = self.runner.execute(chunks, rows)
         sampled = self.scheduler.postprocess(plan, result.tokens)
@@ -440,16 +452,22 @@ class Engine:
             if result.logprobs is not None and req.params.logprobs is not None:
                 chosen, top_ids, top_vals = result.logprobs
                 n = req.params.logprobs
-                req.output_logprobs.append(Logprob(req.output_token_ids[-1], float(chosen[i]),
-                                                   list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))))
+                req.output_logprobs.append(Logprob(req.output_token_ids[-1], _finite(chosen[i]),
+                                                   [(t, _finite(v)) for t, v in zip(top_ids[i, :n].tolist(),
+                                                                                     top_vals[i, :n].tolist())]))
             self.stats["generated_tokens"] += 1
+            if req.matcher is not None and not req.matcher.consume_token(req.output_token_ids[-1]):
+                req.error = f"structured output: {req.matcher.get_error() or 'the token does not fit the grammar'}"
+                self._finish(req, "error")
+                continue
             self._check_stop(req)
         return self._collect([r.request_id for r in sampled])
 
     def _process_row(self, req: Request) -> ProcessRow:
         p = req.params
         bias = list(p.logit_bias)
-        if len(req.output_token_ids) < p.min_tokens:  # no way to stop yet
+        # no way to stop yet (unless a grammar is complete: it then allows only an EOS)
+        if len(req.output_token_ids) < p.min_tokens and not (req.matcher is not None and req.matcher.is_accepting()):
             bias += [(t, -np.inf) for t in sorted(set(self.eos_token_ids) | set(p.stop_token_ids))
                      if 0 <= t < self.cfg.vocab_size]
         return ProcessRow(token_ids=req.all_token_ids, num_prompt=len(req.prompt_token_ids),
@@ -516,6 +534,8 @@ class Engine:
             return self._finish(req, "stop", None)
         if token in p.stop_token_ids:
             return self._finish(req, "stop", token)
+        if req.matcher is not None and req.matcher.is_stopped():  # the grammar is complete
+            return self._finish(req, "stop", None)
         if p.stop and req.detok is not None:
             for s in p.stop:
                 k = req.text.find(s, max(0, req.sent_text - len(s)))
@@ -639,6 +659,11 @@ class _Bar:
 
     def update(self, k: int):
         self._p.update(k)
+
+
+def _finite(logprob) -> float:
+    """A logprob for JSON: -inf (a masked or banned token) as -9999.0, as vLLM reports it."""
+    return max(float(logprob), -9999.0)
 
 
 def _default_max_rank(lora_modules: dict[str, str], floor: int = 16) -> int:

@@ -30,3 +30,12 @@ def process_logits(logits_QV, hist_QH, is_output_QH, bias_ids_QK, bias_QK, prese
     logits_QV = jnp.where(seen_QV, jnp.where(logits_QV > 0, logits_QV / rep_Q1, logits_QV * rep_Q1), logits_QV)
     logits_QV = logits_QV - frequency_Q[:, None] * out_counts_QV
     return logits_QV - presence_Q[:, None] * (out_counts_QV > 0)
+
+
+def apply_token_bitmask(logits_QV, bitmask_QW):
+    """Structured output: a token whose bit is 0 in its row's mask gets -inf (bit t of word
+    t // 32; multilora.engine.structured builds the masks). Rows of all ones pass unchanged."""
+    v = logits_QV.shape[-1]
+    ids_V = jnp.arange(v)
+    bits_QV = (bitmask_QW[:, ids_V // 32] >> (ids_V % 32)) & 1
+    return jnp.where(bits_QV != 0, logits_QV, -jnp.inf)

@@ -8,6 +8,8 @@ import dataclasses
 import enum
 from typing import Any, Optional, Sequence
 
+from multilora.engine.structured import StructuredOutput
+
 # The prefix-cache chain of base-model requests starts from this (adapters' from their contents).
 BASE_MODEL_HASH = b"multilora:base-model"
 
@@ -30,6 +32,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0     # vLLM's / transformers': over prompt and output tokens
     logit_bias: Sequence[tuple[int, float]] = ()  # (token id, added to its logit), OpenAI's
     min_tokens: int = 0                 # vLLM's: no EOS or stop token before this many tokens
+    structured: Optional[StructuredOutput] = None  # what the output must match (a JSON schema, ...)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -38,6 +41,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        if isinstance(self.structured, dict):  # from dataclasses.asdict (several processes)
+            object.__setattr__(self, "structured", StructuredOutput(**self.structured))
         self.validate()
 
     def validate(self) -> None:
@@ -67,6 +72,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: token id {tok} is negative")
             if not (-100.0 <= bias <= 100.0):
                 raise ValueError(f"logit_bias: the bias of token {tok} must be in [-100, 100], got {bias!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         if not isinstance(self.min_tokens, int) or not (0 <= self.min_tokens <= self.max_tokens):
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
@@ -120,6 +127,8 @@ class Request:
     # n > 1: a sibling that waits for this request's prompt to be prefilled, then takes its
     # pages from the prefix cache (one prefill for all choices)
     follows: Optional["Request"] = None
+    # structured output: the llguidance matcher of params.structured, fed every output token
+    matcher: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

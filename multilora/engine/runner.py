@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +24,9 @@ import numpy as np
 
 from multilora.config import ModelConfig
 from multilora.engine.batching import SeqChunk, build_batch, decode_first, pages_needed
-from multilora.engine.logits_process import MAX_BIAS_ENTRIES, process_logits
+from multilora.engine.logits_process import MAX_BIAS_ENTRIES, apply_token_bitmask, process_logits
 from multilora.engine.sampler import sample
+from multilora.engine.structured import allow_all, mask_words
 from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
 from multilora.lora.pool import LoRASlots
 from multilora.model.llama import KVCache, Weights, forward
@@ -131,6 +132,7 @@ class SampleRow:
     step: int = 0
     logprobs: bool = False
     process: Optional[ProcessRow] = None     # penalties / logit_bias / min_tokens, when asked
+    matcher: Optional[Any] = None            # structured output: whose mask limits the next token
 
 
 @dataclasses.dataclass
@@ -162,6 +164,11 @@ class ModelRunner:
         self._sample = jax.jit(sample, static_argnames=("mode", "logprobs"), out_shardings=self.replicated)
         self._process = jax.jit(process_logits, out_shardings=self.replicated)
         self._processors: dict[tuple, object] = {}
+        self._mask = jax.jit(apply_token_bitmask, out_shardings=self.replicated)
+        self._maskers: dict[int, object] = {}
+        # structured output: fills the rows' token masks, (matcher, row) pairs -> bitmask_QW
+        # (multilora.engine.structured.Grammars.fill); set by the engine
+        self.fill_masks: Optional[Callable[[list, np.ndarray], None]] = None
         self.warm = False
         self.compiles_after_warmup = 0
 
@@ -240,6 +247,20 @@ class ModelRunner:
     def _compiled_processor(self, rows: int, hist: int):
         return self._compiled(self._processors, self._lower_processor, (rows, hist), "logits-processor")
 
+    def _lower_masker(self, rows: int):
+        logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32, sharding=self.replicated)
+        return self._mask.lower(logits, *self._abstract((np.zeros((rows, mask_words(self.cfg.vocab_size)),
+                                                                  np.int32),)))
+
+    def _masked(self, logits, rows: Sequence[SampleRow]):
+        """Logits of constrained rows with their disallowed tokens at -inf. The masks are built
+        here, on the host, while the device still runs the step's forward (dispatched before)."""
+        q, v = logits.shape
+        bitmask_QW = allow_all(q, v)
+        self.fill_masks([(r.matcher, i) for i, r in enumerate(rows) if r.matcher is not None], bitmask_QW)
+        fn = self._compiled(self._maskers, self._lower_masker, q, "token-mask")
+        return fn(logits, bitmask_QW)
+
     def _processed(self, logits, rows: Sequence[SampleRow]):
         """Logits after each row's penalties and biases (rows without any pass unchanged)."""
         q, v = logits.shape
@@ -279,9 +300,9 @@ class ModelRunner:
         samplers = [(r, m, lp) for r in rows for m in ("greedy", "sample") for lp in (False, True)]
         processors = [(r, h) for r in rows for h in self.buckets.history]
         jobs = ([(self._lower_step, k) for k in shapes] + [(self._lower_sampler, k) for k in samplers]
-                + [(self._lower_processor, k) for k in processors])
+                + [(self._lower_processor, k) for k in processors] + [(self._lower_masker, r) for r in rows])
         table = {self._lower_step: self._steps, self._lower_sampler: self._samplers,
-                 self._lower_processor: self._processors}
+                 self._lower_processor: self._processors, self._lower_masker: self._maskers}
         done = 0
         with ThreadPoolExecutor(max(1, threads)) as pool:
             for (kind, key), fn in zip(jobs, pool.map(lambda j: j[0](j[1]).compile(), jobs)):
@@ -327,6 +348,8 @@ class ModelRunner:
             seed[i], step[i] = np.uint32(row.seed & 0xFFFFFFFF), row.step
         if any(row.process is not None for row in rows):
             logits = self._processed(logits, rows + [SampleRow()] * (q - n))
+        if any(row.matcher is not None for row in rows):
+            logits = self._masked(logits, rows)
         sampler = self._compiled_sampler(q, "greedy" if greedy else "sample", want_lp)
         tokens, lp = sampler(logits, temp, top_k, top_p, seed, step)
         inverse = np.argsort(np.asarray(order, np.int64))  # back to the callers' order

@@ -28,6 +28,10 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The whole tokenizer as tokenizer.json text (what llguidance builds its own from)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tok.token_to_id(token)
 

@@ -154,7 +154,8 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
         n = srv.choices(req.n)
         best_of = srv.best_of(req.best_of, n, bool(req.stream))
         # best_of: every candidate reports its chosen tokens' logprobs, to be ranked by their sum
-        params = srv.sampling(req, max_tokens, req.logprobs if best_of == n else (req.logprobs or 0))
+        params = srv.sampling(req, max_tokens, req.logprobs if best_of == n else (req.logprobs or 0),
+                              await srv.structured(req))
         streams = await srv.submit(prompts, params, lora, req.model, best_of)
         rid, created = P.random_id("cmpl"), P.now()
         if req.stream:
@@ -185,7 +186,7 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = srv.sampling(req, max_tokens, logprobs)
+        params = srv.sampling(req, max_tokens, logprobs, await srv.structured(req))
         n = srv.choices(req.n)
         streams = await srv.submit([ids], params, lora, req.model, n)
         rid, created = P.random_id("chatcmpl"), P.now()

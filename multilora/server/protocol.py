@@ -4,7 +4,7 @@ bodies. No engine or jax here: app.py turns these into engine calls.
 
 Requests validate strictly (a string where a number belongs is an error, not a guess) and
 nothing is silently ignored: an unknown field is a 400 naming it, and a known field that
-multilora does not act on (tools, response_format, ...) is accepted only at the value that means
+multilora does not act on (tools, audio, ...) is accepted only at the value that means
 "off" (what clients send by default), else a 400 naming it. `user` and `metadata` are
 informational and accepted as they are.
 """
@@ -31,7 +31,6 @@ def now() -> int:
 # Fields multilora does not act on, with the values that mean "off" (accepted: clients send
 # them by default); any other value is refused naming the field. None (or absent) is always off.
 OFF_ONLY: dict[str, tuple] = {
-    "response_format": ({"type": "text"},),
     "tool_choice": ("none",),
     "tools": ([],),
     "parallel_tool_calls": (True, False),  # meaningless without tools
@@ -47,8 +46,6 @@ OFF_ONLY: dict[str, tuple] = {
     "suffix": ("",),
     "echo": (False,),
     # vLLM's extras
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "guided_decoding_backend": (), "structured_outputs": (),
     "use_beam_search": (False,), "length_penalty": (1.0, 1),
     "min_p": (0.0, 0), "allowed_token_ids": (), "bad_words": ([],),
     "prompt_logprobs": (), "include_stop_str_in_output": (False,),
@@ -128,17 +125,18 @@ class _SamplingFields(_Request):
     min_tokens: Optional[int] = 0
     # multilora's extra: an exact weighted mix of adapters, {"a": 0.7, "b": 0.3} (model: the base)
     adapters: Optional[dict[str, float]] = None
-    # known, not acted on: refused unless "off" (OFF_ONLY)
+    # structured output (multilora.server.guided): OpenAI's, then vLLM's; at most one of them
     response_format: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    # known, not acted on: refused unless "off" (OFF_ONLY)
     service_tier: Optional[str] = None
     store: Optional[bool] = None
     prediction: Optional[Any] = None
-    guided_json: Optional[Any] = None
-    guided_regex: Optional[Any] = None
-    guided_choice: Optional[Any] = None
-    guided_grammar: Optional[Any] = None
-    guided_decoding_backend: Optional[Any] = None
-    structured_outputs: Optional[Any] = None
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
     min_p: Optional[float] = None

@@ -15,10 +15,12 @@ from typing import Optional
 from fastapi import Request
 
 from multilora.engine.request import SamplingParams
+from multilora.engine.structured import StructuredOutput
 from multilora.lora.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
 from multilora.server import protocol as P
 from multilora.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from multilora.server.errors import APIError, call_engine, err_text
+from multilora.server.guided import structured_output
 
 log = logging.getLogger("multilora.server")
 
@@ -192,7 +194,8 @@ class Server:
         return requested
 
     @staticmethod
-    def sampling(req: P._SamplingFields, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+    def sampling(req: P._SamplingFields, max_tokens: int, logprobs: Optional[int],
+                 structured: Optional[StructuredOutput] = None) -> SamplingParams:
         bias = []
         for key, value in (req.logit_bias or {}).items():
             try:
@@ -210,10 +213,25 @@ class Server:
                 ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logit_bias=bias, min_tokens=req.min_tokens or 0)
+                logit_bias=bias, min_tokens=req.min_tokens or 0, structured=structured)
         except ValueError as e:
             msg = str(e)
             raise APIError(400, msg, msg.split(" ", 1)[0])
+
+    async def structured(self, req: P._SamplingFields) -> Optional[StructuredOutput]:
+        """The request's output constraint, compiled once here (off the event loop) so that a bad
+        one is a 400 naming its field before anything is queued."""
+        spec, param = structured_output(req)
+        if spec is None:
+            return None
+        grammars = self.engine.grammars
+        if grammars is None:
+            raise APIError(400, f"{param}: structured output needs the model's tokenizer.json", param)
+        try:
+            await asyncio.to_thread(grammars.check, spec)
+        except ValueError as e:
+            raise APIError(400, f"{param}: {e}", param) from None
+        return spec
 
     async def submit(self, prompts: list[list[int]], params: SamplingParams, lora: Optional[str],
                      model: str, n: int = 1) -> list[RequestStream]:
