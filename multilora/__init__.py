@@ -11,7 +11,10 @@ def __getattr__(name):
     if name == "SamplingParams":
         from multilora.engine.request import SamplingParams
         return SamplingParams
+    if name == "StructuredOutput":
+        from multilora.engine.structured import StructuredOutput
+        return StructuredOutput
     raise AttributeError(name)
 
 
-__all__ = ["Engine", "SamplingParams"]
+__all__ = ["Engine", "SamplingParams", "StructuredOutput"]

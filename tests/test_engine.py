@@ -376,6 +376,34 @@ def test_max_tokens_stop_token_ids_and_logprobs(engine):
         assert lp.logprob <= 0 and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
 
 
+def test_prompt_logprobs_equal_peft(engine, peft_refs):
+    """prompt_logprobs (echo): each prompt token's logprob after the ones before it, and the top
+    alternatives, equal transformers + PEFT's log-softmax (base and two adapters in one batch,
+    prompts long enough to be prefilled in several chunks); a second run of the same prompt,
+    whose pages sit in the prefix cache, still computes them all."""
+    peft = peft_refs["llama"]
+    prompts = prompts_of(51, [45, 23, 9])
+    loras = [None, "a", "c"]
+    names = {None: None, "a": SPEC[0], "c": SPEC[2]}
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=5)
+    outs = gen(engine, prompts, params, loras)
+    again = gen(engine, prompts[:1], params, loras[:1])[0]
+    for prompt, lora, out in zip(prompts, loras, outs):
+        logits = peft.logits(names[lora], prompt).astype(np.float64)
+        ref = logits - logits.max(-1, keepdims=True)
+        ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for j in range(1, len(prompt)):
+            lp = out.prompt_logprobs[j]
+            assert lp.token_id == prompt[j]
+            assert abs(lp.logprob - ref[j - 1, prompt[j]]) < 2e-4, (lora, j)
+            top = np.argsort(-ref[j - 1])[:5]
+            assert [t for t, _ in lp.top] == top.tolist(), (lora, j)
+            np.testing.assert_allclose([v for _, v in lp.top], ref[j - 1, top], atol=2e-4)
+    assert [lp.logprob for lp in again.prompt_logprobs[1:]] == [lp.logprob for lp in outs[0].prompt_logprobs[1:]]
+    assert gen(engine, prompts[:1], GREEDY)[0].prompt_logprobs is None
+
+
 def test_bad_requests_leave_the_engine_untouched(engine):
     eng = engine
     before = dict(eng.stats)

@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests import reference
@@ -680,7 +681,6 @@ def test_nothing_is_silently_ignored(served):
         ("/v1/completions", dict(ok, n=129), "n"),
         ("/v1/completions", dict(ok, best_of=2, stream=True), "best_of"),
         ("/v1/completions", dict(ok, best_of=1, n=2), "best_of"),
-        ("/v1/completions", dict(ok, echo=True), "echo"),
         ("/v1/completions", dict(ok, suffix="!"), "suffix"),
         ("/v1/completions", dict(ok, guided_json={"type": "objectx"}), "guided_json"),
         ("/v1/completions", dict(ok, guided_regex="a(b"), "guided_regex"),
@@ -774,6 +774,59 @@ def test_structured_output_for_base_and_adapters_in_one_batch(served):
                                             response_format=rf, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole
     wait_idle(served)
+
+
+def _log_softmax(logits):
+    z = logits.astype(float) - logits.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_echo_with_prompt_logprobs(served):
+    """echo on /v1/completions, as lm-eval's loglikelihood uses it: max_tokens 0 scores the
+    prompt alone (each token's logprob after the ones before it, the first null, top
+    alternatives), equal to transformers + PEFT; with max_tokens > 0 the text is the prompt then
+    the usual completion; streamed, the same text and logprobs; chat refuses echo with a 400."""
+    client, tok = served.client(), served.engine.tokenizer
+    prompt = PROMPTS[4]
+    ids = tok.encode(prompt)
+    for lora in (None, "a"):
+        adapter = None if lora is None else served.lora_root / ADAPTERS[lora]
+        ref = _log_softmax(reference.peft_logits(served.model_dir, adapter, ids))
+        r = client.completions.create(model=model_name(served, lora), prompt=prompt, max_tokens=0, echo=True,
+                                      logprobs=3, temperature=0.0)
+        c = r.choices[0]
+        assert c.text == prompt and c.finish_reason == "length" and r.usage.completion_tokens == 0
+        lp = c.logprobs
+        assert lp.tokens == [served_token(tok, t) for t in ids] and lp.token_logprobs[0] is None
+        assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+        for j in range(1, len(ids)):
+            assert abs(lp.token_logprobs[j] - ref[j - 1, ids[j]]) < 2e-4, (lora, j)
+            want = np.sort(ref[j - 1])[::-1][:3]
+            np.testing.assert_allclose(sorted(lp.top_logprobs[j].values(), reverse=True)[:len(lp.top_logprobs[j])],
+                                       want[:len(lp.top_logprobs[j])], atol=2e-4)
+    plain = client.completions.create(model="b", prompt=prompt, logprobs=2, **greedy(max_tokens=6))
+    echoed = client.completions.create(model="b", prompt=prompt, logprobs=2, echo=True, **greedy(max_tokens=6))
+    e = echoed.choices[0]
+    assert e.text == prompt + plain.choices[0].text
+    assert len(e.logprobs.tokens) == len(ids) + 6
+    # the echo computed its whole prompt (no prefix-cache hit): equal up to float rounding
+    np.testing.assert_allclose(e.logprobs.token_logprobs[len(ids):], plain.choices[0].logprobs.token_logprobs,
+                               atol=1e-5)
+    assert e.logprobs.text_offset[len(ids)] == len(prompt)
+    chunks = list(client.completions.create(model="b", prompt=prompt, logprobs=2, echo=True, stream=True,
+                                            **greedy(max_tokens=6)))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == e.text
+    streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for x in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == e.logprobs.token_logprobs
+    with served.http() as h:
+        err = assert_error(h.post("/v1/chat/completions", json=dict(model="a", messages=CHAT, echo=True)), 400)
+        assert err["param"] == "echo"
+    wait_idle(served)
+
+
+def served_token(tok, token_id):
+    return tok.decode([token_id], skip_special_tokens=False)
 
 
 def test_logit_bias_min_tokens_and_penalties_change_tokens_as_specified(served):

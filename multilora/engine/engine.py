@@ -71,6 +71,7 @@ class RequestOutput:
     logprobs: Optional[list[Logprob]] = None
     error: Optional[str] = None
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
+    prompt_logprobs: Optional[list[Optional[Logprob]]] = None  # params.prompt_logprobs: one per prompt token
 
 
 @dataclasses.dataclass
@@ -84,6 +85,7 @@ class StreamDelta:
     finish_reason: Optional[str] = None
     logprobs: Optional[list[Logprob]] = None
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
+    prompt_logprobs: Optional[list[Optional[Logprob]]] = None  # in the first delta, when asked
 
 
 class PromptTooLongError(ValueError):
@@ -369,6 +371,8 @@ class Engine:
         arrival = next(self._arrival)
         req = Request(request_id=request_id, prompt_token_ids=ids, params=params,
                       arrival=arrival, adapter=lora, matcher=matcher)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
         if lora is not None:
             req.lora_hash = self.registry.entries[lora].content_hash
         req.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
@@ -379,7 +383,7 @@ class Engine:
         req.detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         lead = self._requests.get(follows) if follows is not None else None
         if lead is not None and self.pages.enable_prefix_caching and lead.prompt_token_ids == ids \
-                and lead.adapter == lora:
+                and lead.adapter == lora and params.prompt_logprobs is None:
             req.follows = lead
         self._requests[request_id] = req
         self.scheduler.add(req)
@@ -442,7 +446,12 @@ class Engine:
                           process=self._process_row(c.request) if c.request.params.processes_logits else None,
                           matcher=c.request.matcher if c.completes_prefill else None)
                 for c in plan.chunks]
-        result = self.runner.execute(chunks, rows)
+        prompt_next = [self._prompt_next(c) for c in plan.chunks]
+        result = self.runner.execute(chunks, rows, prompt_next if any(p is not None for p in prompt_next) else None)
+        if result.prompt_logprobs is not None:
+            for c, scored in zip(plan.chunks, result.prompt_logprobs):
+                if scored is not None:
+                    self._keep_prompt_logprobs(c, scored)
         sampled = self.scheduler.postprocess(plan, result.tokens)
         self.stats["steps"] += 1
         self.stats[f"{plan.kind}_steps"] += 1
@@ -462,6 +471,28 @@ class Engine:
                 continue
             self._check_stop(req)
         return self._collect([r.request_id for r in sampled])
+
+    @staticmethod
+    def _prompt_next(c) -> Optional[list[int]]:
+        """For a chunk of a request that wants prompt logprobs and still covers prompt tokens:
+        the token after each of its tokens (0 past the prompt: not kept)."""
+        req = c.request
+        n_prompt = len(req.prompt_token_ids)
+        if req.params.prompt_logprobs is None or c.start >= n_prompt - 1:
+            return None
+        ids = req.prompt_token_ids
+        return [ids[p + 1] if p + 1 < n_prompt else 0 for p in range(c.start, c.start + c.num_tokens)]
+
+    @staticmethod
+    def _keep_prompt_logprobs(c, scored) -> None:
+        req = c.request
+        chosen, top_ids, top_vals = scored
+        k = req.params.prompt_logprobs
+        n_prompt = len(req.prompt_token_ids)
+        for j, p in enumerate(range(c.start, min(c.start + c.num_tokens, n_prompt - 1))):
+            req.prompt_logprobs[p + 1] = Logprob(req.prompt_token_ids[p + 1], _finite(chosen[j]),
+                                                 [(t, _finite(v)) for t, v in zip(top_ids[j, :k].tolist(),
+                                                                                   top_vals[j, :k].tolist())])
 
     def _process_row(self, req: Request) -> ProcessRow:
         p = req.params
@@ -561,10 +592,13 @@ class Engine:
                 # holds back partial characters)
                 hold = max((len(s) - 1 for s in req.params.stop), default=0)
                 text = text[:max(req.sent_text, len(text) - hold)]
+            first = req.sent_tokens == 0 and (req.output_token_ids or req.finished)
             d = StreamDelta(rid, req.output_token_ids[req.sent_tokens:], text[req.sent_text:],
                             req.finished, req.finish_reason,
                             req.output_logprobs[req.sent_logprobs:] if req.params.logprobs is not None else None,
-                            num_cached_tokens=req.num_cached_tokens)
+                            num_cached_tokens=req.num_cached_tokens,
+                            prompt_logprobs=list(req.prompt_logprobs)
+                            if first and req.params.prompt_logprobs is not None else None)
             req.sent_tokens = len(req.output_token_ids)
             req.sent_text = max(req.sent_text, len(text))
             req.sent_logprobs = len(req.output_logprobs)
@@ -578,7 +612,8 @@ class Engine:
         return RequestOutput(request_id, req.prompt_token_ids, list(req.output_token_ids), req.text,
                              req.finished, req.finish_reason, req.stop_reason, req.adapter,
                              list(req.output_logprobs) if req.params.logprobs is not None else None,
-                             req.error, req.num_cached_tokens)
+                             req.error, req.num_cached_tokens,
+                             list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None)
 
     def release_finished(self, request_id: str) -> None:
         req = self._requests.get(request_id)

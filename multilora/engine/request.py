@@ -27,6 +27,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's logprob and this many top ones (echo)
     presence_penalty: float = 0.0       # OpenAI's: minus this once for every token already output
     frequency_penalty: float = 0.0      # OpenAI's: minus this per time a token was output
     repetition_penalty: float = 1.0     # vLLM's / transformers': over prompt and output tokens
@@ -58,8 +59,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not (0 <= value <= 20)):
+                raise ValueError(f"{name} must be an integer in [0, 20], got {value!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not (-2.0 <= getattr(self, name) <= 2.0):
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
@@ -105,6 +108,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list = dataclasses.field(default_factory=list)
+    prompt_logprobs: list = dataclasses.field(default_factory=list)  # per prompt token (the first: None)
     num_computed_tokens: int = 0       # tokens whose K/V are in the cache
     block_table: list[int] = dataclasses.field(default_factory=list)
     finish_reason: Optional[str] = None  # "stop", "length", "abort"

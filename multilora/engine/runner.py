@@ -25,11 +25,11 @@ import numpy as np
 from multilora.config import ModelConfig
 from multilora.engine.batching import SeqChunk, build_batch, decode_first, pages_needed
 from multilora.engine.logits_process import MAX_BIAS_ENTRIES, apply_token_bitmask, process_logits
-from multilora.engine.sampler import sample
+from multilora.engine.sampler import NUM_LOGPROBS, sample
 from multilora.engine.structured import allow_all, mask_words
 from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
 from multilora.lora.pool import LoRASlots
-from multilora.model.llama import KVCache, Weights, forward
+from multilora.model.llama import KVCache, Weights, forward, token_logprobs
 
 log = logging.getLogger("multilora.runner")
 
@@ -139,6 +139,8 @@ class SampleRow:
 class StepResult:
     tokens: np.ndarray                  # one per chunk
     logprobs: Optional[tuple] = None    # (chosen, top_ids, top_vals) per chunk, numpy
+    # per chunk, where asked (prompt_next): (chosen_n, top_ids_nK, top_vals_nK) for its n tokens
+    prompt_logprobs: Optional[list] = None
 
 
 class ModelRunner:
@@ -159,8 +161,10 @@ class ModelRunner:
         kv_shardings = jax.tree.map(lambda a: a.sharding, kv)
         # Replicated over the cache's devices: the batch, the logits and the sampler's rows.
         self.replicated = _replicated_like(kv.k_LPpKH.sharding)
-        self._fwd = jax.jit(forward, static_argnames=("cfg", "backend"), donate_argnames=("kv",),
-                            out_shardings=(self.replicated, kv_shardings))
+        self._fwd = jax.jit(forward, static_argnames=("cfg", "backend", "hidden"), donate_argnames=("kv",),
+                            out_shardings=(self.replicated, kv_shardings, self.replicated))
+        self._score = jax.jit(token_logprobs, static_argnames=("cfg", "k"), out_shardings=self.replicated)
+        self._scorers: dict[int, object] = {}
         self._sample = jax.jit(sample, static_argnames=("mode", "logprobs"), out_shardings=self.replicated)
         self._process = jax.jit(process_logits, out_shardings=self.replicated)
         self._processors: dict[tuple, object] = {}
@@ -209,7 +213,7 @@ class ModelRunner:
         t, x = key
         lora_w = self.lora.weights if self.lora is not None else None
         return self._fwd.lower(self.weights, lora_w, self.kv, self._abstract(self._dummy_batch(t, x)),
-                               cfg=self.cfg, backend=self.backend_for(t))
+                               cfg=self.cfg, backend=self.backend_for(t), hidden=True)
 
     def _compiled(self, table: dict, lower, key, what: str):
         """The compiled executable for key (compiled now, with a warning, after warm-up)."""
@@ -246,6 +250,27 @@ class ModelRunner:
 
     def _compiled_processor(self, rows: int, hist: int):
         return self._compiled(self._processors, self._lower_processor, (rows, hist), "logits-processor")
+
+    def _lower_scorer(self, tokens: int):
+        x = jax.ShapeDtypeStruct((tokens, self.cfg.hidden_size), self.weights.embed_VD.dtype,
+                                 sharding=self.replicated)
+        return self._score.lower(self.weights, x, *self._abstract((np.zeros(tokens, np.int32),)),
+                                 cfg=self.cfg, k=NUM_LOGPROBS)
+
+    def _prompt_logprobs(self, x_TD, chunks: Sequence[SeqChunk], prompt_next: Sequence) -> list:
+        """Each asking chunk's (chosen, top ids, top logprobs) for its tokens' next tokens."""
+        t = x_TD.shape[0]
+        next_T = np.zeros(t, np.int32)
+        offsets, off = [], 0
+        for c, nxt in zip(chunks, prompt_next):
+            offsets.append(off)
+            if nxt is not None:
+                next_T[off:off + len(nxt)] = nxt
+            off += len(c.token_ids)
+        fn = self._compiled(self._scorers, self._lower_scorer, t, "prompt-logprobs")
+        chosen, top_ids, top_vals = (_host(a) for a in fn(self.weights, x_TD, next_T))
+        return [None if nxt is None else (chosen[o:o + len(nxt)], top_ids[o:o + len(nxt)], top_vals[o:o + len(nxt)])
+                for o, nxt in zip(offsets, prompt_next)]
 
     def _lower_masker(self, rows: int):
         logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32, sharding=self.replicated)
@@ -300,9 +325,11 @@ class ModelRunner:
         samplers = [(r, m, lp) for r in rows for m in ("greedy", "sample") for lp in (False, True)]
         processors = [(r, h) for r in rows for h in self.buckets.history]
         jobs = ([(self._lower_step, k) for k in shapes] + [(self._lower_sampler, k) for k in samplers]
-                + [(self._lower_processor, k) for k in processors] + [(self._lower_masker, r) for r in rows])
+                + [(self._lower_processor, k) for k in processors] + [(self._lower_masker, r) for r in rows]
+                + [(self._lower_scorer, t) for t in self.buckets.tokens])
         table = {self._lower_step: self._steps, self._lower_sampler: self._samplers,
-                 self._lower_processor: self._processors, self._lower_masker: self._maskers}
+                 self._lower_processor: self._processors, self._lower_masker: self._maskers,
+                 self._lower_scorer: self._scorers}
         done = 0
         with ThreadPoolExecutor(max(1, threads)) as pool:
             for (kind, key), fn in zip(jobs, pool.map(lambda j: j[0](j[1]).compile(), jobs)):
@@ -321,19 +348,23 @@ class ModelRunner:
             raise ValueError(f"{len(chunks)} sequences exceed max_num_seqs={self.buckets.max_num_seqs}")
         return self.buckets.for_step(tokens, pages)
 
-    def execute(self, chunks: Sequence[SeqChunk], rows: Sequence[SampleRow]) -> StepResult:
+    def execute(self, chunks: Sequence[SeqChunk], rows: Sequence[SampleRow],
+                prompt_next: Optional[Sequence[Optional[Sequence[int]]]] = None) -> StepResult:
         """Run one mixed step (decode rows and prefill chunks together); sample one token per
-        chunk, in the chunks' order (callers ignore those of unfinished prefill chunks)."""
+        chunk, in the chunks' order (callers ignore those of unfinished prefill chunks).
+        prompt_next: per chunk, None or the id that follows each of its tokens (any id where it
+        does not matter): those chunks also get their tokens' logprobs (echo)."""
         order = decode_first(chunks)
         chunks = [chunks[i] for i in order]
         rows = [rows[i] for i in order]
+        prompt_next = [prompt_next[i] for i in order] if prompt_next is not None else None
         key = self.bucket_for(chunks)
         fn = self._compiled_step(key)
         t, x = key
         batch = build_batch(chunks, num_tokens=t, num_pages=x, num_logits=self.buckets.logits_rows(t),
                             page_size=self.page_size, prepare_lora=self._prepare_lora(t))
         lora_w = self.lora.weights if self.lora is not None else None
-        logits, self.kv = fn(self.weights, lora_w, self.kv, batch)
+        logits, self.kv, x_TD = fn(self.weights, lora_w, self.kv, batch)
         n = len(chunks)
         greedy = all(row.temperature == 0.0 for row in rows)
         want_lp = any(row.logprobs for row in rows)
@@ -356,7 +387,11 @@ class ModelRunner:
         tokens = _host(tokens)[:n][inverse]
         if lp is not None:
             lp = tuple(_host(a)[:n][inverse] for a in lp)
-        return StepResult(tokens, lp)
+        scored = None
+        if prompt_next is not None and any(p is not None for p in prompt_next):
+            scored = self._prompt_logprobs(x_TD, chunks, prompt_next)
+            scored = [scored[i] for i in inverse]
+        return StepResult(tokens, lp, scored)
 
 
 def jit_slot_writer(write_rows, buffers, buffer_shardings, rows_shardings, replicated, max_rank: int):

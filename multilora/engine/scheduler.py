@@ -239,6 +239,8 @@ class Scheduler:
         returns the tokens they hold."""
         if not self.pages.enable_prefix_caching or req.num_computed_tokens or req.block_table:
             return 0
+        if req.params.prompt_logprobs is not None:  # its prompt's logprobs need every position computed
+            return 0
         p = self.pages.page_size
         keys = page_keys(req.lora_hash, req.all_token_ids[:req.num_tokens - 1], p)
         pages = self.pages.match_prefix(keys) if keys else []

@@ -1,6 +1,6 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) as a pure function of pytrees.
 
-    forward(weights, lora, kv, batch, cfg, backend) -> (logits, kv)
+    forward(weights, lora, kv, batch, cfg, backend) -> (logits, kv)   [hidden=True: + x_TD]
 
 Layers are stacked along a leading L axis and run under lax.scan; the KV cache rides in the scan
 carry and is updated in place (the runner donates it). One step packs decode rows and prefill
@@ -128,8 +128,10 @@ def _proj(x, w, b=None):
 
 
 def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: Batch,
-            cfg: ModelConfig, backend: str = "bgmv") -> tuple[jax.Array, KVCache]:
-    """Logits (Q, V) in float32 for the rows batch.logits_idx_Q, and the updated cache."""
+            cfg: ModelConfig, backend: str = "bgmv", hidden: bool = False):
+    """Logits (Q, V) in float32 for the rows batch.logits_idx_Q, and the updated cache; with
+    hidden=True also every token's last hidden state x_TD (before the final norm), for
+    token_logprobs (prompt logprobs)."""
     bes = get_backends(backend) if lora is not None else ()
     be = bes[0] if bes else None
     info = batch.lora
@@ -201,11 +203,26 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     layer_ids = jnp.arange(cfg.num_layers)
     (x_TD, k_cache, v_cache), _ = jax.lax.scan(
         layer, (x_TD, kv.k_LPpKH, kv.v_LPpKH), (weights.layers, layer_ids))
-    x_QD = jnp.take(x_TD, batch.logits_idx_Q, axis=0, mode="clip")
+    logits = head_logits(weights, cfg, jnp.take(x_TD, batch.logits_idx_Q, axis=0, mode="clip"))
+    if hidden:
+        return logits, KVCache(k_cache, v_cache), x_TD
+    return logits, KVCache(k_cache, v_cache)
+
+
+def head_logits(weights: Weights, cfg: ModelConfig, x_QD) -> jax.Array:
+    """The final norm and the LM head: float32 logits (Q, V) of last hidden states x_QD."""
     x_QD = rms_norm(x_QD, weights.final_norm_D, cfg.rms_norm_eps)
     if weights.lm_head_DV is None:
-        logits = jnp.einsum("qd,vd->qv", x_QD, weights.embed_VD,
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum("qd,vd->qv", x_QD, weights.embed_VD, preferred_element_type=jnp.float32)
     else:
         logits = jnp.einsum("qd,dv->qv", x_QD, weights.lm_head_DV, preferred_element_type=jnp.float32)
-    return logits.astype(jnp.float32), KVCache(k_cache, v_cache)
+    return logits.astype(jnp.float32)
+
+
+def token_logprobs(weights: Weights, x_TD, next_T, cfg: ModelConfig, k: int):
+    """Prompt logprobs: for each token t, the log-probability of next_T[t] after it and the k
+    most likely next tokens (ids, logprobs), from its hidden state x_TD (forward(hidden=True))."""
+    logp_TV = jax.nn.log_softmax(head_logits(weights, cfg, x_TD), axis=-1)
+    chosen_T = jnp.take_along_axis(logp_TV, jnp.clip(next_T, 0, logp_TV.shape[1] - 1)[:, None], axis=-1)[:, 0]
+    top_vals_TK, top_ids_TK = jax.lax.top_k(logp_TV, k)
+    return chosen_T, top_ids_TK.astype(jnp.int32), top_vals_TK

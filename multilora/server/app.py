@@ -147,31 +147,45 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
         if not raw:
             raise APIError(400, "the prompt is empty", "prompt")
         prompts = await asyncio.to_thread(lambda: [srv.tokenize(p) for p in raw])  # long prompts: off the loop
+        echo = bool(req.echo)
+        # echo with max_tokens 0: score the prompt only (lm-eval's loglikelihood); one token is
+        # generated (the prefill samples it anyway) and dropped
+        score_only = echo and req.max_tokens == 0
         for ids in prompts:
-            srv.max_tokens_for(req.max_tokens, len(ids), "max_tokens")
+            srv.max_tokens_for(1 if score_only else req.max_tokens, len(ids), "max_tokens")
         # max_tokens null: up to the context, which the engine bounds per prompt
-        max_tokens = req.max_tokens if req.max_tokens is not None else srv.engine.max_model_len
+        max_tokens = 1 if score_only else req.max_tokens if req.max_tokens is not None else srv.engine.max_model_len
         n = srv.choices(req.n)
         best_of = srv.best_of(req.best_of, n, bool(req.stream))
         # best_of: every candidate reports its chosen tokens' logprobs, to be ranked by their sum
         params = srv.sampling(req, max_tokens, req.logprobs if best_of == n else (req.logprobs or 0),
-                              await srv.structured(req))
+                              await srv.structured(req), req.logprobs if echo else None)
         streams = await srv.submit(prompts, params, lora, req.model, best_of)
+        echo_texts = [srv.prompt_text(p) for p in raw for _ in range(best_of)] if echo else None
         rid, created = P.random_id("cmpl"), P.now()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(completion_stream(srv, streams, req.model, rid, created, include_usage, n),
-                               streams)
+            return SSEResponse(completion_stream(srv, streams, req.model, rid, created, include_usage, n,
+                                                 echo_texts, score_only), streams)
         results = await srv.collect(request, streams)
         if results is None:
             return Response(status_code=499)
+        for i, r in enumerate(results):
+            r["echo"] = echo_texts[i] if echo else None
+            if score_only:
+                r.update(text="", token_ids=[], logprobs=[], finish_reason="length")
         usage = _usage(results, best_of)
         if best_of > n:
             results = _best(results, best_of, n)
-        choices = [P.CompletionChoice(index=i, text=r["text"], finish_reason=r["finish_reason"],
-                                      logprobs=srv.completion_logprobs(r["logprobs"], 0)
-                                      if req.logprobs is not None else None)
-                   for i, r in enumerate(results)]
+        choices = []
+        for i, r in enumerate(results):
+            text, lp = r["text"], None
+            if echo:
+                text, lp = srv.echoed(r["echo"], r["prompt_ids"], r["prompt_logprobs"], r["text"], r["logprobs"],
+                                      req.logprobs is not None)
+            elif req.logprobs is not None:
+                lp = srv.completion_logprobs(r["logprobs"], 0)
+            choices.append(P.CompletionChoice(index=i, text=text, finish_reason=r["finish_reason"], logprobs=lp))
         return P.CompletionResponse(id=rid, created=created, model=req.model, choices=choices,
                                     usage=usage)
 
@@ -185,6 +199,9 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
         max_tokens = srv.max_tokens_for(requested, len(ids), param)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        if req.echo:
+            raise APIError(400, "echo is not supported on /v1/chat/completions (it is on /v1/completions); "
+                                "leave it out or send false", "echo")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = srv.sampling(req, max_tokens, logprobs, await srv.structured(req))
         n = srv.choices(req.n)

@@ -44,7 +44,6 @@ OFF_ONLY: dict[str, tuple] = {
     "reasoning_effort": (),
     "web_search_options": (),
     "suffix": ("",),
-    "echo": (False,),
     # vLLM's extras
     "use_beam_search": (False,), "length_penalty": (1.0, 1),
     "min_p": (0.0, 0), "allowed_token_ids": (), "bad_words": ([],),

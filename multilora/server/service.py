@@ -195,7 +195,8 @@ class Server:
 
     @staticmethod
     def sampling(req: P._SamplingFields, max_tokens: int, logprobs: Optional[int],
-                 structured: Optional[StructuredOutput] = None) -> SamplingParams:
+                 structured: Optional[StructuredOutput] = None,
+                 prompt_logprobs: Optional[int] = None) -> SamplingParams:
         bias = []
         for key, value in (req.logit_bias or {}).items():
             try:
@@ -213,7 +214,8 @@ class Server:
                 ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logit_bias=bias, min_tokens=req.min_tokens or 0, structured=structured)
+                logit_bias=bias, min_tokens=req.min_tokens or 0, structured=structured,
+                prompt_logprobs=prompt_logprobs)
         except ValueError as e:
             msg = str(e)
             raise APIError(400, msg, msg.split(" ", 1)[0])
@@ -266,18 +268,21 @@ class Server:
     async def collect(self, request: Request, streams: list[RequestStream]) -> Optional[list[dict]]:
         """Run streams to the end (non-streaming); None if the client went away (all aborted)."""
         async def one(s: RequestStream) -> dict:
-            text, ids, lps, reason = [], [], [], None
+            text, ids, lps, reason, prompt_lps = [], [], [], None, None
             async for d in s:
                 text.append(d.text)
                 ids.extend(d.token_ids)
                 if d.logprobs:
                     lps.extend(d.logprobs)
+                if d.prompt_logprobs is not None:
+                    prompt_lps = d.prompt_logprobs
                 if d.finished:
                     reason = d.finish_reason
             if reason == "error":
                 raise APIError(500, f"the request failed: {s.error or 'engine error'}", code="engine_error")
             return dict(text="".join(text), token_ids=ids, logprobs=lps, finish_reason=reason,
-                        prompt_tokens=len(s.prompt_token_ids), cached_tokens=s.num_cached_tokens)
+                        prompt_tokens=len(s.prompt_token_ids), cached_tokens=s.num_cached_tokens,
+                        prompt_ids=s.prompt_token_ids, prompt_logprobs=prompt_lps)
 
         watcher = asyncio.create_task(_wait_disconnect(request))
         work = asyncio.ensure_future(asyncio.gather(*(one(s) for s in streams)))
@@ -310,6 +315,39 @@ class Server:
             out.text_offset.append(offset)
             offset += len(t)
         return out
+
+    def echo_logprobs(self, prompt_ids: list[int], prompt_lps: Optional[list]) -> P.CompletionLogprobs:
+        """The prompt's part of an echoed completion's logprobs: its tokens, each one's logprob
+        after the ones before it (the first has none: null) and its top alternatives."""
+        out = P.CompletionLogprobs()
+        offset = 0
+        for i, tok in enumerate(prompt_ids):
+            lp = prompt_lps[i] if prompt_lps is not None and i < len(prompt_lps) else None
+            t = self.token_text(tok)
+            out.tokens.append(t)
+            out.token_logprobs.append(None if lp is None else float(lp.logprob))
+            out.top_logprobs.append(None if lp is None else {self.token_text(j): float(v) for j, v in lp.top})
+            out.text_offset.append(offset)
+            offset += len(t)
+        return out
+
+    def echoed(self, prompt_text: str, prompt_ids: list[int], prompt_lps: Optional[list], text: str,
+               lps: Optional[list], want_logprobs: bool) -> tuple[str, Optional[P.CompletionLogprobs]]:
+        """An echoed choice: the prompt then the completion, text and (when asked) logprobs."""
+        if not want_logprobs:
+            return prompt_text + text, None
+        out = self.echo_logprobs(prompt_ids, prompt_lps)
+        rest = self.completion_logprobs(lps or [], len(prompt_text))
+        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(out, field).extend(getattr(rest, field))
+        return prompt_text + text, out
+
+    def prompt_text(self, raw) -> str:
+        """The prompt as echoed: a string as given, token ids detokenized."""
+        if isinstance(raw, str):
+            return raw
+        tok = self.engine.tokenizer
+        return tok.decode(raw, skip_special_tokens=False) if tok is not None else ""
 
     def chat_logprobs(self, lps: list) -> P.ChatLogprobs:
         content = []

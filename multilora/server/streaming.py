@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -93,24 +94,35 @@ def _error_event(message: str) -> str:
 
 
 async def completion_stream(srv: "_Server", streams: list[RequestStream], model: str, rid: str, created: int,
-                            include_usage: bool, n: int = 1) -> AsyncIterator[str]:
-    """Chunks of every choice as they come, each with its index (prompt-major, n per prompt)."""
+                            include_usage: bool, n: int = 1, echo_texts: Optional[list[str]] = None,
+                            score_only: bool = False) -> AsyncIterator[str]:
+    """Chunks of every choice as they come, each with its index (prompt-major, n per prompt).
+    echo: a choice's first chunk starts with its prompt (and the prompt's logprobs); score_only
+    (echo with max_tokens 0): that is all it carries."""
     completion_tokens = 0
     offsets = [0] * len(streams)
+    opened = [False] * len(streams)
     try:
         async for i, d in _merge(streams):
-            completion_tokens += len(d.token_ids)
             if d.finished and d.finish_reason == "error":
                 yield _error_event(f"the request failed: {streams[i].error or 'engine error'}")
                 continue
-            if not (d.text or d.finished or d.logprobs):
-                continue
-            lp = None
-            if d.logprobs is not None:
+            if score_only:
+                d = dataclasses.replace(d, token_ids=[], text="", logprobs=[] if d.logprobs is not None else None,
+                                        finish_reason="length" if d.finished else None)
+            completion_tokens += len(d.token_ids)
+            text, lp = d.text, None
+            if echo_texts is not None and not opened[i]:
+                opened[i] = True
+                text, lp = srv.echoed(echo_texts[i], streams[i].prompt_token_ids, d.prompt_logprobs, d.text,
+                                      d.logprobs, d.logprobs is not None)
+            elif d.logprobs is not None:
                 lp = srv.completion_logprobs(d.logprobs, offsets[i])
-            offsets[i] += len(d.text)
+            if not (text or d.finished or (lp is not None and lp.tokens)):
+                continue
+            offsets[i] += len(text)
             chunk = P.CompletionChunk(id=rid, created=created, model=model, choices=[
-                P.CompletionChoice(index=i, text=d.text, logprobs=lp,
+                P.CompletionChoice(index=i, text=text, logprobs=lp,
                                    finish_reason=d.finish_reason if d.finished else None)])
             yield _sse(chunk)
         if include_usage:
