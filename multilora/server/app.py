@@ -227,9 +227,10 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
     async def tokenize(request: Request):
         body = await request.body()
         try:
-            is_chat = "messages" in json.loads(body or b"{}")
+            parsed = json.loads(body or b"{}")
         except ValueError:
-            is_chat = False  # _parse reports the bad JSON
+            parsed = None  # parse_body reports the bad JSON
+        is_chat = isinstance(parsed, dict) and "messages" in parsed  # anything but an object: parse_body's 400
         req = await parse_body(request, P.TokenizeChatRequest if is_chat else P.TokenizeCompletionRequest)
         if req.model is not None:
             await srv.known_model(req.model)
