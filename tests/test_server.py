@@ -829,6 +829,48 @@ def served_token(tok, token_id):
     return tok.decode([token_id], skip_special_tokens=False)
 
 
+def test_every_documented_field_of_both_routes(served):
+    """One request per route that sends every field its schema documents (an honoured value
+    where the server acts on it, the "off" value where it does not; at most one output
+    constraint set, the others null): 200, and the fields' effects show (stop, n, echo, logprobs,
+    usage). A field added to the protocol without a value here fails this test."""
+    from multilora.server import protocol as P
+    base = served.engine.model_name
+    shared = dict(temperature=0.7, top_p=0.9, n=2, stop=["zzz"], seed=5, stream=False, stream_options=None,
+                  presence_penalty=0.1, frequency_penalty=0.1, logit_bias={"65": 1.0}, user="u", metadata={"k": "v"},
+                  top_k=20, ignore_eos=True, stop_token_ids=[1], repetition_penalty=1.1, min_tokens=1, adapters=None,
+                  response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": STRUCTURED_SCHEMA}},
+                  guided_json=None, guided_regex=None, guided_choice=None, guided_grammar=None,
+                  guided_decoding_backend="auto", structured_outputs=None, service_tier="auto", store=False,
+                  prediction=None, use_beam_search=False, length_penalty=1.0, min_p=0.0, allowed_token_ids=None,
+                  bad_words=[], prompt_logprobs=None, include_stop_str_in_output=False, skip_special_tokens=True,
+                  spaces_between_special_tokens=True, truncate_prompt_tokens=None, priority=0)
+    completion = dict(shared, model="a", prompt=PROMPTS[0], max_tokens=64, logprobs=2, echo=True, best_of=2, suffix=None)
+    chat = dict(shared, model=base, messages=CHAT, max_tokens=None, max_completion_tokens=64, logprobs=True,
+                top_logprobs=2, tools=None, tool_choice="none", parallel_tool_calls=None, functions=None,
+                function_call=None, modalities=["text"], audio=None, reasoning_effort=None, web_search_options=None,
+                add_generation_prompt=True, echo=False, continue_final_message=False, chat_template=None,
+                chat_template_kwargs={}, documents=None, mm_processor_kwargs=None)
+    assert set(completion) == set(P.CompletionRequest.model_fields)
+    assert set(chat) == set(P.ChatCompletionRequest.model_fields)
+    with served.http() as c:
+        r = c.post("/v1/completions", json=completion)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert len(body["choices"]) == 2 and body["usage"]["prompt_tokens"] > 0
+        for ch in body["choices"]:
+            assert ch["text"].startswith(PROMPTS[0]) and ch["logprobs"]["token_logprobs"][0] is None
+            json.loads(ch["text"][len(PROMPTS[0]):])  # the constraint held
+        r = c.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert len(body["choices"]) == 2
+        for ch in body["choices"]:
+            json.loads(ch["message"]["content"])
+            assert ch["logprobs"]["content"] and len(ch["logprobs"]["content"][0]["top_logprobs"]) == 2
+    wait_idle(served)
+
+
 def test_logit_bias_min_tokens_and_penalties_change_tokens_as_specified(served):
     """logit_bias +100 on one token makes greedy decoding emit only it; -100 on the greedy
     choice gives the runner-up (the unbiased run's second top logprob); min_tokens holds back
