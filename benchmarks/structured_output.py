@@ -1,6 +1,7 @@
 """What structured output costs: the offline 8-adapter workload (64 chat requests over 8 rank-16
 adapters, greedy) on the embedded SmolLM2-135M-Instruct with the Engine's defaults, every row
-free against every row constrained, in one process, alternating runs, medians.
+free against every row constrained, in one process, the order reversed every other repeat
+(the machine's speed drifts), medians of the per-repeat ratios.
 
 Two constrained workloads:
 - `long`: a JSON schema (an array of at least 64 short strings) that no row can finish inside
@@ -72,8 +73,9 @@ def main(argv=None):
     obj = SamplingParams(max_tokens=n, temperature=0.0, structured=StructuredOutput.json_schema(OBJECT))
     eng.generate(prompts[:4], [free, long, obj, free], lora=names[:4])  # warm: grammars compiled, paths touched
     runs = {"free": [], "long": [], "object": []}
+    order = [("free", free), ("long", long), ("object", obj)]
     for r in range(args.repeats):
-        for kind, params in (("free", free), ("long", long), ("object", obj)):
+        for kind, params in (order if r % 2 == 0 else order[::-1]):  # drift in speed cancels out
             outs, res = timed(eng, prompts, params, names)
             if kind == "long":
                 assert all(len(o.token_ids) == n for o in outs), "a row of the long schema ended early"
@@ -96,6 +98,9 @@ def main(argv=None):
     print(f"| free (no constraint) | {med['free']:.1f} | 1.00x |")
     print(f"| every row constrained, long schema (same tokens) | {med['long']:.1f} | {ratio_long:.2f}x |")
     print(f"| every row constrained, object schema | {med['object']:.1f} | {ratio_obj:.2f}x |")
+    for kind in ("long", "object"):
+        rs = sorted(x["tok_per_s"] / f["tok_per_s"] for f, x in zip(runs["free"], runs[kind]))
+        print(f"{kind}: per-repeat ratios {', '.join(f'{v:.2f}' for v in rs)}")
     if args.json:
         save_json(args.json, dict(machine=machine_info(), args=vars(args), runs=runs,
                                   ratio_long=ratio_long, ratio_object=ratio_obj))
