@@ -186,10 +186,10 @@ def instrument_steps(eng, records: list, profile: "PhaseTimer | None"):
 
     current = {"kind": None}  # the step being run, for the forward's label in the profile
 
-    def execute(chunks, rows):
+    def execute(chunks, rows, *args, **kw):
         current["kind"] = mode = step_kind(chunks)
         t0 = time.perf_counter()
-        res = orig_execute(chunks, rows)
+        res = orig_execute(chunks, rows, *args, **kw)
         records.append(dict(mode=mode, rows=len(chunks), decode_rows=sum(len(c.token_ids) == 1 for c in chunks),
                             distinct=len({c.slot for c in chunks if c.slot}),
                             ctx=sum(c.start_pos + len(c.token_ids) for c in chunks),
