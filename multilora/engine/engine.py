@@ -435,6 +435,8 @@ class Engine:
         if plan.chunks:
             self._make_resident(plan)
         if not plan.chunks:
+            if self.scheduler.waiting and self.loader.in_flight():
+                self.loader.wait(0.05)  # every waiting request waits for a read: sleep, don't spin
             return self._collect([])  # still report aborts since the last step
         chunks = [SeqChunk(c.request.all_token_ids[c.start:c.start + c.num_tokens], c.start,
                            c.request.block_table, self.registry.slot_of(c.request.adapter))
@@ -537,7 +539,7 @@ class Engine:
         for req in self.scheduler.waiting:
             if req.adapter is not None and not self.registry.ready(req.adapter):
                 entry = self.registry.entries.get(req.adapter)
-                if entry is not None and self.loader.prefetch(req.adapter, entry.path):
+                if entry is not None and self.loader.prefetch(req.adapter, entry.path, urgent=True):
                     self.registry.stats.host_misses += 1  # a request waits for this read
 
     def _make_resident(self, plan: StepPlan) -> None:

@@ -3,18 +3,26 @@ hash run on one background worker, so that no engine step ever waits on a disk.
 
     loader = AdapterLoader(read)            # read(name, path) -> LoRAAdapter (may raise AdapterError)
     loader.prefetch("x", "/adapters/x")     # starts a read unless one for (x, path) is in flight
+    loader.prefetch("x", "/adapters/x", urgent=True)   # a request waits for it: ahead of the rest
     fut = loader.submit("y", "/adapters/y")  # a read whose caller waits on the future itself
     for name, path, adapter, error in loader.poll():   # finished reads, on the caller's thread
         ...
+    loader.wait(0.05)                       # until some read finishes (or the timeout)
+
+Urgent reads (a waiting request's adapter, a run-time load) go before background ones (the
+adapters given at start, read ahead up to the host tier's size): with thousands registered, a
+request never queues behind the speculative reads.
 
 Plain Python (a thread pool), no jax: device writes stay with the engine, between steps.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Iterator, Optional
 
 from multilora.lora.adapter import LoRAAdapter
@@ -39,34 +47,76 @@ def _lower_priority() -> None:
 
 
 class AdapterLoader:
+    URGENT, BACKGROUND = 0, 1
+
     def __init__(self, read: Callable[[str, str], LoRAAdapter], workers: int = 1):
         self._read = read
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="multilora-lora-load",
-                                        initializer=_lower_priority)
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._queue: list = []      # heap of (priority, order, future, name, path)
+        self._order = itertools.count()
         self._inflight: dict[tuple[str, str], Future] = {}
+        for i in range(workers):
+            threading.Thread(target=self._work, name=f"multilora-lora-load_{i}", daemon=True).start()
+
+    def _work(self) -> None:
+        _lower_priority()
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                _, _, fut, name, path = heapq.heappop(self._queue)
+                # queued twice (moved ahead) and taken already, or cancelled: skip
+                if fut.running() or fut.done() or not fut.set_running_or_notify_cancel():
+                    continue
+            try:
+                fut.set_result(read_with_hash(self._read, name, path))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever polls
+                fut.set_exception(e)
+            with self._cv:
+                self._cv.notify_all()
+
+    def _enqueue(self, fut: Future, name: str, path: str, priority: int) -> None:
+        with self._cv:
+            heapq.heappush(self._queue, (priority, next(self._order), fut, name, path))
+            self._cv.notify_all()
 
     def submit(self, name: str, path: str) -> Future:
-        """Read on the loader's (low-priority) worker; the future holds the adapter or the error.
-        For callers that wait for it themselves (the server's /v1/load_lora_adapter)."""
-        return self._pool.submit(read_with_hash, self._read, name, str(path))
+        """An urgent read on the loader's (low-priority) worker; the future holds the adapter or
+        the error. For callers that wait for it themselves (the server's /v1/load_lora_adapter)."""
+        fut: Future = Future()
+        self._enqueue(fut, name, str(path), self.URGENT)
+        return fut
 
-    def prefetch(self, name: str, path: str) -> bool:
-        """Start reading (name, path) in the background unless it already is; True if started."""
+    def prefetch(self, name: str, path: str, urgent: bool = False) -> bool:
+        """Start reading (name, path) in the background unless it already is (then an urgent
+        call moves a queued read ahead); True if a read started."""
         key = (name, str(path))
-        with self._lock:
-            if key in self._inflight:
+        priority = self.URGENT if urgent else self.BACKGROUND
+        with self._cv:  # a re-entrant lock: _enqueue takes it again
+            fut = self._inflight.get(key)
+            if fut is not None:
+                if urgent and not fut.running() and not fut.done():
+                    self._enqueue(fut, name, str(path), priority)  # the worker skips the older entry
                 return False
-            self._inflight[key] = self.submit(name, path)
-            return True
+            fut = self._inflight[key] = Future()
+            self._enqueue(fut, name, str(path), priority)
+        return True
 
     def in_flight(self, name: Optional[str] = None) -> int:
-        with self._lock:
+        with self._cv:
             return sum(1 for (n, _) in self._inflight if name is None or n == name)
+
+    def wait(self, timeout: float) -> None:
+        """Block until some read finishes, at most timeout seconds (an idle engine whose waiting
+        requests all wait for reads sleeps here instead of spinning)."""
+        with self._cv:
+            if any(f.done() for f in self._inflight.values()) or not self._inflight:
+                return
+            self._cv.wait(timeout)
 
     def poll(self) -> Iterator[tuple[str, str, Optional[LoRAAdapter], Optional[BaseException]]]:
         """The reads that finished since the last poll: (name, path, adapter or None, error)."""
-        with self._lock:
+        with self._cv:
             done = [(k, f) for k, f in self._inflight.items() if f.done()]
             for k, _ in done:
                 del self._inflight[k]

@@ -1,0 +1,53 @@
+"""The background adapter reader (multilora.lora.loader): urgent reads (a waiting request's
+adapter) go ahead of queued background ones (the adapters given at start), a read is never
+started twice, failures come back through poll, and wait() sleeps until a read finishes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from multilora.lora.loader import AdapterLoader
+
+
+class _Adapter:
+    content_hash = b"x"
+
+    def __init__(self, name):
+        self.name = name
+
+
+def test_urgent_reads_go_ahead_of_background_ones():
+    gate, order = threading.Event(), []
+
+    def read(name, path):
+        if name == "first":
+            gate.wait(10)
+        order.append(name)
+        if name == "bad":
+            raise ValueError("bad adapter")
+        return _Adapter(name)
+
+    loader = AdapterLoader(read)
+    assert loader.prefetch("first", "/p/first")
+    time.sleep(0.05)  # the worker is inside "first"
+    for i in range(5):
+        assert loader.prefetch(f"bg{i}", f"/p/bg{i}")
+    assert not loader.prefetch("bg3", "/p/bg3")          # queued already: not twice
+    assert not loader.prefetch("bg3", "/p/bg3", urgent=True)  # ...but moved ahead
+    assert loader.prefetch("bad", "/p/bad", urgent=True)
+    assert loader.in_flight() == 7
+    t0 = time.time()
+    loader.wait(0.2)  # nothing finishes while the gate is shut
+    assert time.time() - t0 >= 0.15
+    gate.set()
+    got = {}
+    deadline = time.time() + 10
+    while len(got) < 7 and time.time() < deadline:
+        loader.wait(0.5)
+        for name, path, adapter, error in loader.poll():
+            got[name] = (adapter, error)
+    assert order == ["first", "bg3", "bad", "bg0", "bg1", "bg2", "bg4"]
+    assert isinstance(got["bad"][1], ValueError) and got["bad"][0] is None
+    assert got["bg3"][0].name == "bg3" and loader.in_flight() == 0
+    assert loader.submit("late", "/p/late").result(5).name == "late"
