@@ -18,7 +18,8 @@ Stacked groups (q/k/v A, gate/up A) keep one block of U rows per projection: the
 Writing an adapter scatters its rows into the pool in place (an update that the runner jits,
 buffers donated, the rows traced), so shapes never change and nothing recompiles; clearing a slot
 only resets its row table. Which adapter gets which slot and rows, and what to evict, is decided
-in multilora.lora.registry. Under tensor parallelism the pools are sharded by LORA_AXES (B by
+in multilora.lora.registry. Under tensor parallelism the pools are sharded by their declared axes
+(LoRAWeights' fields, multilora.model.arrays: B by
 output features where its base layer is column-parallel, A by input features where it is
 row-parallel); a write takes the new rows already split the same way and keeps every pool's
 sharding (out_shardings).
@@ -33,23 +34,22 @@ import numpy as np
 from multilora.config import PAGE_ROWS, LoRAConfig, ModelConfig, round_to_pages
 from multilora.lora.adapter import LoRAAdapter
 from multilora.lora.batch import NO_ADAPTER, stacked_rows
+from multilora.model.arrays import arrays, dim
 from multilora.model.llama import LoRAWeights
-from multilora.model.sharding import LORA_AXES, LORA_ROWS_AXES, dataclass_shardings, put, replicated, rules_for
+from multilora.model.sharding import LORA_ROWS_RENAME, dataclass_shardings, put, replicated, rules_for
 
-# Stacked groups: how many projections' blocks of rows a pool holds (the others hold one).
-BLOCKS = {"qkv_a_LUD": 3, "gate_up_a_LUD": 2}
+# Each pool as LoRAWeights declares it: axes, side (A or B) and the PEFT modules it holds.
+POOLS = dict(arrays(LoRAWeights))
 
 
 def blocks_of(field: str) -> int:
-    return BLOCKS.get(field, 1)
+    """How many projections' blocks of rows a pool stacks (q/k/v A: 3, gate/up A: 2, else 1)."""
+    return POOLS[field].blocks
 
 
 def lora_feature_dims(cfg: ModelConfig) -> dict[str, int]:
-    """Each pool's row width (the features a rank row spans)."""
-    D, F, qo, kvo = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim
-    return {"qkv_a_LUD": D, "q_b_LUO": qo, "k_b_LUO": kvo, "v_b_LUO": kvo, "o_a_LUO": qo,
-            "o_b_LUD": D, "gate_up_a_LUD": D, "gate_b_LUF": F, "up_b_LUF": F, "down_a_LUF": F,
-            "down_b_LUD": D}
+    """Each pool's row width (the features a rank row spans: its last declared axis)."""
+    return {k: dim(cfg, info.axes[-1]) for k, info in POOLS.items()}
 
 
 def lora_buffer_shapes(cfg: ModelConfig, num_rows: int) -> dict[str, tuple[int, ...]]:
@@ -71,11 +71,11 @@ def init_lora_weights(cfg: ModelConfig, lora_cfg: LoRAConfig, dtype, mesh) -> Lo
     })
 
 
-def lora_shardings(cfg: ModelConfig, mesh, axes_table=LORA_AXES) -> LoRAWeights:
+def lora_shardings(cfg: ModelConfig, mesh, rename=None) -> LoRAWeights:
     """A LoRAWeights of NamedShardings (per the rules table) for the pools, or for one adapter's
-    rows with axes_table=LORA_ROWS_AXES."""
-    host = LoRAWeights(**{k: np.zeros((), np.float32) for k in LORA_AXES})
-    return dataclass_shardings(host, axes_table, mesh, rules_for(cfg, mesh))
+    rows with rename=LORA_ROWS_RENAME."""
+    host = LoRAWeights(**{k: np.zeros((), np.float32) for k in POOLS})
+    return dataclass_shardings(host, mesh, rules_for(cfg, mesh), rename)
 
 
 def adapter_slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, max_rank: int) -> LoRAWeights:
@@ -86,28 +86,15 @@ def adapter_slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, max_rank:
     if adapter is None:
         return LoRAWeights(**out)
     R = max_rank
-    mods = adapter.modules
-
-    def put_a(field, module, block=0):
-        if module in mods:
-            a_LRI = mods[module][0]
-            out[field][:, block * R:block * R + a_LRI.shape[1]] = a_LRI
-
-    def put_b(field, module):
-        if module in mods:
-            b_LOR = mods[module][1]  # PEFT's (out, rank); the pools keep (rank, out)
-            out[field][:, :b_LOR.shape[2], :] = b_LOR.transpose(0, 2, 1)
-
-    for i, m in enumerate(("q_proj", "k_proj", "v_proj")):
-        put_a("qkv_a_LUD", m, i)
-    for i, m in enumerate(("gate_proj", "up_proj")):
-        put_a("gate_up_a_LUD", m, i)
-    put_a("o_a_LUO", "o_proj")
-    put_a("down_a_LUF", "down_proj")
-    for field, m in (("q_b_LUO", "q_proj"), ("k_b_LUO", "k_proj"), ("v_b_LUO", "v_proj"),
-                     ("o_b_LUD", "o_proj"), ("gate_b_LUF", "gate_proj"), ("up_b_LUF", "up_proj"),
-                     ("down_b_LUD", "down_proj")):
-        put_b(field, m)
+    for field, info in POOLS.items():
+        for block, module in enumerate(info.modules):
+            if module not in adapter.modules:
+                continue
+            a_LRI, b_LOR = adapter.modules[module]
+            if info.side == "a":
+                out[field][:, block * R:block * R + a_LRI.shape[1]] = a_LRI
+            else:  # PEFT's B is (out, rank); the pools keep (rank, out)
+                out[field][:, :b_LOR.shape[2], :] = b_LOR.transpose(0, 2, 1)
     return LoRAWeights(**out)
 
 
@@ -131,7 +118,7 @@ def write_rows(lora: LoRAWeights, rows_R: jax.Array, new: LoRAWeights) -> LoRAWe
         idx = stacked_rows(rows_R, b, buf.shape[1] // b)
         return buf.at[:, idx].set(x.astype(buf.dtype), mode="promise_in_bounds",
                                   unique_indices=False)
-    return LoRAWeights(**{f: one(f) for f in LORA_AXES})
+    return LoRAWeights(**{f: one(f) for f in POOLS})
 
 
 class LoRASlots:
@@ -144,7 +131,7 @@ class LoRASlots:
         self.cfg, self.lora_cfg = cfg, lora_cfg
         self.shardings = lora_shardings(cfg, mesh)
         self.weights = init_lora_weights(cfg, lora_cfg, dtype, mesh)
-        self._rows_shardings = lora_shardings(cfg, mesh, LORA_ROWS_AXES)
+        self._rows_shardings = lora_shardings(cfg, mesh, LORA_ROWS_RENAME)
         self._write = (jit_writer(write_rows, self.weights, self.shardings, self._rows_shardings,
                                   replicated(mesh), lora_cfg.table_width) if jit_writer is not None else write_rows)
         S, R = lora_cfg.num_slots, lora_cfg.table_width

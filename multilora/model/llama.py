@@ -23,37 +23,53 @@ from multilora.config import ModelConfig
 from multilora.lora.backend import get_backends
 from multilora.lora.backend.native import PoolLayer
 from multilora.lora.batch import NO_LORA, PER_TOKEN, LoRABatchInfo
+from multilora.model.arrays import lora_pool, weight
 from multilora.model.attention import decode_attention, prefill_attention, write_kv
 from multilora.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 
 
+def _has_qkv_bias(cfg: ModelConfig) -> bool:
+    return cfg.attention_bias
+
+
+def _has_o_bias(cfg: ModelConfig) -> bool:
+    return cfg.o_proj_bias
+
+
+def _untied(cfg: ModelConfig) -> bool:
+    return not cfg.tie_word_embeddings
+
+
+# Each array is declared once, here (multilora.model.arrays): its logical axes (which give its
+# shape and its sharding) and its checkpoint tensor (per layer, under "model.layers.{i}.").
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerWeights:
     """One entry per layer, stacked along L. Projections are stored (in, out)."""
 
-    attn_norm_LD: jax.Array
-    wq_LDO: jax.Array
-    wk_LDO: jax.Array
-    wv_LDO: jax.Array
-    wo_LOD: jax.Array
-    mlp_norm_LD: jax.Array
-    w_gate_LDF: jax.Array
-    w_up_LDF: jax.Array
-    w_down_LFD: jax.Array
-    bq_LO: Optional[jax.Array] = None
-    bk_LO: Optional[jax.Array] = None
-    bv_LO: Optional[jax.Array] = None
-    bo_LD: Optional[jax.Array] = None
+    attn_norm_LD: jax.Array = weight(("layers", "embed"), "input_layernorm.weight")
+    wq_LDO: jax.Array = weight(("layers", "embed", "q_out"), "self_attn.q_proj.weight", transpose=True)
+    wk_LDO: jax.Array = weight(("layers", "embed", "kv_out"), "self_attn.k_proj.weight", transpose=True)
+    wv_LDO: jax.Array = weight(("layers", "embed", "kv_out"), "self_attn.v_proj.weight", transpose=True)
+    wo_LOD: jax.Array = weight(("layers", "q_out", "embed"), "self_attn.o_proj.weight", transpose=True)
+    mlp_norm_LD: jax.Array = weight(("layers", "embed"), "post_attention_layernorm.weight")
+    w_gate_LDF: jax.Array = weight(("layers", "embed", "ffn"), "mlp.gate_proj.weight", transpose=True)
+    w_up_LDF: jax.Array = weight(("layers", "embed", "ffn"), "mlp.up_proj.weight", transpose=True)
+    w_down_LFD: jax.Array = weight(("layers", "ffn", "embed"), "mlp.down_proj.weight", transpose=True)
+    bq_LO: Optional[jax.Array] = weight(("layers", "q_out"), "self_attn.q_proj.bias", present=_has_qkv_bias)
+    bk_LO: Optional[jax.Array] = weight(("layers", "kv_out"), "self_attn.k_proj.bias", present=_has_qkv_bias)
+    bv_LO: Optional[jax.Array] = weight(("layers", "kv_out"), "self_attn.v_proj.bias", present=_has_qkv_bias)
+    bo_LD: Optional[jax.Array] = weight(("layers", "embed"), "self_attn.o_proj.bias", present=_has_o_bias)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Weights:
-    embed_VD: jax.Array
+    embed_VD: jax.Array = weight(("vocab", "embed"), "model.embed_tokens.weight")
     layers: LayerWeights
-    final_norm_D: jax.Array
-    lm_head_DV: Optional[jax.Array] = None  # None: tied to embed_VD
+    final_norm_D: jax.Array = weight(("embed",), "model.norm.weight")
+    lm_head_DV: Optional[jax.Array] = weight(("embed", "vocab"), "lm_head.weight", transpose=True,
+                                             present=_untied)  # None: tied to embed_VD
 
 
 @jax.tree_util.register_dataclass
@@ -62,19 +78,19 @@ class LoRAWeights:
     """The adapters' pools of rank rows (multilora.lora.pool), stacked along L: A rows in PEFT's
     layout (one rank x in row each), B rows transposed from PEFT's (one out row per rank).
     A slot's rows are LoRABatchInfo.rows_SR; row 0 is zeros. The q/k/v and gate/up A pools hold
-    one block of U rows per projection."""
+    one block of U rows per projection (in the order of their modules)."""
 
-    qkv_a_LUD: jax.Array  # (L, 3U, D)
-    q_b_LUO: jax.Array
-    k_b_LUO: jax.Array
-    v_b_LUO: jax.Array
-    o_a_LUO: jax.Array
-    o_b_LUD: jax.Array
-    gate_up_a_LUD: jax.Array  # (L, 2U, D)
-    gate_b_LUF: jax.Array
-    up_b_LUF: jax.Array
-    down_a_LUF: jax.Array
-    down_b_LUD: jax.Array
+    qkv_a_LUD: jax.Array = lora_pool(("layers", "lora_rows", "embed"), "a", "q_proj", "k_proj", "v_proj")
+    q_b_LUO: jax.Array = lora_pool(("layers", "lora_rows", "q_out"), "b", "q_proj")
+    k_b_LUO: jax.Array = lora_pool(("layers", "lora_rows", "kv_out"), "b", "k_proj")
+    v_b_LUO: jax.Array = lora_pool(("layers", "lora_rows", "kv_out"), "b", "v_proj")
+    o_a_LUO: jax.Array = lora_pool(("layers", "lora_rows", "q_out"), "a", "o_proj")
+    o_b_LUD: jax.Array = lora_pool(("layers", "lora_rows", "embed"), "b", "o_proj")
+    gate_up_a_LUD: jax.Array = lora_pool(("layers", "lora_rows", "embed"), "a", "gate_proj", "up_proj")
+    gate_b_LUF: jax.Array = lora_pool(("layers", "lora_rows", "ffn"), "b", "gate_proj")
+    up_b_LUF: jax.Array = lora_pool(("layers", "lora_rows", "ffn"), "b", "up_proj")
+    down_a_LUF: jax.Array = lora_pool(("layers", "lora_rows", "ffn"), "a", "down_proj")
+    down_b_LUD: jax.Array = lora_pool(("layers", "lora_rows", "embed"), "b", "down_proj")
 
 
 @jax.tree_util.register_dataclass

@@ -48,40 +48,10 @@ BASE_RULES: dict[str, object] = {
     "rank": None,
 }
 
-WEIGHT_AXES = {
-    "embed_VD": ("vocab", "embed"),
-    "final_norm_D": ("embed",),
-    "lm_head_DV": ("embed", "vocab"),
-    "attn_norm_LD": ("layers", "embed"),
-    "mlp_norm_LD": ("layers", "embed"),
-    "wq_LDO": ("layers", "embed", "q_out"),
-    "wk_LDO": ("layers", "embed", "kv_out"),
-    "wv_LDO": ("layers", "embed", "kv_out"),
-    "wo_LOD": ("layers", "q_out", "embed"),
-    "bq_LO": ("layers", "q_out"),
-    "bk_LO": ("layers", "kv_out"),
-    "bv_LO": ("layers", "kv_out"),
-    "bo_LD": ("layers", "embed"),
-    "w_gate_LDF": ("layers", "embed", "ffn"),
-    "w_up_LDF": ("layers", "embed", "ffn"),
-    "w_down_LFD": ("layers", "ffn", "embed"),
-}
-
-LORA_AXES = {
-    "qkv_a_LUD": ("layers", "lora_rows", "embed"),
-    "q_b_LUO": ("layers", "lora_rows", "q_out"),
-    "k_b_LUO": ("layers", "lora_rows", "kv_out"),
-    "v_b_LUO": ("layers", "lora_rows", "kv_out"),
-    "o_a_LUO": ("layers", "lora_rows", "q_out"),
-    "o_b_LUD": ("layers", "lora_rows", "embed"),
-    "gate_up_a_LUD": ("layers", "lora_rows", "embed"),
-    "gate_b_LUF": ("layers", "lora_rows", "ffn"),
-    "up_b_LUF": ("layers", "lora_rows", "ffn"),
-    "down_a_LUF": ("layers", "lora_rows", "ffn"),
-    "down_b_LUD": ("layers", "lora_rows", "embed"),
-}
-# One adapter's rows on their way into the pools (multilora.lora.pool.write_rows): split alike.
-LORA_ROWS_AXES = {k: tuple("rank" if a == "lora_rows" else a for a in v) for k, v in LORA_AXES.items()}
+# The weights' and LoRA pools' axes are declared on their dataclass fields (multilora.model.arrays,
+# multilora.model.llama). One adapter's rows on their way into the pools
+# (multilora.lora.pool.write_rows) are split like the pools, their rows axis named "rank".
+LORA_ROWS_RENAME = {"lora_rows": "rank"}
 
 KV_AXES = ("layers", "pages", "page", "kv_heads", "head_dim")
 
@@ -149,13 +119,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def without_axis(axes_table: dict[str, tuple[str, ...]], axis: str) -> dict[str, tuple[str, ...]]:
-    """The table with one logical axis dropped: e.g. one adapter slot's arrays (no "slots")."""
-    return {k: tuple(a for a in v if a != axis) for k, v in axes_table.items()}
-
-
-def dataclass_shardings(obj, axes_table: dict[str, tuple[str, ...]], mesh: Mesh, rules) -> object:
-    """A pytree of NamedSharding matching a weights dataclass (None fields stay None)."""
+def dataclass_shardings(obj, mesh: Mesh, rules, rename: dict[str, str] | None = None) -> object:
+    """A pytree of NamedSharding matching a weights dataclass, from each field's declared axes
+    (multilora.model.arrays; `rename` maps some axis names to others). None fields stay None."""
     import dataclasses
     kwargs = {}
     for f in dataclasses.fields(obj):
@@ -163,7 +129,8 @@ def dataclass_shardings(obj, axes_table: dict[str, tuple[str, ...]], mesh: Mesh,
         if val is None:
             kwargs[f.name] = None
         elif dataclasses.is_dataclass(val):
-            kwargs[f.name] = dataclass_shardings(val, axes_table, mesh, rules)
+            kwargs[f.name] = dataclass_shardings(val, mesh, rules, rename)
         else:
-            kwargs[f.name] = sharding(mesh, rules, axes_table[f.name])
+            axes = f.metadata["array"].axes
+            kwargs[f.name] = sharding(mesh, rules, tuple((rename or {}).get(a, a) for a in axes))
     return type(obj)(**kwargs)
