@@ -465,10 +465,8 @@ class Engine:
             i = index[id(req)]
             if result.logprobs is not None and req.params.logprobs is not None:
                 chosen, top_ids, top_vals = result.logprobs
-                n = req.params.logprobs
-                req.output_logprobs.append(Logprob(req.output_token_ids[-1], _finite(chosen[i]),
-                                                   [(t, _finite(v)) for t, v in zip(top_ids[i, :n].tolist(),
-                                                                                     top_vals[i, :n].tolist())]))
+                req.output_logprobs.append(_logprob(req.output_token_ids[-1], chosen[i], top_ids[i], top_vals[i],
+                                                    req.params.logprobs))
             self.stats["generated_tokens"] += 1
             if req.matcher is not None and not req.matcher.consume_token(req.output_token_ids[-1]):
                 req.error = f"structured output: {req.matcher.get_error() or 'the token does not fit the grammar'}"
@@ -495,9 +493,7 @@ class Engine:
         k = req.params.prompt_logprobs
         n_prompt = len(req.prompt_token_ids)
         for j, p in enumerate(range(c.start, min(c.start + c.num_tokens, n_prompt - 1))):
-            req.prompt_logprobs[p + 1] = Logprob(req.prompt_token_ids[p + 1], _finite(chosen[j]),
-                                                 [(t, _finite(v)) for t, v in zip(top_ids[j, :k].tolist(),
-                                                                                   top_vals[j, :k].tolist())])
+            req.prompt_logprobs[p + 1] = _logprob(req.prompt_token_ids[p + 1], chosen[j], top_ids[j], top_vals[j], k)
 
     def _process_row(self, req: Request) -> ProcessRow:
         p = req.params
@@ -704,6 +700,12 @@ class _Bar:
 def _finite(logprob) -> float:
     """A logprob for JSON: -inf (a masked or banned token) as -9999.0, as vLLM reports it."""
     return max(float(logprob), -9999.0)
+
+
+def _logprob(token_id: int, chosen, top_ids_K, top_vals_K, n: int) -> Logprob:
+    """One token's Logprob from the device's (chosen, top ids, top logprobs), n alternatives."""
+    return Logprob(token_id, _finite(chosen),
+                   [(t, _finite(v)) for t, v in zip(top_ids_K[:n].tolist(), top_vals_K[:n].tolist())])
 
 
 def _default_max_rank(lora_modules: dict[str, str], floor: int = 16) -> int:

@@ -252,8 +252,7 @@ class ModelRunner:
         return self._compiled(self._processors, self._lower_processor, (rows, hist), "logits-processor")
 
     def _lower_scorer(self, tokens: int):
-        x = jax.ShapeDtypeStruct((tokens, self.cfg.hidden_size), self.weights.embed_VD.dtype,
-                                 sharding=self.replicated)
+        x = jax.ShapeDtypeStruct((tokens, self.cfg.hidden_size), jnp.float32, sharding=self.replicated)
         return self._score.lower(self.weights, x, *self._abstract((np.zeros(tokens, np.int32),)),
                                  cfg=self.cfg, k=NUM_LOGPROBS)
 

@@ -146,7 +146,7 @@ def _proj(x, w, b=None):
 def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: Batch,
             cfg: ModelConfig, backend: str = "bgmv", hidden: bool = False):
     """Logits (Q, V) in float32 for the rows batch.logits_idx_Q, and the updated cache; with
-    hidden=True also every token's last hidden state x_TD (before the final norm), for
+    hidden=True also every token's last hidden state x_TD (before the final norm, float32), for
     token_logprobs (prompt logprobs)."""
     bes = get_backends(backend) if lora is not None else ()
     be = bes[0] if bes else None
@@ -220,8 +220,8 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     (x_TD, k_cache, v_cache), _ = jax.lax.scan(
         layer, (x_TD, kv.k_LPpKH, kv.v_LPpKH), (weights.layers, layer_ids))
     logits = head_logits(weights, cfg, jnp.take(x_TD, batch.logits_idx_Q, axis=0, mode="clip"))
-    if hidden:
-        return logits, KVCache(k_cache, v_cache), x_TD
+    if hidden:  # float32 whatever the weights' dtype: one scorer shape per token bucket
+        return logits, KVCache(k_cache, v_cache), x_TD.astype(jnp.float32)
     return logits, KVCache(k_cache, v_cache)
 
 

@@ -319,16 +319,9 @@ class Server:
     def echo_logprobs(self, prompt_ids: list[int], prompt_lps: Optional[list]) -> P.CompletionLogprobs:
         """The prompt's part of an echoed completion's logprobs: its tokens, each one's logprob
         after the ones before it (the first has none: null) and its top alternatives."""
-        out = P.CompletionLogprobs()
-        offset = 0
-        for i, tok in enumerate(prompt_ids):
-            lp = prompt_lps[i] if prompt_lps is not None and i < len(prompt_lps) else None
-            t = self.token_text(tok)
-            out.tokens.append(t)
-            out.token_logprobs.append(None if lp is None else float(lp.logprob))
-            out.top_logprobs.append(None if lp is None else {self.token_text(j): float(v) for j, v in lp.top})
-            out.text_offset.append(offset)
-            offset += len(t)
+        first = self.token_text(prompt_ids[0])
+        out = P.CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+        _extend(out, self.completion_logprobs((prompt_lps or [])[1:], len(first)))
         return out
 
     def echoed(self, prompt_text: str, prompt_ids: list[int], prompt_lps: Optional[list], text: str,
@@ -337,9 +330,7 @@ class Server:
         if not want_logprobs:
             return prompt_text + text, None
         out = self.echo_logprobs(prompt_ids, prompt_lps)
-        rest = self.completion_logprobs(lps or [], len(prompt_text))
-        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-            getattr(out, field).extend(getattr(rest, field))
+        _extend(out, self.completion_logprobs(lps or [], len(prompt_text)))
         return prompt_text + text, out
 
     def prompt_text(self, raw) -> str:
@@ -377,3 +368,8 @@ class Server:
             raise APIError(403, f"lora_path must lie inside the server's --lora-root; {raw!r} does not",
                            "lora_path", "lora_path_forbidden")
         return str(resolved)
+
+
+def _extend(out: P.CompletionLogprobs, more: P.CompletionLogprobs) -> None:
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        getattr(out, field).extend(getattr(more, field))
