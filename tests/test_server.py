@@ -62,11 +62,14 @@ class Served:
         kw.setdefault("timeout", 120)
         return httpx.Client(base_url=self.url, headers=headers, **kw)
 
-    def metrics(self) -> dict:
+    def metrics_text(self) -> str:
         with self.http() as c:
             r = c.get("/metrics")
         assert r.status_code == 200
-        return parse_metrics(r.text)
+        return r.text
+
+    def metrics(self) -> dict:
+        return parse_metrics(self.metrics_text())
 
 
 def ref_key(prompt, lora, max_tokens):
@@ -593,6 +596,65 @@ def test_metrics_parse(served):
         counts = [v for _, v in buckets]
         assert counts == sorted(counts) and buckets[-1][0] == math.inf
         assert buckets[-1][1] == metric(ms, f"{h}_count") > 0
+
+
+def _epp_view(text: str) -> dict:
+    """What the Gateway API Inference Extension's endpoint picker reads from /metrics (its
+    pkg/epp/backend/metrics): parsed by prometheus_client's own parser; of vllm:lora_requests_info
+    the series with the largest value whose running and waiting lists are not both empty."""
+    from prometheus_client.parser import text_string_to_metric_families
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    view = {}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc", "vllm:lora_requests_info"):
+        assert name in fams and fams[name].type == "gauge", name
+        view[name] = fams[name].samples
+    busy = [s for s in view["vllm:lora_requests_info"]
+            if s.labels["running_lora_adapters"] or s.labels["waiting_lora_adapters"]]
+    for s in view["vllm:lora_requests_info"]:
+        assert {"running_lora_adapters", "waiting_lora_adapters", "max_lora"} <= set(s.labels)
+    view["picked"] = max(busy, key=lambda s: s.value).labels if busy else None
+    return view
+
+
+def test_gateway_metrics_have_vllm_names(served):
+    """vllm:* gauges a LoRA-aware gateway routes by, with vLLM's meaning, through a real parser."""
+    client = served.client()
+    before = time.time()
+    stream = client.completions.create(model="a", prompt=PROMPTS[1], stream=True, **greedy(max_tokens=120))
+    next(iter(stream))
+    during = _epp_view(served.metrics_text())
+    list(stream)
+    picked = during["picked"]
+    assert picked is not None and picked["running_lora_adapters"].split(",") == ["a"]
+    assert picked["max_lora"] == str(served.engine.registry.num_slots)
+    wait_idle(served)
+    idle = _epp_view(served.metrics_text())
+    assert idle["vllm:num_requests_running"][0].value == 0 and idle["vllm:num_requests_waiting"][0].value == 0
+    assert idle["vllm:kv_cache_usage_perc"][0].value == idle["vllm:gpu_cache_usage_perc"][0].value == 0
+    # idle: the current series is empty (and newest); the picker keeps the last busy one, as it
+    # would from vLLM's whole history of series
+    series = idle["vllm:lora_requests_info"]
+    assert len(series) == 2 and idle["picked"]["running_lora_adapters"] == "a"
+    empty = [s for s in series if not s.labels["running_lora_adapters"]]
+    assert len(empty) == 1 and empty[0].value >= max(s.value for s in series) >= before
+    assert idle["vllm:num_requests_running"][0].labels["model_name"] == served.engine.model_name
+
+
+def test_lora_requests_info_series():
+    """The vllm:lora_requests_info series over a sequence of states (no server needed)."""
+    from multilora.server.metrics import LoraInfo, Metrics
+    m = Metrics("base")
+    m.set_snapshot({}, {}, {}, LoraInfo([], [], 4, at=1.0))
+    assert _epp_view(m.render())["picked"] is None
+    m.set_snapshot({}, {}, {}, LoraInfo(["x", "y", "x"], ["z"], 4, at=2.0))
+    v = _epp_view(m.render())
+    assert len(v["vllm:lora_requests_info"]) == 1
+    assert (v["picked"]["running_lora_adapters"], v["picked"]["waiting_lora_adapters"]) == ("x,y", "z")
+    m.set_snapshot({}, {}, {}, LoraInfo([], [], 4, at=3.0))
+    m.set_snapshot({}, {}, {}, LoraInfo([], ["w"], 4, at=4.0))
+    v = _epp_view(m.render())
+    assert v["picked"]["waiting_lora_adapters"] == "w" and len(v["vllm:lora_requests_info"]) == 1
 
 
 def test_sigterm_drains_running_requests(served, tmp_path):

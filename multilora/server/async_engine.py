@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from multilora.engine.engine import StreamDelta
 from multilora.engine.request import SamplingParams
-from multilora.server.metrics import Metrics
+from multilora.server.metrics import LoraInfo, Metrics
 
 log = logging.getLogger("multilora.server")
 
@@ -396,7 +396,11 @@ class AsyncEngine:
             "multilora_lora_pool_rows_total": eng.registry.num_rows or 0,
         }
         self.snapshot = snap
-        self.metrics.set_snapshot(snap, dataclasses.asdict(eng.registry.stats), dict(eng.scheduler.stats))
+        lora_info = LoraInfo((r.adapter for r in eng.scheduler.running if r.adapter is not None),
+                             (r.adapter for r in eng.scheduler.waiting if r.adapter is not None),
+                             eng.registry.num_slots)
+        self.metrics.set_snapshot(snap, dataclasses.asdict(eng.registry.stats), dict(eng.scheduler.stats),
+                                  lora_info)
 
 
 def _deliver(items: list) -> None:

@@ -2,6 +2,19 @@
 library needed. Counters and histograms are updated by the engine thread and the HTTP handlers
 (under one lock); gauges come from a snapshot the engine thread takes after every step, so that
 /metrics never touches the engine itself.
+
+Beside multilora's own names, the gauges that LoRA-aware gateways read are exported under vLLM's
+names with vLLM's meaning (the Kubernetes Gateway API Inference Extension's endpoint picker, and
+llm-d's, scrape them: pkg/epp/backend/metrics in kubernetes-sigs/gateway-api-inference-extension):
+`vllm:num_requests_waiting`, `vllm:num_requests_running`, the KV cache usage as a fraction
+(`vllm:kv_cache_usage_perc`, and its older name `vllm:gpu_cache_usage_perc`, which the reference
+picker reads), and `vllm:lora_requests_info`. The last is a gauge whose labels carry the state
+(`running_lora_adapters` and `waiting_lora_adapters`: comma-separated names of the adapters with
+running / waiting requests; `max_lora`: how many adapters one batch can hold) and whose value is
+the Unix time at which that state was seen: the picker takes the series with the largest value
+and skips one whose two lists are both empty. vLLM keeps every label combination it ever
+exported; here there are at most two series, the current state and the last non-empty one (what
+the picker would pick from vLLM's whole history).
 """
 
 from __future__ import annotations
@@ -9,6 +22,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+import time
 from typing import Iterable, Optional
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -76,6 +90,8 @@ class Metrics:
         self.gauges: dict[str, float] = {}                       # from the engine thread's snapshot
         self.adapter_stats: dict[str, int] = {}
         self.scheduler_stats: dict[str, int] = {}                # prefix-cache token counters
+        self.lora_info: Optional[LoraInfo] = None                # vllm:lora_requests_info, now
+        self.lora_info_busy: Optional[LoraInfo] = None           # ... the last one with adapters listed
 
     def _model(self, lora: Optional[str]) -> str:
         return lora if lora is not None else self.base_name
@@ -121,11 +137,16 @@ class Metrics:
             self.e2e.observe(e2e)
 
     def set_snapshot(self, gauges: dict[str, float], adapter_stats: dict[str, int],
-                     scheduler_stats: Optional[dict[str, int]] = None) -> None:
+                     scheduler_stats: Optional[dict[str, int]] = None,
+                     lora_info: Optional["LoraInfo"] = None) -> None:
         with self._lock:
             self.gauges = dict(gauges)
             self.adapter_stats = dict(adapter_stats)
             self.scheduler_stats = dict(scheduler_stats or {})
+            if lora_info is not None:
+                self.lora_info = lora_info
+                if lora_info.running or lora_info.waiting:
+                    self.lora_info_busy = lora_info
 
     # ---- exposition ------------------------------------------------------------------------
     def render(self) -> str:
@@ -196,6 +217,7 @@ class Metrics:
             family("multilora_prefix_cache_hits_total", "counter",
                    "Prompt tokens found in the prefix cache (their K/V not recomputed).",
                    [("", {}, sched.get("prefix_hit_tokens", 0))])
+            self._render_gateway(family)
             hist("multilora_time_to_first_token_seconds", "Time from arrival to the first token.", self.ttft)
             hist("multilora_inter_token_latency_seconds", "Time between a request's successive tokens.",
                  self.itl)
@@ -207,3 +229,39 @@ class Metrics:
             hist("multilora_e2e_request_latency_seconds", "Time from arrival to the end of a request.",
                  self.e2e)
         return "\n".join(out) + "\n"
+
+    def _render_gateway(self, family) -> None:
+        """vLLM's names for what gateways route by (see the module docstring); under the lock."""
+        g = self.gauges
+        common = {"engine": "0", "model_name": self.base_name}
+        family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+               [("", common, g.get("multilora_num_requests_running", 0))])
+        family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+               [("", common, g.get("multilora_num_requests_waiting", 0))])
+        usage = g.get("multilora_kv_cache_usage_ratio", 0.0)
+        family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+               [("", common, usage)])
+        family("vllm:gpu_cache_usage_perc", "gauge",
+               "KV-cache usage. 1 means 100 percent usage (the older name of vllm:kv_cache_usage_perc).",
+               [("", common, usage)])
+        infos = [i for i in (self.lora_info_busy, self.lora_info) if i is not None]
+        if infos and infos[0] is infos[-1]:
+            infos = infos[:1]
+        family("vllm:lora_requests_info", "gauge", "Running stats on lora requests.",
+               [("", {"max_lora": str(i.max_lora), "running_lora_adapters": ",".join(i.running),
+                      "waiting_lora_adapters": ",".join(i.waiting), "engine": "0"}, i.time)
+                for i in infos])
+
+
+class LoraInfo:
+    """One state of vllm:lora_requests_info: the adapters with running and with waiting requests
+    (first-seen order), the batch's adapter capacity, and when this was seen (Unix time)."""
+
+    __slots__ = ("running", "waiting", "max_lora", "time")
+
+    def __init__(self, running: Iterable[str], waiting: Iterable[str], max_lora: int,
+                 at: Optional[float] = None):
+        self.running = tuple(dict.fromkeys(running))
+        self.waiting = tuple(dict.fromkeys(waiting))
+        self.max_lora = int(max_lora)
+        self.time = time.time() if at is None else float(at)
