@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from multilora.args import add_distributed_args, add_engine_args, engine_kwargs
@@ -23,7 +24,9 @@ def cmd_generate(args) -> int:
     engine = Engine(progress=True, **engine_kwargs(args))
     if not engine.is_leader:  # several processes: process 0 drives, this one mirrors its steps
         engine.follow()
-        return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # at once: process 0 exits right after (Engine.follow's last barrier)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed_request, ignore_eos=args.ignore_eos)
     if args.chat:

@@ -22,9 +22,17 @@ collectives. Gloo sets up each group of devices at its first collective and give
 to arrive (not configurable from JAX): processes that finish compiling minutes apart would fail
 there, so the engine waits at a coordination-service barrier (long timeout) once warm-up is done.
 Later collectives wait without that limit (a follower idles in the next step's broadcast while
-the leader has no work). Not covered: a process that dies (the others fail at the next
-collective or at the shutdown barrier), and an adapter folder readable on the leader but not on
-a follower (the follower raises).
+the leader has no work).
+
+A process that dies: JAX's default is to abort every other process from its coordination
+service's error poll. `initialize` turns on `jax_enable_recoverability` instead, so that a dead
+follower fails the leader's next collective with an exception (gloo: "Connection closed by
+peer") rather than killing it, and every process beats a heartbeat through the coordination
+service's key-value store (`Heartbeat`): the leader watches the followers, the followers watch
+the leader, so that a death is seen within PEER_TIMEOUT_S even while no step runs. What then
+happens is the caller's choice (`StepSync.watch`): `multilora serve` fails the requests in
+flight and stops with an error naming the process; a follower whose leader is gone exits. Not
+covered: an adapter folder readable on the leader but not on a follower (the follower raises).
 """
 
 from __future__ import annotations
@@ -32,7 +40,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from typing import Optional
+import os
+import threading
+import time
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -57,6 +68,8 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
         return
     if cpu_collectives:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    # a dead peer: an exception at the next collective, not an abort (the module docstring)
+    jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, local_device_ids=local_device_ids)
     log.info("process %d of %d: %d local devices, %d in all", jax.process_index(), jax.process_count(),
@@ -99,6 +112,82 @@ def broadcast_object(obj) -> object:
     return json.loads(bytes(np.asarray(buf[:n], np.uint8)).decode())
 
 
+HEARTBEAT_S = 1.0       # each process writes its heartbeat this often
+PEER_TIMEOUT_S = 15.0   # a peer whose heartbeat has not changed for this long is gone
+STOP_GRACE_S = 1.0      # process 0 outlives the followers' exit by this much
+
+
+def _client():
+    from jax._src import distributed as _dist  # the client behind jax.distributed.initialize
+    return _dist.global_state.client
+
+
+class Heartbeat:
+    """A thread that writes this process's beat counter into the coordination service's
+    key-value store every `period_s` and watches the `peers`' counters: a counter that has not
+    changed for `timeout_s` (by this process's clock: no clock agreement needed), or a store that
+    cannot be reached (it lives in process 0), calls `on_lost(message)` once and ends the watch."""
+
+    def __init__(self, me: int, peers: list[int], on_lost: Callable[[str], None],
+                 period_s: float = HEARTBEAT_S, timeout_s: float = PEER_TIMEOUT_S):
+        self.me, self.peers, self.on_lost = me, list(peers), on_lost
+        self.period_s, self.timeout_s = period_s, timeout_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="multilora-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @staticmethod
+    def _key(process: int) -> str:
+        return f"multilora/heartbeat/{process}"
+
+    def _run(self) -> None:
+        client = _client()
+        beat = 0
+        seen = {p: (None, time.monotonic()) for p in self.peers}  # peer -> (last value, when it changed)
+        while not self._stop.wait(self.period_s):
+            beat += 1
+            try:
+                client.key_value_set(self._key(self.me), str(beat), allow_overwrite=True)
+                values = {p: _try_get(client, self._key(p)) for p in self.peers}
+            except Exception as e:  # noqa: BLE001 - the store lives in process 0
+                if not self._stop.is_set():
+                    self._lost(f"process 0's coordination service cannot be reached ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}): process 0 has stopped")
+                return
+            now = time.monotonic()
+            for p, value in values.items():
+                last, since = seen[p]
+                if value != last:
+                    seen[p] = (value, now)
+                elif now - since > self.timeout_s and not self._stop.is_set():
+                    self._lost(f"process {p} has sent no heartbeat for {now - since:.0f} s: it has stopped "
+                               "(or hangs), and a multi-process engine cannot go on without it")
+                    return
+
+    def _lost(self, message: str) -> None:
+        self._stop.set()
+        log.error("%s", message)
+        self.on_lost(message)
+
+
+def _try_get(client, key: str) -> Optional[str]:
+    try:
+        return client.key_value_try_get(key)
+    except Exception as e:  # noqa: BLE001 - not written yet is not an error
+        if "NOT_FOUND" in str(e):
+            return None
+        raise
+
+
+def _exit_follower(message: str) -> None:
+    """A follower whose leader is gone: nothing left to follow."""
+    log.error("this follower exits: %s", message)
+    os._exit(1)
+
+
 class StepSync:
     """The leader's record of state changes since the last step, and its exchange."""
 
@@ -109,6 +198,28 @@ class StepSync:
         self._pending: list = []
         self._replaying = False
         barrier("multilora_engine_ready")  # every process has compiled: collectives may start
+        n = jax.process_count()
+        self._on_lost: Callable[[str], None] = (lambda message: None) if self.leader else _exit_follower
+        self.heartbeat = Heartbeat(jax.process_index(), list(range(1, n)) if self.leader else [0],
+                                   lambda message: self._on_lost(message))
+
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """What to do (from the heartbeat's thread) when another process is gone."""
+        self._on_lost = on_lost
+
+    def stop_barrier(self) -> None:
+        """After the stop: every process here before any leaves. With recoverable tasks JAX's
+        own shutdown does not wait for the peers, and a follower still running when process 0
+        (the coordination service) exits is aborted by JAX; so followers exit at once after this
+        barrier, and process 0 gives them a moment (STOP_GRACE_S) before it exits."""
+        barrier("multilora_engine_stopped", timeout_s=120.0)
+        if self.leader:
+            time.sleep(STOP_GRACE_S)
+
+    def stopped(self) -> None:
+        """The followers have been told to stop (or this follower was): no more watching."""
+        self.running = False
+        self.heartbeat.stop()
 
     def guard(self, what: str) -> None:
         """Before a state change: only the leader (or a follower replaying it) may make one."""
@@ -134,7 +245,7 @@ class StepSync:
             finally:
                 self._replaying = False
         elif any(op == "stop" for op, _ in cmds):
-            self.running = False
+            self.stopped()
         return self.running
 
     def _apply(self, engine, op: str, kw: dict) -> None:
@@ -151,7 +262,7 @@ class StepSync:
         elif op == "unload":
             engine.unload_lora_adapter(kw["name"])
         elif op == "stop":
-            self.running = False
+            self.stopped()
         else:
             raise ValueError(f"unknown command {op!r} from the leader")
 

@@ -112,7 +112,7 @@ class Engine:
             raise ValueError(f"unknown lora_backend {c.lora_backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
         lora_modules = dict(lora_modules or {})
         page_size = c.page_size
-        _enable_compilation_cache(c.compilation_cache_dir)
+        _enable_compilation_cache(c.compilation_cache_dir, distributed)
         self._sync = None  # set at the end when several processes run
         if distributed:  # before anything touches a device
             from multilora.engine.distributed import initialize
@@ -208,7 +208,8 @@ class Engine:
             log.info("compiled %d step shapes in %.1fs", self.runner.num_compiled_steps, secs)
         # Several processes: from here on, state changes go through process 0 (every process
         # built the same engine from the same arguments up to this point).
-        if jax.process_count() > 1:
+        self._num_processes = jax.process_count()
+        if self._num_processes > 1:
             from multilora.engine.distributed import StepSync
             self._sync = StepSync()
 
@@ -680,12 +681,26 @@ class Engine:
             # Nobody reads a follower's outputs: forget finished requests (host bookkeeping only).
             for rid in [r for r, req in self._requests.items() if req.finished]:
                 del self._requests[rid]
+        self._sync.stop_barrier()
 
     def stop_followers(self) -> None:
         """On process 0: let the other processes' follow() return (after their last step)."""
         if self._sync is not None and self._sync.leader and self._sync.running:
             self._sync.record("stop")
             self._sync.exchange(self)
+            self._sync.stop_barrier()
+
+    @property
+    def num_processes(self) -> int:
+        """JAX processes running this engine together (1 without jax.distributed)."""
+        return self._num_processes
+
+    def watch_peers(self, on_lost) -> None:
+        """Several processes: on_lost(message) is called, from a watchdog thread, once another
+        process is gone (no heartbeat for a while). The default: a follower exits, the leader
+        only logs (its next collective then raises)."""
+        if self._sync is not None:
+            self._sync.watch(on_lost)
 
 
 class _Bar:
@@ -746,8 +761,16 @@ def _generation_eos(model_dir: str) -> set[int]:
     return set(eos) if isinstance(eos, list) else {int(eos)}
 
 
-def _enable_compilation_cache(path: Optional[str]) -> None:
+def _enable_compilation_cache(path: Optional[str], distributed: Optional[dict] = None) -> None:
+    """JAX's persistent compilation cache, except for an engine over several processes: there
+    an executable read back from the cache (its own process's or another's) disagrees with the
+    peers' about its collectives (measured with JAX 0.10 on CPU: gloo "2048 vs 1024 bytes" at the
+    first step shape read back, every time, where freshly compiled ones agree), so each process
+    compiles afresh."""
     import jax
+    if distributed and (distributed.get("num_processes") or 1) > 1:
+        log.info("several processes: no persistent compilation cache (see _enable_compilation_cache)")
+        return
     path = path or os.environ.get("MULTILORA_COMPILATION_CACHE")
     if path is None:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")

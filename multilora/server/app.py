@@ -19,6 +19,8 @@ import hmac
 import json
 import logging
 import os
+import signal
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -27,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from multilora.args import add_engine_args, engine_kwargs
+from multilora.args import add_distributed_args, add_engine_args, engine_kwargs
 from multilora.lora.registry import AdapterConflictError
 from multilora.server import openapi
 from multilora.server import protocol as P
@@ -358,6 +360,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running requests before aborting them")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_distributed_args(parser)
     return parser
 
 
@@ -381,7 +384,11 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, drain_timeout
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=drain_timeout, access_log=False)
-    _UvicornServer(config).run()
+    server = _UvicornServer(config)
+    # for the engine side (any thread): stop as SIGTERM would, without a signal that uvicorn
+    # re-raises at its exit
+    app.state.stop_server = lambda: setattr(server, "should_exit", True)
+    server.run()
 
 
 def with_demo_adapters(args) -> argparse.Namespace:
@@ -410,11 +417,43 @@ def run_serve(args) -> int:
         raise SystemExit("--max-queue must be >= 0")
     api_key = args.api_key or os.environ.get("MULTILORA_API_KEY") or None
     engine = engine_from_args(args)
+    if not engine.is_leader:
+        return follow(engine)
     aengine = AsyncEngine(engine, max_queue=args.max_queue)
     app = build_app(aengine, api_key=api_key, lora_root=args.lora_root, max_body_bytes=args.max_body_bytes,
                     allow_any_lora_path=args.allow_any_lora_path, drain_timeout=args.drain_timeout)
+    if engine.num_processes > 1:  # a process gone: stop serving (with one, a dead engine thread is a 503)
+        def _stop(message: str) -> None:
+            log.error("the engine stopped (%s): the server shuts down", message)
+            app.state.stop_server()
+        aengine.on_death = _stop
+        # uvicorn re-raises the SIGTERM/SIGINT it caught once it has stopped; with the default
+        # handlers that kills this process before jax.distributed's shutdown, where the followers
+        # wait for it
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
     serve(app, args.host, args.port, args.drain_timeout, args.log_level)
+    if engine.num_processes > 1 and aengine.death is not None:
+        print(f"multilora: the server stopped: {aengine.death}", file=sys.stderr, flush=True)
+        os._exit(1)  # not jax.distributed's shutdown barrier: a process is gone
     return 0
+
+
+def follow(engine) -> int:
+    """`multilora serve` on a process other than 0: mirror process 0's steps until it stops."""
+    import jax
+    print(f"multilora: process {jax.process_index()} of {engine.num_processes} follows process 0, "
+          "which serves HTTP", flush=True)
+    try:
+        engine.follow()
+    except Exception as e:  # noqa: BLE001 - a collective with a process that is gone
+        log.debug("follow() failed", exc_info=True)
+        print(f"multilora: process {jax.process_index()} stops: {type(e).__name__}: {e}", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+    print(f"multilora: process {jax.process_index()}: process 0 has stopped; done", flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # at once (Engine.follow's last barrier): process 0 exits right after
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -13,6 +13,11 @@ Nothing but the engine thread touches the Engine's mutable state (the tokenizer,
 shared). Deltas reach each stream's event loop with call_soon_threadsafe. A stream that is left
 early (client gone) aborts its request, which frees its KV pages at once. The queue is bounded:
 when `max_queue` requests already wait for a place in the batch, submit raises QueueFullError.
+
+An engine that spans several processes (multilora.engine.distributed) cannot skip a step or lose
+a process: a failed step, or a process whose heartbeat stops, ends the engine thread (every
+request in flight gets the error) and calls `on_death(message)`, with which `multilora serve`
+stops. At the end the thread lets the followers stop too.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ class QueueFullError(RuntimeError):
 
 class EngineStoppedError(RuntimeError):
     """The engine is shutting down or its thread has died (HTTP 503)."""
+
+
+class PeerLostError(RuntimeError):
+    """Another process of a multi-process engine is gone: the engine cannot go on."""
 
 
 class RequestStream:
@@ -122,14 +131,43 @@ class AsyncEngine:
         self._thread: Optional[threading.Thread] = None
         self._dead: Optional[str] = None
         self.snapshot: dict[str, float] = {}
+        self.on_death: Optional[Callable[[str], None]] = None   # called once the engine thread died
+        self._multiprocess = getattr(engine, "num_processes", 1) > 1
+        self._fatal: Optional[str] = None                       # a lost process (engine thread)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
         if self._thread is None:
             self._publish()
+            if self._multiprocess:
+                self.engine.watch_peers(self._peer_lost)
             self._thread = threading.Thread(target=self._run, name="multilora-engine", daemon=True)
             self._thread.start()
         return self
+
+    @property
+    def death(self) -> Optional[str]:
+        """Why the engine thread died (None while it runs, or after a clean stop)."""
+        return self._dead
+
+    def _peer_lost(self, message: str) -> None:
+        """From the heartbeat thread: end the engine thread between two steps; should it be stuck
+        in a collective with the lost process, report the death without it after a grace period."""
+        self._post(("fatal", message))
+
+        def _late() -> None:
+            if self._thread is not None and self._thread.is_alive():
+                log.error("the engine thread did not stop within 10 s (stuck in a collective?)")
+                self._dead = self._dead or message
+                self._call_on_death()
+        timer = threading.Timer(10.0, _late)
+        timer.daemon = True
+        timer.start()
+
+    def _call_on_death(self) -> None:
+        callback, self.on_death = self.on_death, None   # once
+        if callback is not None and self._dead is not None:
+            callback(self._dead)
 
     @property
     def is_alive(self) -> bool:
@@ -236,6 +274,9 @@ class AsyncEngine:
         try:
             while not self._loop_once():
                 pass
+        except PeerLostError as e:
+            self._dead = str(e)
+            self._fail_all(self._dead)
         except BaseException as e:  # noqa: BLE001 - the thread must not die silently
             log.exception("the engine thread died")
             self._dead = f"{type(e).__name__}: {e}"
@@ -255,6 +296,12 @@ class AsyncEngine:
                     self._to_loop(cmd[2].get_loop(), _set_future, cmd[2], None,
                                   EngineStoppedError("the engine has stopped"))
             self._fail_all("the engine has stopped")
+            if self._multiprocess and self._dead is None:
+                try:  # the followers' follow() returns after this last exchange
+                    self.engine.stop_followers()
+                except Exception:  # noqa: BLE001 - a follower already gone: nothing to stop
+                    log.exception("stopping the follower processes failed")
+            self._call_on_death()
 
     def _loop_once(self) -> bool:
         """One turn: apply queued commands, then one step (or wait for work). True: stop."""
@@ -264,6 +311,8 @@ class AsyncEngine:
             cmds, self._commands = self._commands, []
         for cmd in cmds:
             self._apply(cmd)
+        if self._fatal is not None:
+            raise PeerLostError(self._fatal)
         if cmds:
             self._publish()
         if self._stop:
@@ -275,6 +324,9 @@ class AsyncEngine:
         try:
             deltas = eng.step()
         except Exception as e:  # a bug: fail the requests in flight, keep serving the next ones
+            if self._multiprocess:  # ... unless the processes may now disagree: stop
+                raise PeerLostError(f"a step of the multi-process engine failed ({type(e).__name__}: {e}); "
+                                    "the processes can no longer agree, so the engine stops") from e
             log.exception("engine step failed")
             self._fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
             return False
@@ -306,6 +358,8 @@ class AsyncEngine:
             self._to_loop(st.loop, _set_future, fut, st.request_id, None)
         elif kind == "abort":
             self._abort(cmd[1], "abort")
+        elif kind == "fatal":
+            self._fatal = cmd[1]
         elif kind == "abort_all":
             for rid in list(self._streams):
                 self._abort(rid, "abort")
