@@ -111,17 +111,26 @@ def check_config(cfg: RayServeConfig) -> None:
 
 
 # ---- small pure helpers --------------------------------------------------------------------------
-def request_model(body: bytes) -> tuple[Optional[str], bool]:
-    """(the body's `model` when it is a string, whether it asks for an `adapters` mix). Anything
-    unreadable gives (None, False): the replica's app reports what is wrong with it."""
+def _body_object(body: bytes) -> dict:
     try:
         obj = json.loads(body or b"null")
     except (ValueError, UnicodeDecodeError):
-        return None, False
-    if not isinstance(obj, dict):
-        return None, False
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def request_model(body: bytes) -> tuple[Optional[str], bool]:
+    """(the body's `model` when it is a string, whether it asks for an `adapters` mix). Anything
+    unreadable gives (None, False): the replica's app reports what is wrong with it."""
+    obj = _body_object(body)
     model = obj.get("model")
     return (model if isinstance(model, str) else None), obj.get("adapters") is not None
+
+
+def mix_parts(body: bytes) -> list[str]:
+    """The adapters an `adapters` mix names ({name: weight}); [] when there is none."""
+    parts = _body_object(body).get("adapters")
+    return [p for p in parts if isinstance(p, str)] if isinstance(parts, dict) else []
 
 
 def multiplexed_id(model: Optional[str], mix: bool, base_names: set[str]) -> str:
@@ -388,6 +397,8 @@ class EngineReplica:
         warm = model_id in self._held if model_id else None
         if model_id and op == "http":
             await self._take(model_id)
+        for part in mix_parts(req.get("body", b"")) if op == "http" and not model_id else ():
+            await self._ensure_quietly(part)   # a mix's parts must be registered here
         extra = [(REPLICA_HEADER.encode(), self.replica_id.encode())]
         if op == "load":
             yield await self._load(req, model_id, extra)
@@ -407,6 +418,12 @@ class EngineReplica:
             await self._ensure(name)  # also on a cache hit: an unload may have dropped it since
         except Exception as e:  # noqa: BLE001 - the app reports the request's error
             log.info("adapter %r not held on replica %s: %s", name, self.replica_id, e)
+
+    async def _ensure_quietly(self, name: str) -> None:
+        try:
+            await self._ensure(name)
+        except Exception as e:  # noqa: BLE001 - the app reports the request's error
+            log.info("adapter %r not registered on replica %s: %s", name, self.replica_id, e)
 
     async def _hold(self, name: str) -> _Held:
         """serve.multiplexed's loader: only names this replica can serve enter the set."""
