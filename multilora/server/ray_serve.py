@@ -83,6 +83,7 @@ class RayServeConfig:
     max_attempts: int = 3                  # replicas a request that never started may be sent to
     app_name: str = "multilora"
     health_check_period_s: float = 2.0
+    route_by_adapter: bool = True          # False: no multiplexed id (the benchmark's baseline)
 
     def __post_init__(self):
         check_config(self)
@@ -393,7 +394,8 @@ class EngineReplica:
         yield {"accepted": self.replica_id}
         self._start_poller()
         await self._sync()
-        model_id = serve.get_multiplexed_model_id()
+        # the ingress's routing id; without routing by adapter (a baseline), the adapter it names
+        model_id = serve.get_multiplexed_model_id() or req.get("adapter", "")
         warm = model_id in self._held if model_id else None
         if model_id and op == "http":
             await self._take(model_id)
@@ -509,12 +511,26 @@ class EngineReplica:
                 return
             for name in stale_adapters(self._applied, entries):
                 self._applied.pop(name, None)
+                self._forget(name)
                 try:
                     await self.aengine.unload_lora_adapter(name)
                     log.info("replica %s: unloaded %r (the directory dropped it)", self.replica_id, name)
                 except KeyError:
                     pass
             self._entries, self._version = entries, version
+
+    def _forget(self, name: str) -> None:
+        """Take an unloaded adapter out of the multiplexed set, so that it stops drawing its
+        requests here and frees its place in the LRU. Serve has no public call for this: this
+        reaches into serve.multiplexed's cache, and does nothing if that changed (the name then
+        ages out of the LRU)."""
+        held = self._held.pop(name, None)
+        if held is not None:
+            held._evicted = True
+        cache = getattr(getattr(self._get_held, "__wrapped__", None), "__serve_multiplex_wrapper", None)
+        models = getattr(cache, "models", None)
+        if isinstance(models, OrderedDict) and models.pop(name, None) is not None:
+            cache._push_multiplexed_replica_info = True   # tell the routers at the next push
 
     def _start_poller(self) -> None:
         """Apply unloads while idle too (every second), not only at the next request."""
@@ -616,11 +632,16 @@ class Ingress:
         """Send the request to a replica; again to another when its replica died before it
         started there; a clean 503 (or SSE error event) when it died after."""
         from starlette.responses import Response, StreamingResponse
+        routing_id = model_id if self.cfg.route_by_adapter or op == "load" else ""
+        req = {**req, "adapter": model_id}
         stream, replica, attempts = await open_on_replica(
-            lambda: self.replicas.options(stream=True, multiplexed_model_id=model_id).forward.remote(req, op),
+            lambda: self.replicas.options(stream=True, multiplexed_model_id=routing_id).forward.remote(req, op),
             self.cfg.max_attempts)
         try:
             head = await stream.__anext__()
+        except asyncio.CancelledError:  # the client left: stop the replica's work
+            stream.cancel()
+            raise
         except StopAsyncIteration:
             return _json(500, "the replica ended the request without a response", code="internal_error")
         except Exception as e:  # noqa: BLE001
@@ -705,6 +726,9 @@ async def open_on_replica(call: Callable[[], Any], max_attempts: int,
         stream = call()
         try:
             first = await stream.__anext__()
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
         except Exception as e:  # noqa: BLE001
             if not gone(e):
                 raise
