@@ -1,4 +1,4 @@
-"""`multilora serve | generate | convert-default`: the command line."""
+"""`multilora serve | serve-ray | generate | convert-default`: the command line."""
 
 from __future__ import annotations
 
@@ -61,6 +61,11 @@ def main(argv=None) -> int:
     from multilora.server.app import add_serve_args
     add_serve_args(p_serve)
 
+    p_ray = sub.add_parser("serve-ray", formatter_class=fmt,
+                           help="data-parallel replicas behind one endpoint on Ray Serve (needs multilora[ray])")
+    from multilora.server.ray_serve import add_ray_serve_args
+    add_ray_serve_args(p_ray)
+
     p_gen = sub.add_parser("generate", help="offline batch generation", formatter_class=fmt)
     add_engine_args(p_gen)
     add_distributed_args(p_gen)
@@ -84,6 +89,9 @@ def main(argv=None) -> int:
     if args.cmd == "serve":
         from multilora.server.app import run_serve
         return run_serve(args) or 0
+    if args.cmd == "serve-ray":
+        from multilora.server.ray_serve import run_serve_ray
+        return run_serve_ray(args) or 0
     if args.cmd == "generate":
         return cmd_generate(args)
     return cmd_convert_default(args)
