@@ -25,6 +25,7 @@ import pytest
 
 from multilora.server import ray_serve as RS
 from tests import reference
+from tests.procs import free_port
 
 httpx = pytest.importorskip("httpx")
 
@@ -170,13 +171,6 @@ class Cluster:
                                                    temperature=0.0, ignore_eos=True, **extra))
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     ray = pytest.importorskip("ray")
@@ -213,7 +207,7 @@ def cluster(tmp_path_factory):
     ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu",
                                        "OMP_WAIT_POLICY": "PASSIVE"}})
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = RS.RayServeConfig(
         engine_kwargs=dict(model=str(model_dir), lora_modules=modules, warmup=False, **ENGINE_KW),

@@ -6,10 +6,8 @@ dies stops the server with an error naming it instead of a hang."""
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests import reference
+from tests.procs import child_env, free_port
 
 httpx = pytest.importorskip("httpx")
 
@@ -29,12 +28,6 @@ KW = dict(max_loras_per_batch=4, max_lora_rank=16, max_num_seqs=2, max_num_batch
 PROMPTS = ["hello world", "once upon a time there was", "tell me a story about cats", "how are you today?"]
 ADAPTERS = {"a": "a_all_r8", "b": "b_attn_r4_rslora", "c": "c_mlp_r16"}   # c: loaded at run time
 MAX_TOKENS = 10
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +61,7 @@ class _Proc:
                 "--process-id", str(pid), "--drain-timeout", "5"]
         for k, v in KW.items():
             args += ["--" + k.replace("_", "-"), str(v)]
-        env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT),
-                   PYTHONUNBUFFERED="1")
-        env.pop("XLA_FLAGS", None)
+        env = child_env()
         self.stderr_path = log_dir / f"serve{pid}.err"
         self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=open(self.stderr_path, "w"), text=True)
@@ -104,7 +95,7 @@ class _Proc:
 
 @pytest.fixture
 def two_processes(setup, tmp_path):
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     procs = [_Proc(setup, pid, coordinator, tmp_path) for pid in range(2)]
     try:
         t0 = time.time()

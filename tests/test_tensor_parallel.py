@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.procs import child_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN, PAGE_SIZE = 64, 8
@@ -168,12 +169,6 @@ def _main(argv) -> int:
 
 
 # ---- the pytest side ------------------------------------------------------------------------------
-def _env() -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
-    return env
-
-
 def _parse(stdout: str) -> dict:
     lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
     assert lines, "the subprocess printed no result"
@@ -189,7 +184,7 @@ def _spec(tiny_models, tiny_adapters, **kw) -> dict:
 def _launch(mode: str, spec: dict, path: Path) -> subprocess.Popen:
     path.write_text(json.dumps(spec))
     return subprocess.Popen([sys.executable, "-m", "tests.test_tensor_parallel", mode, str(path)], cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(proc: subprocess.Popen, timeout: float) -> dict:
@@ -293,17 +288,11 @@ def test_heads_not_divisible_is_a_clear_error(tp_runs):
     assert "tensor_parallel_size=8 needs that many devices" in err and "4 available" in err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_match_one(tp_runs, tiny_models, tiny_adapters, tmp_path):
     """Two processes on 127.0.0.1 (gloo), 2 CPU devices each, one tp=4 engine: process 0 takes the
     requests (and loads an adapter at run time), process 1 mirrors every step; the tokens equal a
     single device's."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for pid in range(2):
         spec = _spec(tiny_models, tiny_adapters, coordinator=f"127.0.0.1:{port}", num_processes=2,

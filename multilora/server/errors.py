@@ -55,8 +55,8 @@ def describe_validation(e: ValidationError) -> tuple[str, Optional[str]]:
     return "invalid request: " + "; ".join(parts[:4]), param
 
 
-async def parse_body(request: Request, model: type[BaseModel]):
-    body = await request.body()
+def parse_json_body(body: bytes, model: type[BaseModel]):
+    """The raw body as `model`, or APIError(400) saying what is wrong with it."""
     if not body.strip():
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
@@ -64,6 +64,10 @@ async def parse_body(request: Request, model: type[BaseModel]):
     except ValidationError as e:
         msg, param = describe_validation(e)
         raise APIError(400, msg, param)
+
+
+async def parse_body(request: Request, model: type[BaseModel]):
+    return parse_json_body(await request.body(), model)
 
 
 async def call_engine(coro):

@@ -771,16 +771,11 @@ def _json(status: int, message: str, param: Optional[str] = None, code: Optional
 
 def _parse(body: bytes, model):
     """The body as `model`, or the 400 response the single-node server gives for it."""
-    from pydantic import ValidationError
-
-    from multilora.server.errors import describe_validation
-    if not body.strip():
-        return _json(400, "the request body is empty; send a JSON object")
+    from multilora.server.errors import APIError, parse_json_body
     try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        msg, param = describe_validation(e)
-        return _json(400, msg, param)
+        return parse_json_body(body, model)
+    except APIError as e:
+        return _json(e.status, e.message, e.param, e.code)
 
 
 # ---- the application -------------------------------------------------------------------------------
