@@ -115,6 +115,9 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "xla", "native"],
+                    help="decode attention: XLA's gathers or multilora's CPU kernel (auto: the kernel "
+                         "where it is built, as the runner does)")
     ap.add_argument("--trace", type=Path, default=None, metavar="DIR",
                     help="profile each case and print its op time by kind")
     args = ap.parse_args(argv)
@@ -123,17 +126,20 @@ def main(argv=None):
     cfg = ModelConfig.from_hf_dict(SMOLLM2_135M)
     weights = random_weights(cfg)
     page_size = 16
-    fwd = jax.jit(forward, static_argnames=("cfg", "backend"), donate_argnames=("kv",))
+    fwd = jax.jit(forward, static_argnames=("cfg", "backend", "native_attention"), donate_argnames=("kv",))
+    from multilora import kernels
+    natives = sorted({a == "native" or (a == "auto" and kernels.available()) for a in args.attention})
     rng = np.random.default_rng(0)
     cases = []
     for mode in args.modes:
         for k in args.adapters:
-            for be in (["-"] if k == 0 else args.backends):
-                cases.append((mode, k, be))
-            if k == 0 and args.slots:
-                cases.append((mode, 0, "auto"))  # LoRA on (a pool of --slots), no row uses it
+            for nat in natives:
+                for be in (["-"] if k == 0 else args.backends):
+                    cases.append((mode, k, be, nat))
+                if k == 0 and args.slots:
+                    cases.append((mode, 0, "auto", nat))  # LoRA on (a pool of --slots), no row uses it
     state = {}
-    for mode, k, be in cases:
+    for mode, k, be, nat in cases:
         s = max(k, args.slots or 0) + 1
         if mode == "decode":
             chunks = workload_chunks(mode, args.decode_seqs, args.decode_ctx, page_size, k, rng)
@@ -169,29 +175,34 @@ def main(argv=None):
         num_cache_pages = 1 + max(max(c.block_table) for c in chunks)
         kv = init_kv_cache(cfg, num_cache_pages, page_size, jnp.float32)
         t0 = time.perf_counter()
-        logits, kv = fwd(weights, lora, kv, batch, cfg=cfg, backend=backend)
+        logits, kv = fwd(weights, lora, kv, batch, cfg=cfg, backend=backend, native_attention=nat)
         logits.block_until_ready()
-        state[(mode, k, be)] = dict(batch=batch, lora=lora, kv=kv, backend=backend, times=[],
+        state[(mode, k, be, nat)] = dict(batch=batch, lora=lora, kv=kv, backend=backend, native=nat, times=[],
                                     tokens=t, pages=x, compile_s=time.perf_counter() - t0)
     for _ in range(args.repeats):
         for key, st in state.items():
             t0 = time.perf_counter()
-            logits, st["kv"] = fwd(weights, st["lora"], st["kv"], st["batch"], cfg=cfg, backend=st["backend"])
+            logits, st["kv"] = fwd(weights, st["lora"], st["kv"], st["batch"], cfg=cfg, backend=st["backend"],
+                                   native_attention=st["native"])
             logits.block_until_ready()
             st["times"].append(time.perf_counter() - t0)
     rows = []
-    base = {m: statistics.median(state[(m, 0, "-")]["times"]) for m in args.modes if (m, 0, "-") in state}
-    print(f"{'mode':8} {'T':>5} {'X':>5} {'adapters':>8} {'backend':>8} {'median ms':>10} {'vs 0':>6}")
-    for (mode, k, be), st in state.items():
+    # "vs 0": against the no-adapter case of the same mode and attention
+    base = {(m, nat): statistics.median(st["times"]) for (m, k, be, nat), st in state.items() if be == "-"}
+    print(f"{'mode':8} {'T':>5} {'X':>5} {'attention':>9} {'adapters':>8} {'backend':>8} {'median ms':>10} {'vs 0':>6}")
+    for (mode, k, be, nat), st in state.items():
         med = statistics.median(st["times"])
-        rel = med / base[mode] if mode in base else float("nan")
-        print(f"{mode:8} {st['tokens']:>5} {st['pages']:>5} {k:>8} {st['backend']:>8} {1e3 * med:10.1f} {rel:6.2f}")
+        rel = med / base[(mode, nat)] if (mode, nat) in base else float("nan")
+        att = "native" if nat else "xla"
+        print(f"{mode:8} {st['tokens']:>5} {st['pages']:>5} {att:>9} {k:>8} {st['backend']:>8} {1e3 * med:10.1f} "
+              f"{rel:6.2f}")
         rows.append(dict(mode=mode, tokens=st["tokens"], pages=st["pages"], adapters=k, backend=st["backend"],
-                         asked=be, median_s=med, times=st["times"], vs_no_adapter=rel))
+                         attention=att, asked=be, median_s=med, times=st["times"], vs_no_adapter=rel))
     if args.trace:
-        for (mode, k, be), st, row in zip(state.keys(), state.values(), rows):
-            row["op_ms_by_kind"] = trace_case(args.trace / f"{mode}_k{k}_{st['backend']}", fwd, weights, st, cfg)
-            print(f"\n{mode}, {k} adapters, {st['backend']}: op time per step by kind "
+        for (mode, k, be, nat), st, row in zip(state.keys(), state.values(), rows):
+            row["op_ms_by_kind"] = trace_case(args.trace / f"{mode}_k{k}_{st['backend']}_{row['attention']}", fwd,
+                                              weights, st, cfg)
+            print(f"\n{mode}, {k} adapters, {st['backend']}, {row['attention']} attention: op time per step by kind "
                   f"(both cores; wall {1e3 * row['median_s']:.0f} ms)")
             total = sum(row["op_ms_by_kind"].values())
             for kind, ms in list(row["op_ms_by_kind"].items())[:10]:
@@ -203,10 +214,11 @@ def main(argv=None):
 
 def trace_case(folder: Path, fwd, weights, st, cfg, steps: int = 3) -> dict[str, float]:
     """Op time per step (ms) by kind: XLA op name family + the jnp op it was made from."""
-    hlo = fwd.lower(weights, st["lora"], st["kv"], st["batch"], cfg=cfg, backend=st["backend"]).compile().as_text()
+    kw = dict(cfg=cfg, backend=st["backend"], native_attention=st["native"])
+    hlo = fwd.lower(weights, st["lora"], st["kv"], st["batch"], **kw).compile().as_text()
     jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
     for _ in range(steps):
-        logits, st["kv"] = fwd(weights, st["lora"], st["kv"], st["batch"], cfg=cfg, backend=st["backend"])
+        logits, st["kv"] = fwd(weights, st["lora"], st["kv"], st["batch"], **kw)
         logits.block_until_ready()
     jax.profiler.stop_trace()
     trace = json.load(gzip.open(sorted(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))[-1]))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from multilora.engine.batching import SeqChunk, build_batch, decode_first, pages_needed
+from multilora import kernels
 from multilora.model import attention
 from multilora.model.attention import MASKED, decode_attention, kv_page_pos_of, prefill_attention
 
@@ -137,30 +138,41 @@ def _decode_case(rng, decode_pos, prefill, page_size, num_tokens, num_pages, n, 
     return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), batch, chunks
 
 
+# Decode attention by XLA's gathers and by multilora's CPU kernel (reads the pages in place).
+IMPLS = [pytest.param(False, id="xla"),
+         pytest.param(True, id="native", marks=pytest.mark.skipif(
+             not kernels.available(), reason=f"native kernels unavailable: {kernels.unavailable_reason()}"))]
+
+
 # decode_pos: each decode sequence's position (its length - 1); prefill: (length, start) chunks.
-@pytest.mark.parametrize("decode_pos,prefill,page_size,num_tokens,num_pages,n,kvh,window", [
+@pytest.mark.parametrize("native", IMPLS)
+@pytest.mark.parametrize("decode_pos,prefill,page_size,num_tokens,num_pages,n,kvh,window,h", [
     # lengths 1, 16 (an exact multiple of the page size), 17, 37, 5; two prefill chunks after them
-    ([0, 15, 16, 36, 4], [(9, 0), (6, 11)], 8, 32, 32, 4, 2, None),
+    ([0, 15, 16, 36, 4], [(9, 0), (6, 11)], 8, 32, 32, 4, 2, None, 8),
     # the same with a sliding window shorter than most of the sequences
-    ([0, 15, 16, 36, 4], [(9, 0), (6, 11)], 8, 32, 32, 4, 2, 6),
+    ([0, 15, 16, 36, 4], [(9, 0), (6, 11)], 8, 32, 32, 4, 2, 6, 8),
     # page size 4: lengths 12 and 4 (multiples), 1, 23, 50; GQA 3:1; a window of one page + 1
-    ([11, 3, 0, 22, 49], [(13, 2)], 4, 64, 48, 6, 2, 5),
+    ([11, 3, 0, 22, 49], [(13, 2)], 4, 64, 48, 6, 2, 5, 8),
     # decode only, single kv head, many padding pages and tokens
-    ([63, 0, 31, 7], [], 16, 16, 16, 4, 1, None),
+    ([63, 0, 31, 7], [], 16, 16, 16, 4, 1, None, 8),
     # one decode row beside a long prefill chunk behind a long cache; kv heads = heads
-    ([40], [(30, 100)], 16, 64, 16, 2, 2, None),
+    ([40], [(30, 100)], 16, 64, 16, 2, 2, None, 8),
     # no decode rows at all: every row zero
-    ([], [(5, 0), (8, 3)], 4, 16, 8, 4, 2, None),
+    ([], [(5, 0), (8, 3)], 4, 16, 8, 4, 2, None, 8),
+    # a head dim that is no multiple of the kernel's 8 lanes; GQA 4:1; 9 keys (one past a lane block)
+    ([8, 20, 2], [(4, 0)], 4, 16, 16, 8, 2, None, 12),
+    # long rows (hundreds of keys, as in serving) at the real head dim 64, SmolLM2's 9:3 heads
+    ([300, 511, 77], [], 16, 8, 64, 9, 3, None, 64),
 ])
-def test_decode_matches_plain(decode_pos, prefill, page_size, num_tokens, num_pages, n, kvh, window):
-    rng = np.random.default_rng(len(decode_pos) * 100 + page_size + (window or 0))
-    q, k, v, b, chunks = _decode_case(rng, decode_pos, prefill, page_size, num_tokens, num_pages, n, kvh)
+def test_decode_matches_plain(decode_pos, prefill, page_size, num_tokens, num_pages, n, kvh, window, h, native):
+    rng = np.random.default_rng(len(decode_pos) * 100 + page_size + (window or 0) + h)
+    q, k, v, b, chunks = _decode_case(rng, decode_pos, prefill, page_size, num_tokens, num_pages, n, kvh, h)
     assert int(b.num_decode) == len(decode_pos)
     used_pages = int(np.sum(np.asarray(b.kv_page_seq_X) < len(chunks)))
     assert used_pages < num_pages, "the case should carry padding pages"
     layer = 1
-    got = np.asarray(jax.jit(decode_attention, static_argnums=8)(
-        q, k, v, layer, b.kv_pages_X, b.kv_page_seq_X, b.positions_T, b.num_decode, window))
+    got = np.asarray(jax.jit(decode_attention, static_argnums=(8, 9))(
+        q, k, v, layer, b.kv_pages_X, b.kv_page_seq_X, b.positions_T, b.num_decode, window, native))
     want = plain_decode_attention(q, k, v, layer, chunks, page_size, window)
     assert got.shape == q.shape and np.isfinite(got).all()
     nd = len(decode_pos)
@@ -169,16 +181,30 @@ def test_decode_matches_plain(decode_pos, prefill, page_size, num_tokens, num_pa
     np.testing.assert_array_equal(got[nd:], 0.0)
 
 
-def test_decode_ignores_other_sequences_pages():
+@pytest.mark.parametrize("native", IMPLS)
+def test_decode_ignores_other_sequences_pages(native):
     """A decode row's output depends on its own pages only: rewriting every other page of the
     cache (other sequences', padding page 0, unused ones) leaves it unchanged."""
     rng = np.random.default_rng(7)
     q, k, v, b, chunks = _decode_case(rng, [9, 2, 20], [(12, 0)], 4, 32, 24, 4, 2)
     args = (b.kv_pages_X, b.kv_page_seq_X, b.positions_T, b.num_decode)
-    before = np.asarray(decode_attention(q, k, v, 0, *args))
+    before = np.asarray(decode_attention(q, k, v, 0, *args, native=native))
     own = set(chunks[0].block_table[:pages_needed(chunks[0], 4)])
     others = np.array([p for p in range(k.shape[1]) if p not in own])
     k2 = k.at[:, others].set(100.0 * rng.standard_normal(k[:, others].shape).astype(np.float32))
     v2 = v.at[:, others].set(100.0 * rng.standard_normal(v[:, others].shape).astype(np.float32))
-    after = np.asarray(decode_attention(q, k2, v2, 0, *args))
+    after = np.asarray(decode_attention(q, k2, v2, 0, *args, native=native))
     np.testing.assert_allclose(after[0], before[0], atol=2e-5, rtol=0)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+def test_native_decode_refuses_bad_shapes_and_other_caches():
+    """The kernel checks its operands (a K/V pair of different shapes is an error, not a wild
+    read), and the runner only picks it for a float32 cache on one CPU device."""
+    rng = np.random.default_rng(3)
+    q, k, v, b, _ = _decode_case(rng, [5, 9], [], 4, 8, 8, 4, 2)
+    args = (b.kv_pages_X, b.kv_page_seq_X, b.positions_T, b.num_decode)
+    with pytest.raises(Exception, match="operand shapes disagree"):
+        np.asarray(kernels.decode_attention(q, k, v[:, :-1], 0, *args))
+    assert attention.native_attention_usable(k)
+    assert not attention.native_attention_usable(k.astype(jnp.bfloat16))

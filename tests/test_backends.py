@@ -16,7 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from multilora.lora.backend import BACKENDS, get_backend, kernels
+from multilora import kernels
+from multilora.lora.backend import BACKENDS, get_backend
 from multilora.lora.batch import NO_ADAPTER, make_lora_batch_info, sgmv_tile_rows
 
 # `native` needs a C++ compiler (built on first use); where there is none it is left out here and
@@ -363,7 +364,7 @@ def test_tiles_sized_for_a_steps_few_adapters_and_the_per_token_fallback():
 # --- multilora's CPU kernels (native) ----------------------------------------------------------
 
 def _native():
-    from multilora.lora.backend import kernels
+    from multilora import kernels
     if not kernels.available():
         pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
     return get_backend("native")
@@ -419,10 +420,12 @@ def test_native_disabled_or_without_a_compiler_is_a_clear_choice_not_a_failure(t
     `native` explicitly is refused with the reason."""
     import subprocess
     import sys
-    code = ("from multilora.lora.backend import kernels, get_backend, native_usable\n"
+    code = ("from multilora import kernels\nfrom multilora.lora.backend import get_backend, native_usable\n"
             "import jax, numpy as np\n"
             "assert not kernels.available()\n"
             "assert not native_usable(np.float32, set(jax.devices()[:1]))\n"
+            "from multilora.model.attention import native_attention_usable\n"
+            "assert not native_attention_usable(jax.numpy.zeros((1, 2, 4, 1, 8)))\n"
             "try:\n    get_backend('native')\nexcept ValueError as e:\n    print('REFUSED', e)\n")
     for env in ({"MULTILORA_NATIVE": "0"}, {"CXX": "", "PATH": str(tmp_path), "MULTILORA_CACHE": str(tmp_path)}):
         import os

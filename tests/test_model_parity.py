@@ -22,7 +22,7 @@ from multilora.config import LoRAConfig, ModelConfig, UnsupportedModelError
 from multilora.engine.batching import SeqChunk, build_batch, decode_first
 from multilora.engine.runner import jit_slot_writer
 from multilora.lora.adapter import load_adapter
-from multilora.lora.backend import kernels  # `native` needs a C++ compiler (built on first use)
+from multilora import kernels  # `native` needs a C++ compiler (built on first use)
 from multilora.lora.backend import get_backend
 from multilora.lora.batch import NO_ADAPTER
 from multilora.lora.pool import LoRASlots, page_rows

@@ -29,6 +29,7 @@ from multilora.engine.sampler import NUM_LOGPROBS, sample
 from multilora.engine.structured import allow_all, mask_words
 from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
 from multilora.lora.pool import LoRASlots
+from multilora.model.attention import native_attention_usable
 from multilora.model.llama import KVCache, Weights, forward, token_logprobs
 
 log = logging.getLogger("multilora.runner")
@@ -155,13 +156,16 @@ class ModelRunner:
         a = lora.weights.qkv_a_LUD if lora is not None else None
         self._native = (lora_backend == "auto" and a is not None
                         and native_usable(a.dtype, a.sharding.device_set))
+        # decode attention through multilora's CPU kernel, where it can read this cache
+        self.native_attention = native_attention_usable(kv.k_LPpKH)
         self.page_size = kv.page_size
         self._steps: dict[tuple, object] = {}
         self._samplers: dict[tuple, object] = {}
         kv_shardings = jax.tree.map(lambda a: a.sharding, kv)
         # Replicated over the cache's devices: the batch, the logits and the sampler's rows.
         self.replicated = _replicated_like(kv.k_LPpKH.sharding)
-        self._fwd = jax.jit(forward, static_argnames=("cfg", "backend", "hidden"), donate_argnames=("kv",),
+        self._fwd = jax.jit(forward, static_argnames=("cfg", "backend", "hidden", "native_attention"),
+                            donate_argnames=("kv",),
                             out_shardings=(self.replicated, kv_shardings, self.replicated))
         self._score = jax.jit(token_logprobs, static_argnames=("cfg", "k"), out_shardings=self.replicated)
         self._scorers: dict[int, object] = {}
@@ -213,7 +217,8 @@ class ModelRunner:
         t, x = key
         lora_w = self.lora.weights if self.lora is not None else None
         return self._fwd.lower(self.weights, lora_w, self.kv, self._abstract(self._dummy_batch(t, x)),
-                               cfg=self.cfg, backend=self.backend_for(t), hidden=True)
+                               cfg=self.cfg, backend=self.backend_for(t), hidden=True,
+                               native_attention=self.native_attention)
 
     def _compiled(self, table: dict, lower, key, what: str):
         """The compiled executable for key (compiled now, with a warning, after warm-up)."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from multilora import kernels
+
 MASKED = -1e30  # finite, so padding rows with no visible key stay NaN-free
 
 
@@ -126,13 +128,19 @@ def kv_page_pos_of(kv_page_seq_X, page_size):
 
 
 def decode_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, positions_T,
-                     num_decode, sliding_window: int | None = None):
+                     num_decode, sliding_window: int | None = None, native: bool = False):
     """Single-token sequences of a mixed step: rows 0..num_decode-1 are sequences 0..num_decode-1,
     one query each. Every page of the step's flat page list is scored against the one query of
     its sequence (pages of longer chunks and padding pages against nothing), and the pages of a
     sequence are combined with a softmax over segments: the work is the step's pages, not
     sequences x the longest sequence, and no per-sequence block table is padded.
-    Rows from num_decode on get zeros (the prefill kernel computes them)."""
+    Rows from num_decode on get zeros (the prefill kernel computes them).
+    native=True: the same through multilora's CPU kernel (multilora/kernels/attention_kernels.cc),
+    which reads each row's pages in place instead of gathering them (float32 caches, one CPU
+    device; see `native_attention_usable`)."""
+    if native:
+        return kernels.decode_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, positions_T,
+                                        num_decode, sliding_window).astype(q_TNH.dtype)
     t, n, h = q_TNH.shape
     kvh, p = k_LPpKH.shape[3], k_LPpKH.shape[2]
     x = kv_pages_X.shape[0]
@@ -158,3 +166,11 @@ def decode_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, 
     acc_TKGH = jax.ops.segment_sum(pv_XKGH, row_X, **seg)
     out = acc_TKGH[:t] / jnp.where(l_TKG[:t] == 0, 1.0, l_TKG[:t])[..., None]
     return out.reshape(t, n, h).astype(q_TNH.dtype)
+
+
+def native_attention_usable(cache) -> bool:
+    """Whether decode_attention(native=True) can serve this cache: float32, on one CPU device,
+    with multilora's CPU kernels built (MULTILORA_NATIVE=0 turns them off)."""
+    devices = cache.sharding.device_set
+    return (cache.dtype == jnp.float32 and len(devices) == 1 and next(iter(devices)).platform == "cpu"
+            and kernels.available())

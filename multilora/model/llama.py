@@ -144,10 +144,11 @@ def _proj(x, w, b=None):
 
 
 def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: Batch,
-            cfg: ModelConfig, backend: str = "bgmv", hidden: bool = False):
+            cfg: ModelConfig, backend: str = "bgmv", hidden: bool = False, native_attention: bool = False):
     """Logits (Q, V) in float32 for the rows batch.logits_idx_Q, and the updated cache; with
     hidden=True also every token's last hidden state x_TD (before the final norm, float32), for
-    token_logprobs (prompt logprobs)."""
+    token_logprobs (prompt logprobs). native_attention: decode rows attend through multilora's
+    CPU kernel, reading the cache's pages in place (attention.native_attention_usable)."""
     bes = get_backends(backend) if lora is not None else ()
     be = bes[0] if bes else None
     info = batch.lora
@@ -192,7 +193,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         k_cache = write_kv(k_cache, idx, batch.slot_mapping_T, k_TKH)
         v_cache = write_kv(v_cache, idx, batch.slot_mapping_T, v.reshape(t, kvh, h))
         dec = decode_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
-                               batch.positions_T, batch.num_decode, cfg.sliding_window)
+                               batch.positions_T, batch.num_decode, cfg.sliding_window, native_attention)
         pre = prefill_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
                                 prefill_seq_T, batch.positions_T, cfg.sliding_window)
         attn_TO = jnp.where(is_decode_T[:, None, None], dec, pre).reshape(t, n * h)

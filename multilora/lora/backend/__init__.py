@@ -4,7 +4,7 @@ import jax
 
 from multilora.lora.backend.base import BaseLoRABackend
 from multilora.lora.backend.bgmv import BgmvLoRABackend
-from multilora.lora.backend import kernels
+from multilora import kernels
 from multilora.lora.backend.dense import DenseLoRABackend
 from multilora.lora.backend.native import NativeLoRABackend
 from multilora.lora.backend.reference import ReferenceLoRABackend

@@ -1,4 +1,4 @@
-"""Per-token LoRA through multilora's own CPU kernels (kernels/lora_kernels.cc).
+"""Per-token LoRA through multilora's own CPU kernels (multilora/kernels/lora_kernels.cc).
 
 The same per-token arithmetic as bgmv, without its copies: XLA runs bgmv's gather as a copy of
 every token's adapter matrices followed by a batched matrix-vector product, and the copy costs
@@ -15,7 +15,7 @@ import dataclasses
 
 import jax
 
-from multilora.lora.backend import kernels
+from multilora import kernels
 from multilora.lora.backend.base import BaseLoRABackend, add_base
 from multilora.lora.batch import LoRABatchInfo
 

@@ -1,4 +1,6 @@
-"""multilora's own CPU kernels (lora_kernels.cc), built on first use and called through XLA's FFI.
+"""multilora's own CPU kernels, built on first use and called through XLA's FFI: per-token LoRA
+shrink and expand (lora_kernels.cc, the `native` LoRA backend) and decode attention over the
+paged KV cache (attention_kernels.cc).
 
 The C++ source ships with the package and is compiled once per machine into the user cache
 (`$MULTILORA_CACHE/native/<key>/`, the key covering the source, jaxlib's FFI headers, the
@@ -28,9 +30,12 @@ import numpy as np
 
 log = logging.getLogger("multilora.kernels")
 
-SOURCE = Path(__file__).with_name("lora_kernels.cc")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "lora_kernels.cc", HERE / "attention_kernels.cc")
+HEADERS = (HERE / "parallel.h",)
 DISABLE_ENV = "MULTILORA_NATIVE"
-TARGETS = {"multilora_lora_shrink": "MultiloraLoraShrink", "multilora_lora_expand": "MultiloraLoraExpand"}
+TARGETS = {"multilora_lora_shrink": "MultiloraLoraShrink", "multilora_lora_expand": "MultiloraLoraExpand",
+           "multilora_decode_attention": "MultiloraDecodeAttention"}
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -54,7 +59,9 @@ def _cpu_model() -> str:
 
 
 def _build_key(cxx: str) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for src in SOURCES + HEADERS:
+        h.update(src.read_bytes())
     for part in (jax.ffi.include_dir(), jax.__version__, cxx, platform.machine(), _cpu_model()):
         h.update(str(part).encode())
     return h.hexdigest()[:16]
@@ -65,7 +72,7 @@ def _build(cxx: str, out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
         cmd = [cxx, "-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w",
-               f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(so)]
+               f"-I{jax.ffi.include_dir()}", f"-I{HERE}", *map(str, SOURCES), "-o", str(so)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
@@ -82,11 +89,11 @@ def _load() -> bool:
         return False
     from multilora.model.gguf_default import user_cache_dir
 
-    so = user_cache_dir() / "native" / _build_key(cxx) / "liblora_kernels.so"
+    so = user_cache_dir() / "native" / _build_key(cxx) / "libmultilora_kernels.so"
     try:
         if not so.is_file():
             t0 = time.perf_counter()
-            log.info("building multilora's CPU LoRA kernels with %s ...", cxx)
+            log.info("building multilora's CPU kernels with %s ...", cxx)
             _build(cxx, so)
             log.info("built %s in %.1f s", so, time.perf_counter() - t0)
         lib = ctypes.cdll.LoadLibrary(str(so))
@@ -94,7 +101,7 @@ def _load() -> bool:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except Exception as e:  # noqa: BLE001  (any failure means: use the XLA backends)
         _state["reason"] = f"build or load failed: {e}"
-        log.warning("multilora's CPU LoRA kernels are not available (%s); using the XLA backends", e)
+        log.warning("multilora's CPU kernels are not available (%s); using the XLA backends", e)
         return False
     _state["lib"] = lib
     return True
@@ -132,3 +139,16 @@ def expand(h_TR: jax.Array, b_LUO: jax.Array, layer: jax.Array, slot_T: jax.Arra
     return jax.ffi.ffi_call("multilora_lora_expand", jax.ShapeDtypeStruct((t, o), jnp.float32))(
         h_TR.astype(jnp.float32), b_LUO, jnp.asarray(layer, jnp.int32), slot_T.astype(jnp.int32),
         ranks_S.astype(jnp.int32), rows_SR.astype(jnp.int32))
+
+
+def decode_attention(q_TNH: jax.Array, k_LPpKH: jax.Array, v_LPpKH: jax.Array, layer: jax.Array,
+                     kv_pages_X: jax.Array, kv_page_seq_X: jax.Array, positions_T: jax.Array,
+                     num_decode: jax.Array, sliding_window: int | None = None) -> jax.Array:
+    """multilora.model.attention.decode_attention's result (float32), reading the pages of the
+    layer `layer` of the whole cache in place."""
+    if not available():
+        raise RuntimeError(f"multilora's CPU kernels are not available: {unavailable_reason()}")
+    return jax.ffi.ffi_call("multilora_decode_attention", jax.ShapeDtypeStruct(q_TNH.shape, jnp.float32))(
+        q_TNH.astype(jnp.float32), k_LPpKH, v_LPpKH, jnp.asarray(layer, jnp.int32),
+        kv_pages_X.astype(jnp.int32), kv_page_seq_X.astype(jnp.int32), positions_T.astype(jnp.int32),
+        jnp.asarray(num_decode, jnp.int32), sliding_window=np.int64(sliding_window or 0))
