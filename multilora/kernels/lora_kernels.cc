@@ -12,11 +12,8 @@
 // with s = slot_T[t]; rows of slot 0 (the base model) are zero.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #include "parallel.h"
