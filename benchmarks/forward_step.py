@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import gzip
 import json
@@ -40,7 +41,7 @@ from benchmarks.common import SMOLLM2_135M, machine_info, save_json  # noqa: E40
 from multilora.config import ModelConfig  # noqa: E402
 from multilora.engine.batching import SeqChunk, build_batch, pages_needed  # noqa: E402
 from multilora.lora.pool import blocks_of, lora_feature_dims, slot_major_pool, slot_major_rows  # noqa: E402
-from multilora.model.llama import LayerWeights, LoRAWeights, Weights, forward, init_kv_cache  # noqa: E402
+from multilora.model.llama import LayerWeights, LoRAWeights, Weights, forward, init_kv_cache, split_layers  # noqa: E402
 
 
 def random_weights(cfg, seed=0):
@@ -118,13 +119,33 @@ def main(argv=None):
     ap.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "xla", "native"],
                     help="decode attention: XLA's gathers or multilora's CPU kernel (auto: the kernel "
                          "where it is built, as the runner does)")
+    ap.add_argument("--layers", nargs="+", default=["stacked"], choices=["stacked", "split"],
+                    help="the base weights stacked along L (the engine's layout, run under lax.scan, which "
+                         "copies each layer's weights out) or one array per layer and weight (split: the "
+                         "layers unrolled, nothing copied, a compile ~5x as long)")
+    ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "bf16-weights"],
+                    help="the base weights', adapters' and KV cache's dtype (bfloat16: XLA's attention); "
+                         "bf16-weights: the projection matrices in bfloat16, all else float32")
     ap.add_argument("--trace", type=Path, default=None, metavar="DIR",
                     help="profile each case and print its op time by kind")
     args = ap.parse_args(argv)
 
     from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
     cfg = ModelConfig.from_hf_dict(SMOLLM2_135M)
-    weights = random_weights(cfg)
+    stacked = random_weights(cfg)
+    layouts = {}
+    short = {"float32": "f32", "bfloat16": "bf16", "bf16-weights": "bf16w"}
+    for asked in args.dtypes:
+        if asked == "bf16-weights":  # the projection matrices only; activations, adapters, cache f32
+            lw, dt = stacked.layers, "float32"
+            w = dataclasses.replace(stacked, layers=dataclasses.replace(lw, **{
+                f.name: getattr(lw, f.name).astype(jnp.bfloat16) for f in dataclasses.fields(lw)
+                if f.name.startswith("w")}))
+        else:
+            dt = asked
+            w = jax.tree.map(lambda a, dt=dt: a.astype(dt), stacked)
+        for lay in args.layers:
+            layouts[f"{lay}/{short[asked]}"] = (split_layers(w) if lay == "split" else w, dt)
     page_size = 16
     fwd = jax.jit(forward, static_argnames=("cfg", "backend", "native_attention"), donate_argnames=("kv",))
     from multilora import kernels
@@ -134,12 +155,16 @@ def main(argv=None):
     for mode in args.modes:
         for k in args.adapters:
             for nat in natives:
-                for be in (["-"] if k == 0 else args.backends):
-                    cases.append((mode, k, be, nat))
-                if k == 0 and args.slots:
-                    cases.append((mode, 0, "auto", nat))  # LoRA on (a pool of --slots), no row uses it
+                for lay, (_, dt) in layouts.items():
+                    on = nat and dt == "float32"  # the attention kernel reads float32 caches only
+                    for be in (["-"] if k == 0 else args.backends):
+                        cases.append((mode, k, be, on, lay))
+                    if k == 0 and args.slots:
+                        cases.append((mode, 0, "auto", on, lay))  # LoRA on (a pool of --slots), no row uses it
+    cases = list(dict.fromkeys(cases))
     state = {}
-    for mode, k, be, nat in cases:
+    for mode, k, be, nat, lay in cases:
+        weights, dtype = layouts[lay]
         s = max(k, args.slots or 0) + 1
         if mode == "decode":
             chunks = workload_chunks(mode, args.decode_seqs, args.decode_ctx, page_size, k, rng)
@@ -162,10 +187,10 @@ def main(argv=None):
         backend = "bgmv"
         prepare = None
         if be != "-":
-            lora = random_lora(cfg, s, args.rank)
+            lora = jax.tree.map(lambda a: a.astype(dtype), random_lora(cfg, s, args.rank))
             # As the runner: a step of at most max_num_seqs tokens counts as a decode shape.
             backend = choose_backend(be, t, t <= args.max_num_seqs, s,
-                                     be == "auto" and native_usable(jnp.float32, jax.devices()[:1]))
+                                     be == "auto" and native_usable(jnp.dtype(dtype), jax.devices()[:1]))
             lora_be = get_backend(backend.split(SWITCH)[0])
             cap = grouped_cap(t) if SWITCH in backend else None
             table = slot_major_rows(s, args.rank)
@@ -173,36 +198,41 @@ def main(argv=None):
         batch = build_batch(chunks, num_tokens=t, num_pages=x, num_logits=min(t, args.max_num_seqs),
                             page_size=page_size, prepare_lora=prepare)
         num_cache_pages = 1 + max(max(c.block_table) for c in chunks)
-        kv = init_kv_cache(cfg, num_cache_pages, page_size, jnp.float32)
+        kv = init_kv_cache(cfg, num_cache_pages, page_size, dtype)
         t0 = time.perf_counter()
         logits, kv = fwd(weights, lora, kv, batch, cfg=cfg, backend=backend, native_attention=nat)
         logits.block_until_ready()
-        state[(mode, k, be, nat)] = dict(batch=batch, lora=lora, kv=kv, backend=backend, native=nat, times=[],
+        state[(mode, k, be, nat, lay)] = dict(weights=weights, batch=batch, lora=lora, kv=kv, backend=backend,
+                                              native=nat, times=[],
                                     tokens=t, pages=x, compile_s=time.perf_counter() - t0)
     for _ in range(args.repeats):
         for key, st in state.items():
             t0 = time.perf_counter()
-            logits, st["kv"] = fwd(weights, st["lora"], st["kv"], st["batch"], cfg=cfg, backend=st["backend"],
+            logits, st["kv"] = fwd(st["weights"], st["lora"], st["kv"], st["batch"], cfg=cfg, backend=st["backend"],
                                    native_attention=st["native"])
             logits.block_until_ready()
             st["times"].append(time.perf_counter() - t0)
     rows = []
-    # "vs 0": against the no-adapter case of the same mode and attention
-    base = {(m, nat): statistics.median(st["times"]) for (m, k, be, nat), st in state.items() if be == "-"}
-    print(f"{'mode':8} {'T':>5} {'X':>5} {'attention':>9} {'adapters':>8} {'backend':>8} {'median ms':>10} {'vs 0':>6}")
-    for (mode, k, be, nat), st in state.items():
+    # "vs 0": against the no-adapter case of the same mode, attention and layer layout
+    base = {(m, nat, lay): statistics.median(st["times"])
+            for (m, k, be, nat, lay), st in state.items() if be == "-"}
+    print(f"{'mode':8} {'T':>5} {'X':>5} {'attention':>9} {'layers':>12} {'adapters':>8} {'backend':>8} "
+          f"{'median ms':>10} {'vs 0':>6} {'compile s':>9}")
+    for (mode, k, be, nat, lay), st in state.items():
         med = statistics.median(st["times"])
-        rel = med / base[(mode, nat)] if (mode, nat) in base else float("nan")
+        rel = med / base[(mode, nat, lay)] if (mode, nat, lay) in base else float("nan")
         att = "native" if nat else "xla"
-        print(f"{mode:8} {st['tokens']:>5} {st['pages']:>5} {att:>9} {k:>8} {st['backend']:>8} {1e3 * med:10.1f} "
-              f"{rel:6.2f}")
+        print(f"{mode:8} {st['tokens']:>5} {st['pages']:>5} {att:>9} {lay:>12} {k:>8} {st['backend']:>8} "
+              f"{1e3 * med:10.1f} {rel:6.2f} {st['compile_s']:9.1f}")
         rows.append(dict(mode=mode, tokens=st["tokens"], pages=st["pages"], adapters=k, backend=st["backend"],
-                         attention=att, asked=be, median_s=med, times=st["times"], vs_no_adapter=rel))
+                         attention=att, layers=lay, asked=be, median_s=med, times=st["times"], vs_no_adapter=rel,
+                         compile_s=st["compile_s"]))
     if args.trace:
-        for (mode, k, be, nat), st, row in zip(state.keys(), state.values(), rows):
-            row["op_ms_by_kind"] = trace_case(args.trace / f"{mode}_k{k}_{st['backend']}_{row['attention']}", fwd,
-                                              weights, st, cfg)
-            print(f"\n{mode}, {k} adapters, {st['backend']}, {row['attention']} attention: op time per step by kind "
+        for (mode, k, be, nat, lay), st, row in zip(state.keys(), state.values(), rows):
+            row["op_ms_by_kind"] = trace_case(args.trace / f"{mode}_k{k}_{st['backend']}_{row['attention']}_{lay}",
+                                              fwd, st["weights"], st, cfg)
+            print(f"\n{mode}, {k} adapters, {st['backend']}, {row['attention']} attention, {lay} layers: "
+                  f"op time per step by kind "
                   f"(both cores; wall {1e3 * row['median_s']:.0f} ms)")
             total = sum(row["op_ms_by_kind"].values())
             for kind, ms in list(row["op_ms_by_kind"].items())[:10]:

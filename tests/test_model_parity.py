@@ -26,7 +26,7 @@ from multilora import kernels  # `native` needs a C++ compiler (built on first u
 from multilora.lora.backend import get_backend
 from multilora.lora.batch import NO_ADAPTER
 from multilora.lora.pool import LoRASlots, page_rows
-from multilora.model.llama import forward, init_kv_cache
+from multilora.model.llama import forward, init_kv_cache, split_layers
 from multilora.model.loader import load_weights
 from multilora.model.sharding import make_mesh
 from tests import reference
@@ -159,6 +159,24 @@ def test_mixed_prefill_matches_peft(kind, backend, served, peft_refs):
     rows, _ = _step(cfg, weights, slots, _fresh_kv(cfg), chunks, backend)
     _check_prefill(rows, chunks, lambda i: MIXED_TOKENS[i], peft_refs[kind], MAIN_SLOT_NAMES,
                    f"{kind}/{backend} mixed prefill")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_split_layers_unrolled_match_peft(kind, served, peft_refs):
+    """The layers as separate arrays (the forward unrolls them, nothing sliced out of a stack):
+    the same logits as PEFT, and as the scan over the stacked layers."""
+    cfg, weights, slots = served(kind)
+    split = split_layers(weights)
+    assert isinstance(split.layers, tuple) and len(split.layers) == cfg.num_layers
+    assert split.layers[0].wq_LDO.shape == weights.layers.wq_LDO.shape[1:]
+    pages = _page_lists(10, [n for n, _ in MIXED])
+    chunks = [SeqChunk(toks, 0, pg, slot) for toks, pg, (_, slot) in zip(MIXED_TOKENS, pages, MIXED)]
+    rows, _ = _step(cfg, split, slots, _fresh_kv(cfg), chunks, "bgmv")
+    _check_prefill(rows, chunks, lambda i: MIXED_TOKENS[i], peft_refs[kind], MAIN_SLOT_NAMES,
+                   f"{kind} split layers")
+    stacked_rows, _ = _step(cfg, weights, slots, _fresh_kv(cfg), chunks, "bgmv")
+    for got, want in zip(rows, stacked_rows):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

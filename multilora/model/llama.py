@@ -139,8 +139,10 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV
 
 
 def _proj(x, w, b=None):
-    y = jnp.einsum("td,do->to", x, w)
-    return y if b is None else y + b
+    """x @ w: the product in w's dtype, accumulated in float32, returned in x's dtype (so bfloat16
+    weights under float32 activations run XLA's bfloat16 GEMM; all float32 is a plain f32 dot)."""
+    y = jnp.einsum("td,do->to", x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return y if b is None else y + b.astype(y.dtype)
 
 
 def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: Batch,
@@ -217,13 +219,23 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
             down = down + dd.astype(down.dtype)
         return (x_TD + down, k_cache, v_cache), None
 
-    layer_ids = jnp.arange(cfg.num_layers)
-    (x_TD, k_cache, v_cache), _ = jax.lax.scan(
-        layer, (x_TD, kv.k_LPpKH, kv.v_LPpKH), (weights.layers, layer_ids))
+    carry = (x_TD, kv.k_LPpKH, kv.v_LPpKH)
+    if isinstance(weights.layers, tuple):  # one LayerWeights per layer: unrolled, nothing sliced
+        for i, lw in enumerate(weights.layers):
+            carry, _ = layer(carry, (lw, jnp.int32(i)))
+    else:
+        carry, _ = jax.lax.scan(layer, carry, (weights.layers, jnp.arange(cfg.num_layers)))
+    x_TD, k_cache, v_cache = carry
     logits = head_logits(weights, cfg, jnp.take(x_TD, batch.logits_idx_Q, axis=0, mode="clip"))
     if hidden:  # float32 whatever the weights' dtype: one scorer shape per token bucket
         return logits, KVCache(k_cache, v_cache), x_TD.astype(jnp.float32)
     return logits, KVCache(k_cache, v_cache)
+
+
+def split_layers(weights: Weights) -> Weights:
+    """The same weights with `layers` as one LayerWeights per layer (no L axis)."""
+    n = jax.tree.leaves(weights.layers)[0].shape[0]
+    return dataclasses.replace(weights, layers=tuple(jax.tree.map(lambda a: a[i], weights.layers) for i in range(n)))
 
 
 def head_logits(weights: Weights, cfg: ModelConfig, x_QD) -> jax.Array:
