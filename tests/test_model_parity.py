@@ -11,6 +11,7 @@ for the session (tests/reference.PeftReference).
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -177,6 +178,9 @@ def test_split_layers_unrolled_match_peft(kind, served, peft_refs):
     stacked_rows, _ = _step(cfg, weights, slots, _fresh_kv(cfg), chunks, "bgmv")
     for got, want in zip(rows, stacked_rows):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    short = dataclasses.replace(split, layers=split.layers[:-1])
+    with pytest.raises(ValueError, match=f"{cfg.num_layers - 1} split layers.*num_layers={cfg.num_layers}"):
+        _step(cfg, short, slots, _fresh_kv(cfg), chunks, "bgmv")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -221,6 +221,9 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
 
     carry = (x_TD, kv.k_LPpKH, kv.v_LPpKH)
     if isinstance(weights.layers, tuple):  # one LayerWeights per layer: unrolled, nothing sliced
+        if len(weights.layers) != cfg.num_layers:
+            raise ValueError(f"weights hold {len(weights.layers)} split layers; the config has "
+                             f"num_layers={cfg.num_layers}")
         for i, lw in enumerate(weights.layers):
             carry, _ = layer(carry, (lw, jnp.int32(i)))
     else:
