@@ -123,9 +123,11 @@ def main(argv=None):
                     help="the base weights stacked along L (the engine's layout, run under lax.scan, which "
                          "copies each layer's weights out) or one array per layer and weight (split: the "
                          "layers unrolled, nothing copied, a compile ~5x as long)")
-    ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "bf16-weights"],
+    ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "bf16-weights", "bf16-amx"],
                     help="the base weights', adapters' and KV cache's dtype (bfloat16: XLA's attention); "
-                         "bf16-weights: the projection matrices in bfloat16, all else float32")
+                         "bf16-weights: the projection matrices in bfloat16 (XLA's dot), all else float32; "
+                         "bf16-amx: the same through multilora's AMX kernel, with the LM head "
+                         "(projection_dtype=bfloat16 where the CPU has AMX)")
     ap.add_argument("--trace", type=Path, default=None, metavar="DIR",
                     help="profile each case and print its op time by kind")
     args = ap.parse_args(argv)
@@ -134,9 +136,14 @@ def main(argv=None):
     cfg = ModelConfig.from_hf_dict(SMOLLM2_135M)
     stacked = random_weights(cfg)
     layouts = {}
-    short = {"float32": "f32", "bfloat16": "bf16", "bf16-weights": "bf16w"}
+    short = {"float32": "f32", "bfloat16": "bf16", "bf16-weights": "bf16w", "bf16-amx": "amx"}
     for asked in args.dtypes:
-        if asked == "bf16-weights":  # the projection matrices only; activations, adapters, cache f32
+        if asked == "bf16-amx":
+            from multilora.model import projections
+            if not projections.amx_usable(stacked.embed_VD):
+                raise SystemExit("--dtypes bf16-amx: multilora's AMX kernel does not run on this machine")
+            w, dt = projections.convert(stacked, "bfloat16-amx"), "float32"
+        elif asked == "bf16-weights":  # the projection matrices only; activations, adapters, cache f32
             lw, dt = stacked.layers, "float32"
             w = dataclasses.replace(stacked, layers=dataclasses.replace(lw, **{
                 f.name: getattr(lw, f.name).astype(jnp.bfloat16) for f in dataclasses.fields(lw)

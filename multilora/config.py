@@ -237,6 +237,7 @@ class EngineConfig:
     lora_backend: str = "auto"
     # model and memory
     dtype: str = "float32"
+    projection_dtype: str = "auto"         # the projection matrices' dtype (multilora.model.projections)
     max_model_len: Optional[int] = None   # None: the model's max_position_embeddings
     page_size: int = 16
     num_pages: Optional[int] = None       # None: from kv_cache_memory_gb
@@ -268,6 +269,8 @@ class EngineConfig:
             val = getattr(self, name)
             if val is not None and not (isinstance(val, (int, float)) and not isinstance(val, bool) and val > 0):
                 raise ValueError(f"{name} must be a number of GB > 0, got {val!r}")
+        if self.projection_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"projection_dtype must be auto, float32 or bfloat16, got {self.projection_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if not self.kv_cache_memory_gb > 0:

@@ -135,22 +135,23 @@ class PeftReference:
     and memoized logits: far cheaper than peft_logits' reload per call when a test asks for many
     (adapter, sequence) pairs. adapter None means the plain transformers model."""
 
-    def __init__(self, model_dir: Path, adapter_dirs: dict[str, Path]):
+    def __init__(self, model_dir: Path, adapter_dirs: dict[str, Path], dtype=torch.float32):
         self.model_dir, self.adapter_dirs = Path(model_dir), dict(adapter_dirs)
+        self.dtype = dtype  # the model and adapters run in it (bfloat16: PEFT's bf16 reference)
         self._model = None
         self._memo: dict[tuple, np.ndarray] = {}
 
     def _load(self):
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
-        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
         model = None
         for name, folder in self.adapter_dirs.items():
             if model is None:
                 model = PeftModel.from_pretrained(base, folder, adapter_name=name)
             else:
                 model.load_adapter(folder, adapter_name=name)
-        self._model = (model if model is not None else base).eval()
+        self._model = (model if model is not None else base).to(self.dtype).eval()
 
     def logits(self, adapter: str | None, token_ids) -> np.ndarray:
         """(T, V) float32 logits of one sequence."""
@@ -169,7 +170,7 @@ class PeftReference:
                 else:
                     self._model.set_adapter(adapter)
                     out = self._model(ids)
-            self._memo[key] = out.logits[0].numpy().astype(np.float32)
+            self._memo[key] = out.logits[0].float().numpy()
         return self._memo[key]
 
 

@@ -125,6 +125,31 @@ def test_mixed_batch_equals_peft(backend, engine, model_dir, spec_dirs, short_di
     check_vs_peft(peft_greedy_cache, model_dir, short_dirs, prompts, loras, outs)
 
 
+def test_bf16_projections_greedy_within_tolerance(model_dir, spec_dirs, peft_refs):
+    """projection_dtype="bfloat16" (the default where the CPU has AMX): each greedy token is
+    PEFT's float32 argmax given the same prefix, or within bfloat16's tolerance of it (its
+    float32 logit at most BF16_RTOL of the largest |logit| below the argmax's): a near tie."""
+    from tests.test_model_parity import BF16_RTOL
+    eng = make_engine(model_dir, {"a": spec_dirs[SPEC[0]], "b": spec_dirs[SPEC[1]], "c": spec_dirs[SPEC[2]]},
+                      projection_dtype="bfloat16")
+    assert eng.projection_mode in ("bfloat16", "bfloat16-amx")
+    prompts = prompts_of(1, MIXED_LENGTHS)
+    loras = [[None, "a", "b", "c"][i % 4] for i in range(len(prompts))]
+    outs = gen(eng, prompts, GREEDY, loras)
+    names = {None: None, "a": SPEC[0], "b": SPEC[1], "c": SPEC[2]}
+    exact = total = 0
+    for i, (p, l, o) in enumerate(zip(prompts, loras, outs)):
+        logits = peft_refs["llama"].logits(names[l], p + o.token_ids)
+        for j, tok in enumerate(o.token_ids):
+            row = logits[len(p) + j - 1]
+            gap = row.max() - row[tok]
+            assert gap <= BF16_RTOL * np.abs(row).max(), (
+                f"row {i} (adapter {l}) token {j}: {tok} is {gap:.4f} below PEFT's argmax {row.argmax()}")
+            exact += int(row.argmax() == tok)
+            total += 1
+    assert exact >= 0.9 * total, f"only {exact} of {total} tokens are PEFT's argmax"
+
+
 @pytest.mark.parametrize("max_loaded_loras", [None, 3])
 def test_twelve_adapters_through_four_slots(max_loaded_loras, model_dir, extra_dirs, short_dirs,
                                             peft_greedy_cache):

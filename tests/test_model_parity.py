@@ -11,6 +11,7 @@ for the session (tests/reference.PeftReference).
 from __future__ import annotations
 
 import copy
+import torch
 import dataclasses
 
 import jax
@@ -28,6 +29,7 @@ from multilora.lora.backend import get_backend
 from multilora.lora.batch import NO_ADAPTER
 from multilora.lora.pool import LoRASlots, page_rows
 from multilora.model.llama import forward, init_kv_cache, split_layers
+from multilora.model import projections
 from multilora.model.loader import load_weights
 from multilora.model.sharding import make_mesh
 from tests import reference
@@ -424,3 +426,44 @@ def test_yarn_rope_scaling_is_refused(key, type_key):
     with pytest.raises(UnsupportedModelError, match="yarn") as e:
         ModelConfig.from_hf_dict(hf)
     assert "llama3" in str(e.value)  # names what is supported
+
+
+
+BF16_MODES = ("bfloat16",) + (("bfloat16-amx",) if kernels.amx_available() else ())
+# bfloat16 projections: each sequence's largest logit error against PEFT at float32 is at most
+# BF16_RTOL of its largest |logit|, and at most BF16_VS_PEFT times that of PEFT run in bfloat16.
+BF16_RTOL = 0.02
+BF16_VS_PEFT = 1.25
+
+
+@pytest.fixture(scope="module")
+def peft_bf16_refs(tiny_models, tiny_adapters):
+    return {kind: reference.PeftReference(model_dir, {ad: tiny_adapters[(kind, ad)] for ad in ADAPTERS},
+                                          dtype=torch.bfloat16)
+            for kind, model_dir in tiny_models.items()}
+
+
+@pytest.mark.parametrize("mode", BF16_MODES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_projections_close_to_peft(kind, mode, served, peft_refs, peft_bf16_refs):
+    """Projection matrices in bfloat16 (XLA's dot, or packed for the AMX kernel and read in place
+    in the scan), everything else float32: every sequence's logits are within bfloat16's
+    tolerance of PEFT at float32, and no farther from it than transformers + PEFT in bfloat16."""
+    cfg, weights, slots = served(kind)
+    bf16 = projections.convert(weights, mode)
+    if mode == "bfloat16-amx":
+        assert isinstance(bf16.layers.wq_LDO, projections.PackedBf16) and bf16.lm_head_DV is not None
+    pages = _page_lists(10, [n for n, _ in MIXED])
+    chunks = [SeqChunk(toks, 0, pg, slot) for toks, pg, (_, slot) in zip(MIXED_TOKENS, pages, MIXED)]
+    for backend in ("bgmv",) + (("native",) if kernels.available() else ()):
+        rows, _ = _step(cfg, bf16, slots, _fresh_kv(cfg), chunks, backend)
+        for i, (c, got) in enumerate(zip(chunks, rows)):
+            adapter = _adapter_of(c.slot, MAIN_SLOT_NAMES)
+            want = peft_refs[kind].logits(adapter, MIXED_TOKENS[i])
+            theirs = peft_bf16_refs[kind].logits(adapter, MIXED_TOKENS[i])
+            ours_err, their_err = np.abs(got - want).max(), np.abs(theirs - want).max()
+            what = f"{kind}/{mode}/{backend} seq {i} (adapter {adapter})"
+            assert ours_err > 0, f"{what}: bit-exact with float32: the bfloat16 path did not run"
+            assert ours_err <= BF16_RTOL * np.abs(want).max(), f"{what}: max |err| {ours_err:.4f}"
+            assert ours_err <= BF16_VS_PEFT * their_err, (
+                f"{what}: max |err| {ours_err:.4f} against PEFT-bf16's {their_err:.4f}")

@@ -102,6 +102,7 @@ class Engine:
         from multilora.engine.runner import jit_slot_writer
         from multilora.lora.backend import BACKEND_CHOICES
         from multilora.lora.pool import LoRASlots, rank_row_bytes
+        from multilora.model import projections
         from multilora.model.llama import init_kv_cache
         from multilora.model.loader import load_weights, resolve_dtype
         from multilora.model.sharding import KV_AXES, make_mesh, rules_for, sharding
@@ -130,6 +131,9 @@ class Engine:
         # default max_lora_rank follows their ranks.
         max_lora_rank = c.max_lora_rank or _default_max_rank(lora_modules)
         _, weights = load_weights(model, self.cfg, c.dtype, self.mesh, progress=progress)
+        self.projection_mode = projections.resolve(c.projection_dtype, self.dtype, weights.embed_VD)
+        weights = projections.convert(weights, self.projection_mode)
+        log.info("projections: %s", self.projection_mode)
         self.tokenizer = load_tokenizer(model)
         self.eos_token_ids = set(self.cfg.eos_token_ids) | _generation_eos(model)
 

@@ -1,6 +1,7 @@
 """multilora's own CPU kernels, built on first use and called through XLA's FFI: per-token LoRA
 shrink and expand (lora_kernels.cc, the `native` LoRA backend) and decode attention over the
-paged KV cache (attention_kernels.cc).
+paged KV cache (attention_kernels.cc), and the base model's projections in bfloat16 on Intel AMX
+(gemm_kernels.cc, where the CPU has it).
 
 The C++ source ships with the package and is compiled once per machine into the user cache
 (`$MULTILORA_CACHE/native/<key>/`, the key covering the source, jaxlib's FFI headers, the
@@ -31,11 +32,11 @@ import numpy as np
 log = logging.getLogger("multilora.kernels")
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "lora_kernels.cc", HERE / "attention_kernels.cc")
+SOURCES = (HERE / "lora_kernels.cc", HERE / "attention_kernels.cc", HERE / "gemm_kernels.cc")
 HEADERS = (HERE / "parallel.h",)
 DISABLE_ENV = "MULTILORA_NATIVE"
 TARGETS = {"multilora_lora_shrink": "MultiloraLoraShrink", "multilora_lora_expand": "MultiloraLoraExpand",
-           "multilora_decode_attention": "MultiloraDecodeAttention"}
+           "multilora_decode_attention": "MultiloraDecodeAttention", "multilora_gemm_bf16": "MultiloraGemmBf16"}
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -152,3 +153,28 @@ def decode_attention(q_TNH: jax.Array, k_LPpKH: jax.Array, v_LPpKH: jax.Array, l
         q_TNH.astype(jnp.float32), k_LPpKH, v_LPpKH, jnp.asarray(layer, jnp.int32),
         kv_pages_X.astype(jnp.int32), kv_page_seq_X.astype(jnp.int32), positions_T.astype(jnp.int32),
         jnp.asarray(num_decode, jnp.int32), sliding_window=np.int64(sliding_window or 0))
+
+
+def amx_available() -> bool:
+    """True where the kernels are built with AMX-BF16 (an Intel CPU from Sapphire Rapids on, with
+    -march=native) and Linux grants the process the tile state: gemm_bf16 runs."""
+    return available() and bool(_state["lib"].MultiloraAmxAvailable())
+
+
+def pack_bf16(w_LKN) -> jax.Array:
+    """Stacked (L, K, N) weights in gemm_bf16's tile layout, bfloat16 (L, J, I, 16, 32):
+    w[l, j, i, r, 2c + e] = W[l, 32i + 2r + e, 16j + c], zero past K and N (J = 2 ceil(N / 32),
+    I = ceil(K / 32))."""
+    w = jnp.asarray(w_LKN).astype(jnp.bfloat16)
+    l, k, n = w.shape
+    kp, np_ = -(-k // 32) * 32, -(-n // 32) * 32
+    w = jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n)))
+    w = w.reshape(l, kp // 32, 16, 2, np_ // 16, 16)      # l, i, r, e, j, c
+    return w.transpose(0, 4, 1, 2, 5, 3).reshape(l, np_ // 16, kp // 32, 16, 32)
+
+
+def gemm_bf16(x_TK: jax.Array, w_LJIRC: jax.Array, layer: jax.Array, n: int) -> jax.Array:
+    """y_TN (float32) = x rounded to bfloat16 times layer `layer` of the packed weights
+    (pack_bf16 of an (L, K, N) stack), accumulated in float32, read in place."""
+    return jax.ffi.ffi_call("multilora_gemm_bf16", jax.ShapeDtypeStruct((x_TK.shape[0], n), jnp.float32))(
+        x_TK.astype(jnp.float32), w_LJIRC, jnp.asarray(layer, jnp.int32))

@@ -26,6 +26,7 @@ from multilora.lora.batch import NO_LORA, PER_TOKEN, LoRABatchInfo
 from multilora.model.arrays import lora_pool, weight
 from multilora.model.attention import decode_attention, prefill_attention, write_kv
 from multilora.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from multilora.model.projections import PackedBf16
 
 
 def _has_qkv_bias(cfg: ModelConfig) -> bool:
@@ -138,10 +139,14 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def _proj(x, w, b=None):
+def _proj(x, w, b=None, layer=None):
     """x @ w: the product in w's dtype, accumulated in float32, returned in x's dtype (so bfloat16
-    weights under float32 activations run XLA's bfloat16 GEMM; all float32 is a plain f32 dot)."""
-    y = jnp.einsum("td,do->to", x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(x.dtype)
+    weights under float32 activations run XLA's bfloat16 GEMM; all float32 is a plain f32 dot).
+    A PackedBf16 w is the whole stack, read in place at `layer` by the AMX kernel."""
+    if isinstance(w, PackedBf16):
+        y = w.matmul(x, layer)
+    else:
+        y = jnp.einsum("td,do->to", x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(x.dtype)
     return y if b is None else y + b.astype(y.dtype)
 
 
@@ -179,13 +184,21 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
             return jax.lax.cond(info.mode != NO_LORA, run(bes[0]), zeros)
         return jax.lax.switch(jnp.clip(info.mode, NO_LORA, PER_TOKEN), [zeros, run(bes[0]), run(bes[1])])
 
+    # Packed projections (multilora.model.projections) stay whole, outside the scanned slices:
+    # the kernel reads layer idx of the stack in place.
+    stacked = weights.layers
+    packed = {} if isinstance(stacked, tuple) else {
+        f.name: getattr(stacked, f.name) for f in dataclasses.fields(stacked)
+        if isinstance(getattr(stacked, f.name), PackedBf16)}
+
     def layer(carry, xs):
         x_TD, k_cache, v_cache = carry
         lw, idx = xs
+        lw = dataclasses.replace(lw, **packed) if packed else lw
         hid = rms_norm(x_TD, lw.attn_norm_LD, cfg.rms_norm_eps)
-        q = _proj(hid, lw.wq_LDO, lw.bq_LO)
-        k = _proj(hid, lw.wk_LDO, lw.bk_LO)
-        v = _proj(hid, lw.wv_LDO, lw.bv_LO)
+        q = _proj(hid, lw.wq_LDO, lw.bq_LO, idx)
+        k = _proj(hid, lw.wk_LDO, lw.bk_LO, idx)
+        v = _proj(hid, lw.wv_LDO, lw.bv_LO, idx)
         if be is not None:
             dq, dk, dv = with_lora(lambda ll, be: be.run_qkv_lora(
                 hid, ll.qkv_a_LUD, (ll.q_b_LUO, ll.k_b_LUO, ll.v_b_LUO), info), idx, q, k, v)
@@ -199,20 +212,20 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         pre = prefill_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
                                 prefill_seq_T, batch.positions_T, cfg.sliding_window)
         attn_TO = jnp.where(is_decode_T[:, None, None], dec, pre).reshape(t, n * h)
-        o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD)
+        o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD, idx)
         if be is not None:
             (do,) = with_lora(lambda ll, be: (be.run_lora_b_gemm(
                 be.run_lora_a_gemm(attn_TO, ll.o_a_LUO, info), ll.o_b_LUD, info),), idx, o)
             o = o + do.astype(o.dtype)
         x_TD = x_TD + o
         hid = rms_norm(x_TD, lw.mlp_norm_LD, cfg.rms_norm_eps)
-        gate, up = _proj(hid, lw.w_gate_LDF), _proj(hid, lw.w_up_LDF)
+        gate, up = _proj(hid, lw.w_gate_LDF, layer=idx), _proj(hid, lw.w_up_LDF, layer=idx)
         if be is not None:
             dg, du = with_lora(lambda ll, be: be.run_gate_up_lora(
                 hid, ll.gate_up_a_LUD, (ll.gate_b_LUF, ll.up_b_LUF), info), idx, gate, up)
             gate, up = gate + dg.astype(gate.dtype), up + du.astype(up.dtype)
         act_TF = swiglu(gate, up)
-        down = _proj(act_TF, lw.w_down_LFD)
+        down = _proj(act_TF, lw.w_down_LFD, layer=idx)
         if be is not None:
             (dd,) = with_lora(lambda ll, be: (be.run_lora_b_gemm(
                 be.run_lora_a_gemm(act_TF, ll.down_a_LUF, info), ll.down_b_LUD, info),), idx, down)
@@ -227,7 +240,8 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         for i, lw in enumerate(weights.layers):
             carry, _ = layer(carry, (lw, jnp.int32(i)))
     else:
-        carry, _ = jax.lax.scan(layer, carry, (weights.layers, jnp.arange(cfg.num_layers)))
+        sliced = dataclasses.replace(stacked, **{name: None for name in packed}) if packed else stacked
+        carry, _ = jax.lax.scan(layer, carry, (sliced, jnp.arange(cfg.num_layers)))
     x_TD, k_cache, v_cache = carry
     logits = head_logits(weights, cfg, jnp.take(x_TD, batch.logits_idx_Q, axis=0, mode="clip"))
     if hidden:  # float32 whatever the weights' dtype: one scorer shape per token bucket
@@ -246,8 +260,8 @@ def head_logits(weights: Weights, cfg: ModelConfig, x_QD) -> jax.Array:
     x_QD = rms_norm(x_QD, weights.final_norm_D, cfg.rms_norm_eps)
     if weights.lm_head_DV is None:
         logits = jnp.einsum("qd,vd->qv", x_QD, weights.embed_VD, preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("qd,dv->qv", x_QD, weights.lm_head_DV, preferred_element_type=jnp.float32)
+    else:  # an untied head, or the projections' copy of the tied one (multilora.model.projections)
+        logits = _proj(x_QD.astype(jnp.float32), weights.lm_head_DV, layer=0)
     return logits.astype(jnp.float32)
 
 

@@ -1,0 +1,97 @@
+"""The dtype of the base model's projection matrices (q, k, v, o, gate, up, down and the LM
+head), apart from the activations' and the KV cache's.
+
+    projection_dtype="float32":  the matrices in float32: the exact path (parity with PEFT).
+    projection_dtype="bfloat16": the matrices in bfloat16, the activations rounded to bfloat16
+        at each product and the sums kept in float32, the results back in the activations' dtype.
+        Where multilora's AMX kernel runs (an Intel CPU with AMX-BF16, one CPU device), the
+        matrices are packed for it (PackedBf16) and each layer's are read in place inside the
+        layer scan; elsewhere they stay in their (L, K, N) layout and XLA's bf16 dot runs them.
+    projection_dtype="auto" (the default): bfloat16 where the AMX kernel runs (there it is 3-4x
+        faster than float32: BENCHMARKS.md), else the engine's dtype. The environment variable
+        MULTILORA_PROJECTION_DTYPE, when set, says what auto means.
+
+Everything else (norms, RoPE, attention, the residual stream, the adapters, the sampler) stays
+in the engine's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+from multilora import kernels
+
+PROJECTION_DTYPES = ("auto", "float32", "bfloat16")
+AUTO_ENV = "MULTILORA_PROJECTION_DTYPE"
+# The LayerWeights fields that are (in, out) projection matrices.
+PROJECTIONS = ("wq_LDO", "wk_LDO", "wv_LDO", "wo_LOD", "w_gate_LDF", "w_up_LDF", "w_down_LFD")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PackedBf16:
+    """A stack of (L, K, N) matrices in the AMX kernel's tile layout (kernels.pack_bf16), with
+    the number of output columns N; read in place at a layer index."""
+
+    w_LJIRC: jax.Array
+    n: int = dataclasses.field(metadata=dict(static=True))
+
+    def matmul(self, x_TK, layer) -> jax.Array:
+        """x_TK @ W[layer] (float32 sums of bfloat16 products), in x's dtype."""
+        return kernels.gemm_bf16(x_TK, self.w_LJIRC, layer, self.n).astype(x_TK.dtype)
+
+
+def pack(w_LKN: jax.Array) -> PackedBf16:
+    return PackedBf16(kernels.pack_bf16(w_LKN), int(w_LKN.shape[-1]))
+
+
+def amx_usable(w: jax.Array) -> bool:
+    """Whether the AMX kernel can serve this array: on one CPU device, the kernel built with AMX."""
+    devices = w.sharding.device_set
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu" and kernels.amx_available()
+
+
+def resolve(projection_dtype: str, dtype, like: jax.Array) -> str:
+    """What the engine runs: "float32", "bfloat16" (XLA's layout) or "bfloat16-amx" (packed),
+    for arrays placed like `like`. Raises ValueError on an unknown projection_dtype."""
+    if projection_dtype not in PROJECTION_DTYPES:
+        raise ValueError(f"unknown projection_dtype {projection_dtype!r}; choose one of {', '.join(PROJECTION_DTYPES)}")
+    if projection_dtype == "auto":
+        env = os.environ.get(AUTO_ENV, "").strip().lower()
+        if env:
+            if env not in PROJECTION_DTYPES[1:]:
+                raise ValueError(f"{AUTO_ENV}={env!r}: choose one of {', '.join(PROJECTION_DTYPES[1:])}")
+            projection_dtype = env
+        elif amx_usable(like):
+            projection_dtype = "bfloat16"
+        else:
+            projection_dtype = jnp.dtype(dtype).name
+            if projection_dtype not in PROJECTION_DTYPES[1:]:  # float16 models keep their dtype
+                return projection_dtype
+    if projection_dtype == "bfloat16" and amx_usable(like):
+        return "bfloat16-amx"
+    return projection_dtype
+
+
+def convert(weights, mode: str):
+    """The Weights with their projection matrices (and an untied LM head, or a copy of the tied
+    embedding as the head) in the form `mode` (resolve's answer) names; other arrays untouched.
+    A tied embedding keeps its float32 table for the token lookup."""
+    layers = weights.layers
+    if mode in ("float32", "float16"):
+        change = {n: getattr(layers, n).astype(mode) for n in PROJECTIONS if getattr(layers, n).dtype != mode}
+        return dataclasses.replace(weights, layers=dataclasses.replace(layers, **change)) if change else weights
+    if mode == "bfloat16":
+        change = {n: getattr(layers, n).astype(jnp.bfloat16) for n in PROJECTIONS}
+        head = weights.lm_head_DV.astype(jnp.bfloat16) if weights.lm_head_DV is not None else None
+        return dataclasses.replace(weights, layers=dataclasses.replace(layers, **change), lm_head_DV=head)
+    if mode != "bfloat16-amx":
+        raise ValueError(f"unknown projection mode {mode!r}")
+    change = {n: pack(getattr(layers, n)) for n in PROJECTIONS}
+    head_DV = weights.lm_head_DV if weights.lm_head_DV is not None else weights.embed_VD.T
+    return dataclasses.replace(weights, layers=dataclasses.replace(layers, **change),
+                               lm_head_DV=pack(head_DV[None]))

@@ -1,0 +1,89 @@
+"""The projection matrices in bfloat16 (multilora.model.projections): the AMX kernel's tile
+layout, the kernel against a plain-jnp bfloat16 product, and how projection_dtype resolves.
+Whole-model parity in bfloat16 against PEFT: tests/test_model_parity.py::test_bf16_projections_*."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from multilora import kernels
+from multilora.config import EngineConfig
+from multilora.model import projections
+
+AMX = kernels.amx_available()
+needs_amx = pytest.mark.skipif(not AMX, reason="multilora's AMX kernel does not run here (no AMX-BF16, "
+                                               "or the kernels are not built)")
+
+
+def _unpack(w_LJIRC, k, n):
+    """The (L, K, N) matrices back from pack_bf16's layout, by its definition, element by element."""
+    w = np.asarray(w_LJIRC.astype(jnp.float32))
+    L, J, I = w.shape[:3]
+    out = np.zeros((L, I * 32, J * 16), np.float32)
+    for j in range(J):
+        for i in range(I):
+            for r in range(16):
+                for c in range(16):
+                    for e in range(2):
+                        out[:, 32 * i + 2 * r + e, 16 * j + c] = w[:, j, i, r, 2 * c + e]
+    assert not out[:, k:, :].any() and not out[:, :, n:].any(), "padding past K or N must be zeros"
+    return out[:, :k, :n]
+
+
+@pytest.mark.parametrize("k,n", [(64, 96), (48, 24), (100, 70)])
+def test_pack_bf16_layout(k, n):
+    w = jnp.asarray(np.random.default_rng(k).standard_normal((2, k, n)), jnp.float32)
+    packed = kernels.pack_bf16(w)
+    assert packed.dtype == jnp.bfloat16
+    assert packed.shape == (2, 2 * -(-n // 32), -(-k // 32), 16, 32)
+    np.testing.assert_array_equal(_unpack(packed, k, n), np.asarray(w.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+@needs_amx
+@pytest.mark.parametrize("t,k,n", [(1, 64, 96), (17, 48, 24), (40, 100, 70), (64, 576, 192), (70, 128, 544)])
+def test_gemm_bf16_matches_jnp(t, k, n):
+    """x rounded to bfloat16 times layer l of the stack, float32 sums: the same as jnp's bf16 dot
+    (up to the order of the float32 sums), for every layer, shapes off the tile sizes included."""
+    rng = np.random.default_rng(t + k + n)
+    w = jnp.asarray(rng.standard_normal((3, k, n)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
+    packed = kernels.pack_bf16(w)
+    run = jax.jit(lambda x, p, l: kernels.gemm_bf16(x, p, l, n))
+    for layer in range(3):
+        got = np.asarray(run(x, packed, jnp.int32(layer)))
+        want = np.asarray(jnp.dot(x.astype(jnp.bfloat16), w[layer].astype(jnp.bfloat16),
+                                  preferred_element_type=jnp.float32))
+        assert got.shape == (t, n)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+    # the float32 product differs by bfloat16's rounding: the kernel did not run in float32
+    f32 = np.asarray(jnp.dot(x, w[2]))
+    assert np.abs(got - f32).max() > 1e-4 * np.abs(f32).max()
+
+
+@needs_amx
+def test_gemm_bf16_rejects_mismatched_shapes():
+    packed = kernels.pack_bf16(jnp.ones((1, 64, 32), jnp.float32))
+    with pytest.raises(Exception, match="operand shapes disagree"):
+        jax.block_until_ready(kernels.gemm_bf16(jnp.ones((4, 96), jnp.float32), packed, jnp.int32(0), 32))
+
+
+def test_resolve(monkeypatch):
+    like = jnp.zeros(4)
+    monkeypatch.delenv(projections.AUTO_ENV, raising=False)
+    assert projections.resolve("float32", jnp.float32, like) == "float32"
+    assert projections.resolve("bfloat16", jnp.float32, like) == ("bfloat16-amx" if AMX else "bfloat16")
+    assert projections.resolve("auto", jnp.float32, like) == ("bfloat16-amx" if AMX else "float32")
+    assert projections.resolve("auto", jnp.bfloat16, like) == ("bfloat16-amx" if AMX else "bfloat16")
+    monkeypatch.setenv(projections.AUTO_ENV, "float32")
+    assert projections.resolve("auto", jnp.float32, like) == "float32"
+    assert projections.resolve("bfloat16", jnp.float32, like) != "float32"  # the env var sets auto only
+    monkeypatch.setenv(projections.AUTO_ENV, "int8")
+    with pytest.raises(ValueError, match="MULTILORA_PROJECTION_DTYPE='int8': choose one of float32, bfloat16"):
+        projections.resolve("auto", jnp.float32, like)
+    with pytest.raises(ValueError, match="unknown projection_dtype 'fp8'; choose one of auto, float32, bfloat16"):
+        projections.resolve("fp8", jnp.float32, like)
+    with pytest.raises(ValueError, match="projection_dtype must be auto, float32 or bfloat16, got 'half'"):
+        EngineConfig(projection_dtype="half")
