@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "parallel.h"
@@ -90,19 +91,20 @@ void to_bf16(const float* x, int64_t T, int64_t K, int64_t Mp, int64_t Kp, uint1
   }
 }
 
+constexpr int64_t kAhead = 4;  // K steps of W prefetched ahead
+
 struct Block {
-  int64_t j;  // the first of two 16-column blocks
+  int64_t j0, j1;  // 16-column blocks [j0, j1), taken two at a time
 };
 
-// One pair of 16-column blocks, for all rows: 32 rows at a time, two A and two B tiles per
-// step of 32 along K into four C tiles; the pair's B panel stays in cache across row blocks.
-void gemm_block(const Block& blk, const uint16_t* a, const uint16_t* w, int64_t Mp, int64_t Kp,
-                int64_t I, int64_t T, int64_t N, float* y) {
-  configure_tiles();
+// Pairs of 16-column blocks, for all rows: 32 rows at a time, two A and two B tiles per step of
+// 32 along K into four C tiles; a pair's B panel stays in cache across row blocks.
+void gemm_pair(int64_t j, const uint16_t* a, const uint16_t* w, int64_t Mp, int64_t Kp, int64_t I,
+               int64_t T, int64_t N, float* y) {
   alignas(64) float tmp[2][2][16 * 16];
-  const uint16_t* b0 = w + blk.j * I * 512;
+  const uint16_t* b0 = w + j * I * 512;
   const uint16_t* b1 = b0 + I * 512;
-  const int64_t n0 = blk.j * 16;
+  const int64_t n0 = j * 16;
   for (int64_t m = 0; m < Mp; m += 32) {
     _tile_zero(0);
     _tile_zero(1);
@@ -111,6 +113,11 @@ void gemm_block(const Block& blk, const uint16_t* a, const uint16_t* w, int64_t 
     const uint16_t* a0 = a + m * Kp;
     const uint16_t* a1 = a0 + 16 * Kp;
     for (int64_t i = 0; i < I; ++i) {
+      if (m == 0 && i + kAhead < I)  // the first pass streams W from memory: fetch ahead
+        for (int64_t line = 0; line < 16; ++line) {
+          _mm_prefetch(reinterpret_cast<const char*>(b0 + (i + kAhead) * 512 + line * 32), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(b1 + (i + kAhead) * 512 + line * 32), _MM_HINT_T0);
+        }
       _tile_loadd(4, a0 + i * 32, Kp * 2);
       _tile_loadd(5, a1 + i * 32, Kp * 2);
       _tile_loadd(6, b0 + i * 512, 64);
@@ -140,6 +147,12 @@ void gemm_block(const Block& blk, const uint16_t* a, const uint16_t* w, int64_t 
           if (cols > 0) std::memcpy(y + (m + hm * 16 + r) * N + col, tmp[hm][hn] + r * 16, cols * 4);
         }
   }
+}
+
+void gemm_block(const Block& blk, const uint16_t* a, const uint16_t* w, int64_t Mp, int64_t Kp,
+                int64_t I, int64_t T, int64_t N, float* y) {
+  configure_tiles();
+  for (int64_t j = blk.j0; j < blk.j1; j += 2) gemm_pair(j, a, w, Mp, Kp, I, T, N, y);
   _tile_release();
 }
 
@@ -162,8 +175,13 @@ ffi::Error GemmBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_TK, ffi::Buffe
   const uint16_t* w = reinterpret_cast<const uint16_t*>(w_LJIRC.typed_data()) +
                       clamp_layer(layer.typed_data()[0], L) * J * I * 512;
   float* y = y_TN->typed_data();
+  // One contiguous run of column pairs per thread (the pool's and this one, at most one per
+  // core): each configures the tiles once and streams its part of W in order.
+  const int64_t pairs = J / 2;
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>({pairs, cores, pool.num_threads() + 1}));
   std::vector<Block> blocks;
-  for (int64_t j = 0; j * 16 < N; j += 2) blocks.push_back({j});
+  for (int64_t p = 0; p < parts; ++p) blocks.push_back({2 * (pairs * p / parts), 2 * (pairs * (p + 1) / parts)});
   parallel_items(pool, blocks, [&](const Block& b) { gemm_block(b, a.data(), w, Mp, Kp, I, T, N, y); });
   return ffi::Error::Success();
 #else
