@@ -58,12 +58,14 @@ def _case(rng, lens, starts, page_size, num_tokens, num_pages, n=4, kvh=2, h=8, 
     ([33, 64], [0, 70], 16, 100, 16, 24),               # sliding window
     ([5], [0], 16, 16, 4, None),                        # tiny bucket, mostly padding
 ])
-def test_prefill_blocks_match_all_pages(lens, starts, page_size, num_tokens, num_pages, window, monkeypatch):
+@pytest.mark.parametrize("native", [False, pytest.param(True, id="native", marks=pytest.mark.skipif(
+    not kernels.available(), reason="native kernels unavailable"))])
+def test_prefill_blocks_match_all_pages(lens, starts, page_size, num_tokens, num_pages, window, native):
     rng = np.random.default_rng(sum(lens) + page_size)
     q, k, v, b = _case(rng, lens, starts, page_size, num_tokens, num_pages)
     args = (q, k, v, 1, b.kv_pages_X, b.kv_page_seq_X, b.seq_idx_T, b.positions_T, window)
     want = np.asarray(all_pages_attention(*args))
-    got = np.asarray(jax.jit(prefill_attention, static_argnums=8)(*args))
+    got = np.asarray(jax.jit(prefill_attention, static_argnums=(8, 9))(*args, native))
     real = np.asarray(b.seq_idx_T) >= 0
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got[real], want[real], atol=2e-5, rtol=1e-5)
@@ -206,5 +208,11 @@ def test_native_decode_refuses_bad_shapes_and_other_caches():
     args = (b.kv_pages_X, b.kv_page_seq_X, b.positions_T, b.num_decode)
     with pytest.raises(Exception, match="operand shapes disagree"):
         np.asarray(kernels.decode_attention(q, k, v[:, :-1], 0, *args))
+    with pytest.raises(Exception, match="prefill attention: operand shapes disagree"):
+        np.asarray(kernels.prefill_attention(q, k, v[:, :-1], 0, b.kv_pages_X, b.kv_page_seq_X, b.seq_idx_T,
+                                             b.positions_T))
+    with pytest.raises(Exception, match="prefill attention: operand shapes disagree"):  # seq_idx too short
+        np.asarray(kernels.prefill_attention(q, k, v, 0, b.kv_pages_X, b.kv_page_seq_X, b.seq_idx_T[:-1],
+                                             b.positions_T))
     assert attention.native_attention_usable(k)
     assert not attention.native_attention_usable(k.astype(jnp.bfloat16))

@@ -1,6 +1,6 @@
 """multilora's own CPU kernels, built on first use and called through XLA's FFI: per-token LoRA
 shrink and expand (lora_kernels.cc, the `native` LoRA backend) and decode attention over the
-paged KV cache (attention_kernels.cc), and the base model's projections in bfloat16 on Intel AMX
+paged KV cache (attention_kernels.cc, decode and prefill), and the base model's projections in bfloat16 on Intel AMX
 (gemm_kernels.cc, where the CPU has it).
 
 The C++ source ships with the package and is compiled once per machine into the user cache
@@ -36,7 +36,8 @@ SOURCES = (HERE / "lora_kernels.cc", HERE / "attention_kernels.cc", HERE / "gemm
 HEADERS = (HERE / "parallel.h",)
 DISABLE_ENV = "MULTILORA_NATIVE"
 TARGETS = {"multilora_lora_shrink": "MultiloraLoraShrink", "multilora_lora_expand": "MultiloraLoraExpand",
-           "multilora_decode_attention": "MultiloraDecodeAttention", "multilora_gemm_bf16": "MultiloraGemmBf16"}
+           "multilora_decode_attention": "MultiloraDecodeAttention", "multilora_gemm_bf16": "MultiloraGemmBf16",
+           "multilora_prefill_attention": "MultiloraPrefillAttention"}
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -153,6 +154,20 @@ def decode_attention(q_TNH: jax.Array, k_LPpKH: jax.Array, v_LPpKH: jax.Array, l
         q_TNH.astype(jnp.float32), k_LPpKH, v_LPpKH, jnp.asarray(layer, jnp.int32),
         kv_pages_X.astype(jnp.int32), kv_page_seq_X.astype(jnp.int32), positions_T.astype(jnp.int32),
         jnp.asarray(num_decode, jnp.int32), sliding_window=np.int64(sliding_window or 0))
+
+
+def prefill_attention(q_TNH: jax.Array, k_LPpKH: jax.Array, v_LPpKH: jax.Array, layer: jax.Array,
+                      kv_pages_X: jax.Array, kv_page_seq_X: jax.Array, seq_idx_T: jax.Array,
+                      positions_T: jax.Array, sliding_window: int | None = None) -> jax.Array:
+    """multilora.model.attention.prefill_attention's result (float32): every token with a
+    sequence (seq_idx_T >= 0) against its own sequence's keys up to its position, the pages of
+    layer `layer` read in place; other rows zeros."""
+    if not available():
+        raise RuntimeError(f"multilora's CPU kernels are not available: {unavailable_reason()}")
+    return jax.ffi.ffi_call("multilora_prefill_attention", jax.ShapeDtypeStruct(q_TNH.shape, jnp.float32))(
+        q_TNH.astype(jnp.float32), k_LPpKH, v_LPpKH, jnp.asarray(layer, jnp.int32),
+        kv_pages_X.astype(jnp.int32), kv_page_seq_X.astype(jnp.int32), seq_idx_T.astype(jnp.int32),
+        positions_T.astype(jnp.int32), sliding_window=np.int64(sliding_window or 0))
 
 
 def amx_available() -> bool:

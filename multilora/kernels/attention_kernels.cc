@@ -193,9 +193,158 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_TNH, ff
   return ffi::Error::Success();
 }
 
+// ---- prefill -----------------------------------------------------------------------------------
+//
+// Every token t with seq_T[t] >= 0 attends to the keys of its sequence at positions <=
+// positions_T[t] (and > positions_T[t] - sliding_window when a window is set), the sequence's
+// pages being its run of kv_page_seq_X in kv_pages_X (key j in page kv_pages_X[start + j / p]).
+// Tokens go in blocks of up to kQueryBlock consecutive tokens of one sequence; a block walks its
+// keys in chunks of kKeyChunk, each chunk's K/V read once for all the block's tokens and heads,
+// with an online softmax (running max, sum and output per token and head). Other rows are zeros.
+
+constexpr int64_t kQueryBlock = 16;
+constexpr int64_t kKeyChunk = 32;
+
+struct QueryBlock {
+  int64_t t0, n, start, keys;  // tokens [t0, t0 + n); the sequence's first page in X; its key slots
+};
+
+ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_TNH, ffi::Buffer<ffi::F32> k_LPpKH,
+                            ffi::Buffer<ffi::F32> v_LPpKH, ffi::Buffer<ffi::S32> layer,
+                            ffi::Buffer<ffi::S32> kv_pages_X, ffi::Buffer<ffi::S32> kv_page_seq_X,
+                            ffi::Buffer<ffi::S32> seq_T, ffi::Buffer<ffi::S32> positions_T,
+                            ffi::ResultBuffer<ffi::F32> out_TNH, int64_t sliding_window) {
+  auto qd = q_TNH.dimensions();
+  auto cd = k_LPpKH.dimensions();
+  auto vd = v_LPpKH.dimensions();
+  if (qd.size() != 3 || cd.size() != 5 || vd.size() != 5 || !std::equal(cd.begin(), cd.end(), vd.begin()) ||
+      cd[4] != qd[2] || cd[3] <= 0 || qd[1] % cd[3] ||
+      kv_page_seq_X.element_count() != kv_pages_X.element_count() ||
+      positions_T.element_count() != qd[0] || seq_T.element_count() != qd[0])
+    return ffi::Error::InvalidArgument("multilora prefill attention: operand shapes disagree");
+  const int64_t T = qd[0], N = qd[1], H = qd[2];
+  const int64_t L = cd[0], P = cd[1], p = cd[2], K = cd[3], G = N / K;
+  const int64_t X = kv_pages_X.element_count();
+  const int64_t lay = clamp_layer(layer.typed_data()[0], L);
+  const float* q = q_TNH.typed_data();
+  const float* kc = k_LPpKH.typed_data() + lay * P * p * K * H;
+  const float* vc = v_LPpKH.typed_data() + lay * P * p * K * H;
+  const int32_t* pages = kv_pages_X.typed_data();
+  const int32_t* page_seq = kv_page_seq_X.typed_data();
+  const int32_t* seq = seq_T.typed_data();
+  const int32_t* pos = positions_T.typed_data();
+  float* out = out_TNH->typed_data();
+  std::memset(out, 0, sizeof(float) * T * N * H);
+
+  // Each sequence's run of pages (sequence ids below T + 1; others are padding).
+  std::vector<int64_t> start(T + 1, -1), count(T + 1, 0);
+  for (int64_t x = 0; x < X; ++x) {
+    const int64_t s = page_seq[x];
+    if (s < 0 || s > T) continue;
+    if (start[s] < 0) start[s] = x;
+    count[s]++;
+  }
+  std::vector<QueryBlock> items;
+  for (int64_t t = 0; t < T;) {
+    const int64_t s = seq[t];
+    if (s < 0 || s > T || start[s] < 0 || pos[t] < 0) {
+      ++t;
+      continue;
+    }
+    int64_t n = 1;
+    while (n < kQueryBlock && t + n < T && seq[t + n] == s && pos[t + n] >= 0) ++n;
+    items.push_back(QueryBlock{t, n, start[s], count[s] * p});
+    t += n;
+  }
+  const float scale = 1.f / std::sqrt(static_cast<float>(H));
+  const int64_t row_stride = K * H;
+
+  parallel_items(pool, items, [&](const QueryBlock& it) {
+    // per token i of the block and query head h: running max m, sum l, output acc (H floats)
+    thread_local std::vector<float> m, l, acc, s;
+    m.assign(it.n * N, -INFINITY);
+    l.assign(it.n * N, 0.f);
+    acc.assign(it.n * N * H, 0.f);
+    s.resize(kKeyChunk);
+    int64_t lo_all = INT64_MAX, hi_all = 0;  // the block's keys [lo_all, hi_all)
+    std::vector<int64_t> lo(it.n), hi(it.n);
+    for (int64_t i = 0; i < it.n; ++i) {
+      const int64_t ps = pos[it.t0 + i];
+      hi[i] = std::min<int64_t>(ps + 1, it.keys);
+      lo[i] = sliding_window > 0 ? std::max<int64_t>(0, ps - sliding_window + 1) : 0;
+      lo_all = std::min(lo_all, lo[i]);
+      hi_all = std::max(hi_all, hi[i]);
+    }
+    int64_t off[kKeyChunk];
+    for (int64_t c0 = lo_all; c0 < hi_all; c0 += kKeyChunk) {
+      const int64_t c1 = std::min(c0 + kKeyChunk, hi_all);
+      for (int64_t j = c0; j < c1; ++j) {
+        const int64_t page = std::clamp<int64_t>(pages[it.start + j / p], 0, P - 1);
+        off[j - c0] = (page * p + j % p) * row_stride;
+      }
+      for (int64_t i = 0; i < it.n; ++i) {
+        const int64_t a = std::max(c0, lo[i]), b = std::min(c1, hi[i]);
+        if (a >= b) continue;
+        const float* qi = q + (it.t0 + i) * N * H;
+        for (int64_t h = 0; h < N; ++h) {
+          const int64_t kvo = (h / G) * H;
+          float mx = -INFINITY;
+          for (int64_t j = a; j < b; ++j) {
+            const float v = dot(qi + h * H, kc + off[j - c0] + kvo, H) * scale;
+            s[j - a] = v;
+            mx = std::max(mx, v);
+          }
+          const int64_t ih = i * N + h;
+          const float m_new = std::max(m[ih], mx);
+          const float alpha = exp1(m[ih] - m_new);  // exp(-inf) = 0 on the first chunk
+          float* ac = acc.data() + ih * H;
+          if (alpha != 1.f)
+            for (int64_t d = 0; d < H; ++d) ac[d] *= alpha;
+          const int64_t n = b - a;
+          f8 sum8 = splat(0.f);
+          int64_t j = 0;
+          for (; j + kW <= n; j += kW) {
+            const f8 e = exp8(load8(s.data() + j) - splat(m_new));
+            store8(s.data() + j, e);
+            sum8 += e;
+          }
+          float sum = hsum(sum8);
+          for (; j < n; ++j) sum += (s[j] = exp1(s[j] - m_new));
+          for (j = 0; j < n; ++j) axpy(ac, s[j], vc + off[a + j - c0] + kvo, H);
+          l[ih] = l[ih] * alpha + sum;
+          m[ih] = m_new;
+        }
+      }
+    }
+    for (int64_t i = 0; i < it.n; ++i)
+      for (int64_t h = 0; h < N; ++h) {
+        const int64_t ih = i * N + h;
+        if (l[ih] <= 0.f) continue;
+        const float inv = 1.f / l[ih];
+        float* o = out + (it.t0 + i) * N * H + h * H;
+        for (int64_t d = 0; d < H; ++d) o[d] = acc[ih * H + d] * inv;
+      }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("sliding_window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraPrefillAttention, PrefillAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

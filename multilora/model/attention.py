@@ -52,16 +52,20 @@ KEYS_PER_ITER = 256    # keys each query block scores per loop iteration
 
 
 def prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, seq_idx_T,
-                      positions_T, sliding_window: int | None = None):
+                      positions_T, sliding_window: int | None = None, native: bool = False):
     """Packed tokens against the step's pages (the flat list kv_pages_X, each sequence's pages
     one run, in order, tagged by kv_page_seq_X); a token sees the keys of its own sequence at
-    positions <= its own.
+    positions <= its own. native=True: the same through multilora's CPU kernel, which walks
+    each block of a sequence's tokens over its pages in place (float32 caches, one CPU device).
 
     Queries go in blocks (J) of QUERY_BLOCK rows (M); block j needs only the page range from its
     first sequence's first page to the last page any of its tokens sees, a range the loop walks
     in chunks of KEYS_PER_ITER keys (Y) with an online softmax. The trip count is the largest range
     of the step (dynamic), so a step of short prompts scores each block against a few pages,
     not against every page of the step, and a long-context chunk costs what causality asks."""
+    if native:
+        return kernels.prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, seq_idx_T,
+                                         positions_T, sliding_window).astype(q_TNH.dtype)
     t, n, h = q_TNH.shape
     kvh, p = k_LPpKH.shape[3], k_LPpKH.shape[2]
     x = kv_pages_X.shape[0]

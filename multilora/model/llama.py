@@ -210,7 +210,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         dec = decode_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
                                batch.positions_T, batch.num_decode, cfg.sliding_window, native_attention)
         pre = prefill_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
-                                prefill_seq_T, batch.positions_T, cfg.sliding_window)
+                                prefill_seq_T, batch.positions_T, cfg.sliding_window, native_attention)
         attn_TO = jnp.where(is_decode_T[:, None, None], dec, pre).reshape(t, n * h)
         o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD, idx)
         if be is not None:
