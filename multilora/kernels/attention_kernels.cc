@@ -119,6 +119,21 @@ inline void axpy(float* __restrict acc, float w, const float* __restrict v, int6
   for (; i < H; ++i) acc[i] += w * v[i];
 }
 
+// Where each sequence s < S has its run of pages in the step's flat list (kv_page_seq_X ascends:
+// one run per sequence, in order): its first index (-1: none) and its length. Other ids (padding)
+// are skipped.
+void page_runs(const int32_t* page_seq, int64_t X, int64_t S, std::vector<int64_t>& start,
+               std::vector<int64_t>& count) {
+  start.assign(S, -1);
+  count.assign(S, 0);
+  for (int64_t x = 0; x < X; ++x) {
+    const int64_t s = page_seq[x];
+    if (s < 0 || s >= S) continue;
+    if (start[s] < 0) start[s] = x;
+    count[s]++;
+  }
+}
+
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_TNH, ffi::Buffer<ffi::F32> k_LPpKH,
                            ffi::Buffer<ffi::F32> v_LPpKH, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> kv_pages_X, ffi::Buffer<ffi::S32> kv_page_seq_X,
@@ -148,13 +163,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_TNH, ff
 
   // Each decode row's run of pages (kv_page_seq_X ascends; other sequences' and padding pages
   // are skipped).
-  std::vector<int64_t> start(B, -1), count(B, 0);
-  for (int64_t x = 0; x < X; ++x) {
-    const int64_t s = page_seq[x];
-    if (s < 0 || s >= B) continue;
-    if (start[s] < 0) start[s] = x;
-    count[s]++;
-  }
+  std::vector<int64_t> start, count;
+  page_runs(page_seq, X, B, start, count);
   std::vector<Row> items;
   items.reserve(B);
   for (int64_t b = 0; b < B; ++b) {
@@ -237,13 +247,8 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_TNH, f
   std::memset(out, 0, sizeof(float) * T * N * H);
 
   // Each sequence's run of pages (sequence ids below T + 1; others are padding).
-  std::vector<int64_t> start(T + 1, -1), count(T + 1, 0);
-  for (int64_t x = 0; x < X; ++x) {
-    const int64_t s = page_seq[x];
-    if (s < 0 || s > T) continue;
-    if (start[s] < 0) start[s] = x;
-    count[s]++;
-  }
+  std::vector<int64_t> start, count;
+  page_runs(page_seq, X, T + 1, start, count);
   std::vector<QueryBlock> items;
   for (int64_t t = 0; t < T;) {
     const int64_t s = seq[t];
