@@ -134,32 +134,54 @@ void page_runs(const int32_t* page_seq, int64_t X, int64_t S, std::vector<int64_
   }
 }
 
+// The operands both attention kernels share, checked and unpacked: the cache pointers at the
+// layer, the step's flat page list, and the output (zeroed). False when their shapes disagree.
+struct Paged {
+  int64_t T, N, H, P, p, K, G, X;
+  const float *q, *kc, *vc;
+  const int32_t *pages, *page_seq, *pos;
+  float* out;
+};
+
+bool unpack(ffi::Buffer<ffi::F32> q_TNH, ffi::Buffer<ffi::F32> k_LPpKH, ffi::Buffer<ffi::F32> v_LPpKH,
+            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_pages_X, ffi::Buffer<ffi::S32> kv_page_seq_X,
+            ffi::Buffer<ffi::S32> positions_T, ffi::ResultBuffer<ffi::F32>& out_TNH, Paged& a) {
+  auto qd = q_TNH.dimensions();
+  auto cd = k_LPpKH.dimensions();
+  auto vd = v_LPpKH.dimensions();
+  if (qd.size() != 3 || cd.size() != 5 || vd.size() != 5 || !std::equal(cd.begin(), cd.end(), vd.begin()) ||
+      cd[4] != qd[2] || cd[3] <= 0 || qd[1] % cd[3] ||
+      kv_page_seq_X.element_count() != kv_pages_X.element_count() || positions_T.element_count() != qd[0])
+    return false;
+  a.T = qd[0], a.N = qd[1], a.H = qd[2];
+  const int64_t L = cd[0];
+  a.P = cd[1], a.p = cd[2], a.K = cd[3], a.G = a.N / a.K;
+  a.X = kv_pages_X.element_count();
+  const int64_t lay = clamp_layer(layer.typed_data()[0], L);
+  a.q = q_TNH.typed_data();
+  a.kc = k_LPpKH.typed_data() + lay * a.P * a.p * a.K * a.H;
+  a.vc = v_LPpKH.typed_data() + lay * a.P * a.p * a.K * a.H;
+  a.pages = kv_pages_X.typed_data();
+  a.page_seq = kv_page_seq_X.typed_data();
+  a.pos = positions_T.typed_data();
+  a.out = out_TNH->typed_data();
+  std::memset(a.out, 0, sizeof(float) * a.T * a.N * a.H);
+  return true;
+}
+
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_TNH, ffi::Buffer<ffi::F32> k_LPpKH,
                            ffi::Buffer<ffi::F32> v_LPpKH, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> kv_pages_X, ffi::Buffer<ffi::S32> kv_page_seq_X,
                            ffi::Buffer<ffi::S32> positions_T, ffi::Buffer<ffi::S32> num_decode,
                            ffi::ResultBuffer<ffi::F32> out_TNH, int64_t sliding_window) {
-  auto qd = q_TNH.dimensions();
-  auto cd = k_LPpKH.dimensions();
-  auto vd = v_LPpKH.dimensions();
-  if (qd.size() != 3 || cd.size() != 5 || vd.size() != 5 || !std::equal(cd.begin(), cd.end(), vd.begin()) ||
-      cd[4] != qd[2] || cd[3] <= 0 ||
-      qd[1] % cd[3] || kv_page_seq_X.element_count() != kv_pages_X.element_count() ||
-      positions_T.element_count() != qd[0])
+  Paged a;
+  if (!unpack(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, positions_T, out_TNH, a))
     return ffi::Error::InvalidArgument("multilora decode attention: operand shapes disagree");
-  const int64_t T = qd[0], N = qd[1], H = qd[2];
-  const int64_t L = cd[0], P = cd[1], p = cd[2], K = cd[3], G = N / K;
-  const int64_t X = kv_pages_X.element_count();
+  const int64_t T = a.T, N = a.N, H = a.H, P = a.P, p = a.p, K = a.K, G = a.G, X = a.X;
+  const float *q = a.q, *kc = a.kc, *vc = a.vc;
+  const int32_t *pages = a.pages, *page_seq = a.page_seq, *pos = a.pos;
+  float* out = a.out;
   const int64_t B = std::clamp<int64_t>(num_decode.typed_data()[0], 0, T);
-  const int64_t lay = clamp_layer(layer.typed_data()[0], L);
-  const float* q = q_TNH.typed_data();
-  const float* kc = k_LPpKH.typed_data() + lay * P * p * K * H;
-  const float* vc = v_LPpKH.typed_data() + lay * P * p * K * H;
-  const int32_t* pages = kv_pages_X.typed_data();
-  const int32_t* page_seq = kv_page_seq_X.typed_data();
-  const int32_t* pos = positions_T.typed_data();
-  float* out = out_TNH->typed_data();
-  std::memset(out, 0, sizeof(float) * T * N * H);
 
   // Each decode row's run of pages (kv_page_seq_X ascends; other sequences' and padding pages
   // are skipped).
@@ -224,31 +246,19 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_TNH, f
                             ffi::Buffer<ffi::S32> kv_pages_X, ffi::Buffer<ffi::S32> kv_page_seq_X,
                             ffi::Buffer<ffi::S32> seq_T, ffi::Buffer<ffi::S32> positions_T,
                             ffi::ResultBuffer<ffi::F32> out_TNH, int64_t sliding_window) {
-  auto qd = q_TNH.dimensions();
-  auto cd = k_LPpKH.dimensions();
-  auto vd = v_LPpKH.dimensions();
-  if (qd.size() != 3 || cd.size() != 5 || vd.size() != 5 || !std::equal(cd.begin(), cd.end(), vd.begin()) ||
-      cd[4] != qd[2] || cd[3] <= 0 || qd[1] % cd[3] ||
-      kv_page_seq_X.element_count() != kv_pages_X.element_count() ||
-      positions_T.element_count() != qd[0] || seq_T.element_count() != qd[0])
+  Paged a;
+  if (!unpack(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, positions_T, out_TNH, a) ||
+      seq_T.element_count() != a.T)
     return ffi::Error::InvalidArgument("multilora prefill attention: operand shapes disagree");
-  const int64_t T = qd[0], N = qd[1], H = qd[2];
-  const int64_t L = cd[0], P = cd[1], p = cd[2], K = cd[3], G = N / K;
-  const int64_t X = kv_pages_X.element_count();
-  const int64_t lay = clamp_layer(layer.typed_data()[0], L);
-  const float* q = q_TNH.typed_data();
-  const float* kc = k_LPpKH.typed_data() + lay * P * p * K * H;
-  const float* vc = v_LPpKH.typed_data() + lay * P * p * K * H;
-  const int32_t* pages = kv_pages_X.typed_data();
-  const int32_t* page_seq = kv_page_seq_X.typed_data();
+  const int64_t T = a.T, N = a.N, H = a.H, P = a.P, p = a.p, K = a.K, G = a.G;
+  const float *q = a.q, *kc = a.kc, *vc = a.vc;
+  const int32_t *pages = a.pages, *page_seq = a.page_seq, *pos = a.pos;
   const int32_t* seq = seq_T.typed_data();
-  const int32_t* pos = positions_T.typed_data();
-  float* out = out_TNH->typed_data();
-  std::memset(out, 0, sizeof(float) * T * N * H);
+  float* out = a.out;
 
   // Each sequence's run of pages (sequence ids below T + 1; others are padding).
   std::vector<int64_t> start, count;
-  page_runs(page_seq, X, T + 1, start, count);
+  page_runs(page_seq, a.X, T + 1, start, count);
   std::vector<QueryBlock> items;
   for (int64_t t = 0; t < T;) {
     const int64_t s = seq[t];
