@@ -123,6 +123,9 @@ def main(argv=None):
                     help="the base weights stacked along L (the engine's layout, run under lax.scan, which "
                          "copies each layer's weights out) or one array per layer and weight (split: the "
                          "layers unrolled, nothing copied, a compile ~5x as long)")
+    ap.add_argument("--lora-dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
+                    help="the adapter pool's dtype (auto: as the engine's lora_dtype=auto, bfloat16 beside "
+                         "bf16-amx projections, else the case's dtype); several: side by side")
     ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "bf16-weights", "bf16-amx"],
                     help="the base weights', adapters' and KV cache's dtype (bfloat16: XLA's attention); "
                          "bf16-weights: the projection matrices in bfloat16 (XLA's dot), all else float32; "
@@ -133,13 +136,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
+    from multilora.model import projections
     cfg = ModelConfig.from_hf_dict(SMOLLM2_135M)
     stacked = random_weights(cfg)
     layouts = {}
     short = {"float32": "f32", "bfloat16": "bf16", "bf16-weights": "bf16w", "bf16-amx": "amx"}
     for asked in args.dtypes:
         if asked == "bf16-amx":
-            from multilora.model import projections
             if not projections.amx_usable(stacked.embed_VD):
                 raise SystemExit("--dtypes bf16-amx: multilora's AMX kernel does not run on this machine")
             w, dt = projections.convert(stacked, "bfloat16-amx"), "float32"
@@ -151,8 +154,12 @@ def main(argv=None):
         else:
             dt = asked
             w = jax.tree.map(lambda a, dt=dt: a.astype(dt), stacked)
+        mode_of = {"bf16-amx": "bfloat16-amx", "bf16-weights": "bfloat16"}.get(asked, dt)
         for lay in args.layers:
-            layouts[f"{lay}/{short[asked]}"] = (split_layers(w) if lay == "split" else w, dt)
+            for ld in args.lora_dtypes:
+                ldt = projections.lora_pool_dtype(ld, mode_of, dt).name
+                suffix = "" if ld == args.lora_dtypes[0] else f"+{short[ldt]}"  # adapters' pool dtype
+                layouts[f"{lay}/{short[asked]}{suffix}"] = (split_layers(w) if lay == "split" else w, dt, ldt)
     page_size = 16
     fwd = jax.jit(forward, static_argnames=("cfg", "backend", "native_attention"), donate_argnames=("kv",))
     from multilora import kernels
@@ -162,8 +169,10 @@ def main(argv=None):
     for mode in args.modes:
         for k in args.adapters:
             for nat in natives:
-                for lay, (_, dt) in layouts.items():
+                for lay, (_, dt, _) in layouts.items():
                     on = nat and dt == "float32"  # the attention kernel reads float32 caches only
+                    if k == 0 and "+" in lay:
+                        continue  # the pool's dtype does not matter without adapters
                     for be in (["-"] if k == 0 else args.backends):
                         cases.append((mode, k, be, on, lay))
                     if k == 0 and args.slots:
@@ -171,7 +180,7 @@ def main(argv=None):
     cases = list(dict.fromkeys(cases))
     state = {}
     for mode, k, be, nat, lay in cases:
-        weights, dtype = layouts[lay]
+        weights, dtype, lora_dtype = layouts[lay]
         s = max(k, args.slots or 0) + 1
         if mode == "decode":
             chunks = workload_chunks(mode, args.decode_seqs, args.decode_ctx, page_size, k, rng)
@@ -194,10 +203,10 @@ def main(argv=None):
         backend = "bgmv"
         prepare = None
         if be != "-":
-            lora = jax.tree.map(lambda a: a.astype(dtype), random_lora(cfg, s, args.rank))
+            lora = jax.tree.map(lambda a: a.astype(lora_dtype), random_lora(cfg, s, args.rank))
             # As the runner: a step of at most max_num_seqs tokens counts as a decode shape.
             backend = choose_backend(be, t, t <= args.max_num_seqs, s,
-                                     be == "auto" and native_usable(jnp.dtype(dtype), jax.devices()[:1]))
+                                     be == "auto" and native_usable(jnp.dtype(lora_dtype), jax.devices()[:1]))
             lora_be = get_backend(backend.split(SWITCH)[0])
             cap = grouped_cap(t) if SWITCH in backend else None
             table = slot_major_rows(s, args.rank)
@@ -227,7 +236,8 @@ def main(argv=None):
           f"{'median ms':>10} {'vs 0':>6} {'compile s':>9}")
     for (mode, k, be, nat, lay), st in state.items():
         med = statistics.median(st["times"])
-        rel = med / base[(mode, nat, lay)] if (mode, nat, lay) in base else float("nan")
+        key = (mode, nat, lay.split("+")[0])
+        rel = med / base[key] if key in base else float("nan")
         att = "native" if nat else "xla"
         print(f"{mode:8} {st['tokens']:>5} {st['pages']:>5} {att:>9} {lay:>12} {k:>8} {st['backend']:>8} "
               f"{1e3 * med:10.1f} {rel:6.2f} {st['compile_s']:9.1f}")

@@ -238,6 +238,7 @@ class EngineConfig:
     # model and memory
     dtype: str = "float32"
     projection_dtype: str = "auto"         # the projection matrices' dtype (multilora.model.projections)
+    lora_dtype: str = "auto"               # the adapter pool's dtype; auto: the projections' (lora_pool_dtype)
     max_model_len: Optional[int] = None   # None: the model's max_position_embeddings
     page_size: int = 16
     num_pages: Optional[int] = None       # None: from kv_cache_memory_gb
@@ -271,6 +272,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a number of GB > 0, got {val!r}")
         if self.projection_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"projection_dtype must be auto, float32 or bfloat16, got {self.projection_dtype!r}")
+        if self.lora_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"lora_dtype must be auto, float32 or bfloat16, got {self.lora_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if not self.kv_cache_memory_gb > 0:

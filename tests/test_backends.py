@@ -171,6 +171,7 @@ def _all_ops(backend):
     def run(x, a, b, h_in, base, qkv_a, qkv_b, gu_a, gu_b, info):
         return dict(shrink=be.run_lora_a_gemm(x, a, info),
                     lora=be.run_lora_b_gemm(be.run_lora_a_gemm(x, a, info), b, info),
+                    one=be.run_lora(x, a, b, info),
                     expand=be.run_lora_b_gemm(h_in, b, info),
                     expand_base=be.run_lora_b_gemm(h_in, b, info, base),
                     qkv=be.run_qkv_lora(x, qkv_a, qkv_b, info),
@@ -211,6 +212,7 @@ def test_backend_matches_numpy(backend, shape, pattern):
     what = f"{backend} T={t} D={d} O={o} S={s} R={r} {pattern} slots={slot_T.tolist()[:16]}"
     assert_close(got["shrink"], np_shrink(x, a, scalings, slot_T), f"run_lora_a_gemm {what}")
     assert_close(got["lora"], np_lora(x, a, b, scalings, slot_T), f"shrink then expand {what}")
+    assert_close(got["one"], np_lora(x, a, b, scalings, slot_T), f"run_lora {what}")
     assert_close(got["expand"], np_expand(h_in, b, slot_T), f"run_lora_b_gemm {what}")
     assert_close(got["expand_base"], base + np_expand(h_in, b, slot_T),
                  f"run_lora_b_gemm + base_output {what}")
@@ -410,7 +412,8 @@ def test_auto_takes_native_for_decode_shapes_only_where_it_can_serve():
     assert choose_backend("auto", 64, True, 1, native=True) == "bgmv"     # no adapter slot at all
     assert choose_backend("bgmv", 64, True, 65, native=True) == "bgmv"    # an explicit choice stands
     from multilora.lora.backend import native_usable
-    assert not native_usable(jax.numpy.bfloat16, set(jax.devices()[:1]))  # float32 kernels only
+    assert native_usable(jax.numpy.bfloat16, set(jax.devices()[:1]))      # float32 or bfloat16 pools
+    assert not native_usable(jax.numpy.float16, set(jax.devices()[:1]))
     if len(jax.devices()) > 1:
         assert not native_usable(np.float32, set(jax.devices()[:2]))     # sharded slots: XLA backends
 
@@ -434,3 +437,56 @@ def test_native_disabled_or_without_a_compiler_is_a_clear_choice_not_a_failure(t
         assert out.returncode == 0, out.stderr[-2000:]
         assert "REFUSED lora_backend 'native' is not available here" in out.stdout, out.stdout
         assert ("MULTILORA_NATIVE" in out.stdout) or ("no C++ compiler" in out.stdout), out.stdout
+
+
+def _bf16(w):
+    """float32 -> bfloat16 (as the pool stores it) -> float32: what the kernel multiplies by."""
+    return np.asarray(jax.numpy.asarray(w).astype(jax.numpy.bfloat16).astype(jax.numpy.float32))
+
+
+@pytest.mark.parametrize("pattern", ("random", "every_slot"))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T%d-D%d-O%d-S%d-R%d" % s)
+def test_native_bfloat16_pools_match_numpy_on_the_rounded_weights(shape, pattern):
+    """bfloat16 pools (lora_dtype=bfloat16): the rows are widened exactly, x, h and the sums stay
+    float32, so the result is the float32 definition on the bf16-rounded weights, within float32
+    summation error; spare rows of NaN are still never read."""
+    be = _native()
+    t, d, o, s, r = shape
+    rng = np.random.default_rng(zlib.crc32(repr(("bf16", shape, pattern)).encode()))
+    slot_T = make_slots(rng, pattern, t, s)
+    ranks, scalings = make_ranks(rng, s, r), make_scalings(rng, s)
+    rows_SR, u = make_rows(rng, ranks, r)
+    info = make_lora_batch_info(slot_T, scalings, ranks, rows_SR)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    a, b = _bf16(make_a(rng, s, r, d, ranks)), _bf16(make_b(rng, s, o, r, ranks))
+    qkv_a = _bf16(make_a(rng, s, r, d, ranks, blocks=3))
+    qkv_b = tuple(_bf16(make_b(rng, s, oo, r, ranks)) for oo in (o, o // 2 or 1, o // 2 or 1))
+    as_bf16 = lambda w: jax.numpy.asarray(w).astype(jax.numpy.bfloat16)  # noqa: E731
+    pa, pb, pq = as_bf16(page(a, rows_SR, u)), as_bf16(page(b, rows_SR, u)), as_bf16(page(qkv_a, rows_SR, u, 3))
+    pqb = tuple(as_bf16(page(w, rows_SR, u)) for w in qkv_b)
+    run = jax.jit(lambda x, a, b, qa, qb, info: (be.run_lora(x, a, b, info), be.run_qkv_lora(x, qa, qb, info),
+                                                 be.run_lora_a_gemm(x, a, info)))
+    one, qkv, h = run(x, pa, pb, pq, pqb, info)
+    what = f"bf16 pools T={t} D={d} O={o} S={s} R={r} {pattern}"
+    assert_close(h, np_shrink(x, a, scalings, slot_T), f"run_lora_a_gemm {what}")
+    assert_close(one, np_lora(x, a, b, scalings, slot_T), f"run_lora {what}")
+    for name, g, w in zip("qkv", qkv, np_stacked(x, qkv_a, qkv_b, scalings, slot_T)):
+        assert_close(g, w, f"run_qkv_lora[{name}] {what}")
+
+
+def test_native_refuses_pools_of_other_dtypes_and_mismatched_groups():
+    """A float16 pool, or a B pool whose rows disagree with A's, is an error naming the kernel,
+    not a wrong result."""
+    from multilora import kernels
+    _native()
+    t, d, o, s, r = 4, 16, 8, 3, 4
+    slot_T = np.array([1, 2, 0, 1], np.int32)
+    rows = np.arange(s * r, dtype=np.int32).reshape(s, r)
+    args = (slot_T, np.ones(s, np.float32), np.full(s, r, np.int32), rows)
+    x = np.ones((t, d), np.float32)
+    with pytest.raises(Exception, match="float32 or bfloat16"):
+        kernels.lora_apply(x, np.ones((1, s * r, d), np.float16), (np.ones((1, s * r, o), np.float16),),
+                           np.int32(0), *args)[0].block_until_ready()
+    with pytest.raises(Exception, match="disagrees"):
+        kernels.lora_apply(x, np.ones((1, s * r, d), np.float32), (np.ones((1, s * r + 1, o), np.float32),),
+                           np.int32(0), *args)[0].block_until_ready()

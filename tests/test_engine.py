@@ -133,6 +133,7 @@ def test_bf16_projections_greedy_within_tolerance(model_dir, spec_dirs, peft_ref
     eng = make_engine(model_dir, {"a": spec_dirs[SPEC[0]], "b": spec_dirs[SPEC[1]], "c": spec_dirs[SPEC[2]]},
                       projection_dtype="bfloat16")
     assert eng.projection_mode in ("bfloat16", "bfloat16-amx")
+    assert eng.lora_dtype.name == "bfloat16" and eng.slots.weights.qkv_a_LUD.dtype.name == "bfloat16"  # auto follows
     prompts = prompts_of(1, MIXED_LENGTHS)
     loras = [[None, "a", "b", "c"][i % 4] for i in range(len(prompts))]
     outs = gen(eng, prompts, GREEDY, loras)

@@ -11,6 +11,7 @@ for the session (tests/reference.PeftReference).
 from __future__ import annotations
 
 import copy
+import itertools
 import torch
 import dataclasses
 
@@ -455,14 +456,19 @@ def test_bf16_projections_close_to_peft(kind, mode, served, peft_refs, peft_bf16
         assert isinstance(bf16.layers.wq_LDO, projections.PackedBf16) and bf16.lm_head_DV is not None
     pages = _page_lists(10, [n for n, _ in MIXED])
     chunks = [SeqChunk(toks, 0, pg, slot) for toks, pg, (_, slot) in zip(MIXED_TOKENS, pages, MIXED)]
-    for backend in ("bgmv",) + (("native",) if kernels.available() else ()):
-        rows, _ = _step(cfg, bf16, slots, _fresh_kv(cfg), chunks, backend)
+    # The adapters' pool in float32, and as the engine keeps it beside bf16 projections
+    # (lora_dtype=auto: bfloat16).
+    bf16_pool = copy.copy(slots)
+    bf16_pool.weights = jax.tree.map(lambda a: a.astype(jnp.bfloat16), slots.weights)
+    backends = ("bgmv",) + (("native",) if kernels.available() else ())
+    for backend, (pool_name, pool) in itertools.product(backends, (("f32 pool", slots), ("bf16 pool", bf16_pool))):
+        rows, _ = _step(cfg, bf16, pool, _fresh_kv(cfg), chunks, backend)
         for i, (c, got) in enumerate(zip(chunks, rows)):
             adapter = _adapter_of(c.slot, MAIN_SLOT_NAMES)
             want = peft_refs[kind].logits(adapter, MIXED_TOKENS[i])
             theirs = peft_bf16_refs[kind].logits(adapter, MIXED_TOKENS[i])
             ours_err, their_err = np.abs(got - want).max(), np.abs(theirs - want).max()
-            what = f"{kind}/{mode}/{backend} seq {i} (adapter {adapter})"
+            what = f"{kind}/{mode}/{backend}/{pool_name} seq {i} (adapter {adapter})"
             assert ours_err > 0, f"{what}: bit-exact with float32: the bfloat16 path did not run"
             assert ours_err <= BF16_RTOL * np.abs(want).max(), f"{what}: max |err| {ours_err:.4f}"
             assert ours_err <= BF16_VS_PEFT * their_err, (

@@ -133,7 +133,8 @@ class Engine:
         _, weights = load_weights(model, self.cfg, c.dtype, self.mesh, progress=progress)
         self.projection_mode = projections.resolve(c.projection_dtype, self.dtype, weights.embed_VD)
         weights = projections.convert(weights, self.projection_mode)
-        log.info("projections: %s", self.projection_mode)
+        self.lora_dtype = projections.lora_pool_dtype(c.lora_dtype, self.projection_mode, self.dtype)
+        log.info("projections: %s; adapter pool: %s", self.projection_mode, self.lora_dtype.name)
         self.tokenizer = load_tokenizer(model)
         self.eos_token_ids = set(self.cfg.eos_token_ids) | _generation_eos(model)
 
@@ -160,7 +161,7 @@ class Engine:
         kv = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=kv_sharding),
                           jax.eval_shape(lambda: init_kv_cache(self.cfg, num_pages, page_size, self.dtype)))
 
-        row_bytes = rank_row_bytes(self.cfg, jnp.dtype(self.dtype).itemsize)
+        row_bytes = rank_row_bytes(self.cfg, self.lora_dtype.itemsize)
         memory_gb = c.lora_memory_gb or _default_lora_memory_gb(jax.devices()[0])
         max_loras_per_batch, pool_rows = lora_pool_size(
             c.max_loras_per_batch, c.lora_memory_gb is not None, int(memory_gb * 2**30), row_bytes,
@@ -173,7 +174,7 @@ class Engine:
                      min(max_loras_per_batch, pool_rows // 8))
         self.lora_cfg = LoRAConfig(max_loras_per_batch=max_loras_per_batch, max_lora_rank=max_lora_rank,
                                    pool_rows=pool_rows)
-        self.slots = (LoRASlots(self.cfg, self.lora_cfg, self.dtype, self.mesh, jit_writer=jit_slot_writer)
+        self.slots = (LoRASlots(self.cfg, self.lora_cfg, self.lora_dtype, self.mesh, jit_writer=jit_slot_writer)
                       if max_loras_per_batch > 0 else None)
         def read(name, path):
             if str(path).startswith(MIX_PREFIX):  # a weighted mix: rebuilt from its parts

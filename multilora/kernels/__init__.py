@@ -36,6 +36,7 @@ SOURCES = (HERE / "lora_kernels.cc", HERE / "attention_kernels.cc", HERE / "gemm
 HEADERS = (HERE / "parallel.h",)
 DISABLE_ENV = "MULTILORA_NATIVE"
 TARGETS = {"multilora_lora_shrink": "MultiloraLoraShrink", "multilora_lora_expand": "MultiloraLoraExpand",
+           "multilora_lora_apply": "MultiloraLoraApply",
            "multilora_decode_attention": "MultiloraDecodeAttention", "multilora_gemm_bf16": "MultiloraGemmBf16",
            "multilora_prefill_attention": "MultiloraPrefillAttention"}
 
@@ -141,6 +142,19 @@ def expand(h_TR: jax.Array, b_LUO: jax.Array, layer: jax.Array, slot_T: jax.Arra
     return jax.ffi.ffi_call("multilora_lora_expand", jax.ShapeDtypeStruct((t, o), jnp.float32))(
         h_TR.astype(jnp.float32), b_LUO, jnp.asarray(layer, jnp.int32), slot_T.astype(jnp.int32),
         ranks_S.astype(jnp.int32), rows_SR.astype(jnp.int32))
+
+
+def lora_apply(x_TD: jax.Array, a_LUD: jax.Array, b_LUOs: "tuple[jax.Array, ...]", layer: jax.Array,
+               slot_T: jax.Array, scalings_S: jax.Array, ranks_S: jax.Array,
+               rows_SR: jax.Array) -> "tuple[jax.Array, ...]":
+    """(y_TO per B pool): expand(shrink(x)) for a group in one call, the A pool holding one block
+    of U rows per B pool (q/k/v: three, gate/up: two, one projection: one); float32 results.
+    The pools are float32 or bfloat16 (widened in registers; x, h and the sums stay float32)."""
+    t = x_TD.shape[0]
+    outs = tuple(jax.ShapeDtypeStruct((t, b.shape[2]), jnp.float32) for b in b_LUOs)
+    return tuple(jax.ffi.ffi_call("multilora_lora_apply", outs)(
+        x_TD.astype(jnp.float32), jnp.asarray(layer, jnp.int32), slot_T.astype(jnp.int32),
+        scalings_S.astype(jnp.float32), ranks_S.astype(jnp.int32), rows_SR.astype(jnp.int32), a_LUD, *b_LUOs))
 
 
 def decode_attention(q_TNH: jax.Array, k_LPpKH: jax.Array, v_LPpKH: jax.Array, layer: jax.Array,

@@ -10,10 +10,15 @@
 // shrink: h_TR[t, j*R + r] = scale[s] * dot(x_TD[t], A[layer, j*U + rows[s, r]])   for r < rank[s]
 // expand: y_TO[t]          = sum_{r < rank[s]} h_TR[t, r] * B[layer, rows[s, r]]
 // with s = slot_T[t]; rows of slot 0 (the base model) are zero.
+//
+// The pool is float32 or bfloat16 (the engine's bf16 pool, half the bytes a step reads): bf16 rows
+// are widened to float32 in registers, and x, h and every sum stay float32. Work is done in
+// 16-lane vectors (GCC/Clang vector extensions; one zmm register with AVX-512, two ymm without).
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -26,9 +31,13 @@ namespace {
 using multilora::clamp_layer;
 using multilora::parallel_items;
 
-constexpr int64_t kRows = 4;   // tokens of one slot handled together: each weight row is read once
-constexpr int64_t kLanes = 16; // output features per register block in the expand
-constexpr int64_t kStackRows = 256;  // B row pointers kept on the stack up to this rank
+#if defined(__AVX512F__)
+constexpr int64_t kRows = 8;   // tokens of one slot handled together: each weight row is read once
+#else
+constexpr int64_t kRows = 4;   // 16 vector registers: fewer tokens' accumulators fit
+#endif
+constexpr int64_t kStackRows = 256;
+constexpr int64_t kAhead = 256;      // elements of a weight row fetched ahead of their use  // B row pointers kept on the stack up to this rank
 
 // A work item: up to kRows tokens that share a slot.
 struct Item {
@@ -49,74 +58,127 @@ std::vector<Item> items_by_slot(const int32_t* slot_T, int64_t T, int64_t S) {
   std::vector<Item> items;
   for (int64_t s = 1; s < S; ++s)
     for (int64_t i = start[s]; i < start[s + 1]; i += kRows) {
-      Item it{s, std::min(kRows, start[s + 1] - i), {0, 0, 0, 0}};
+      Item it{s, std::min(kRows, start[s + 1] - i), {}};
       for (int64_t k = 0; k < it.n; ++k) it.tok[k] = order[i + k];
       items.push_back(it);
     }
   return items;
 }
 
-// Eight floats in a register (GCC/Clang vector extensions; -march=native picks the instructions).
-typedef float f8 __attribute__((vector_size(32)));
+// Sixteen floats in a vector; -march=native picks the instructions.
+typedef float f16v __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef float f8v __attribute__((vector_size(32)));
 
-inline f8 load8(const float* p) {
-  f8 v;
+using bf16 = uint16_t;  // the pool's bfloat16 rows, by their bits
+
+inline f16v load16(const float* p) {
+  f16v v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-// h[t, col] = scale * dot(x[t], row) for the N tokens of an item, the row read once: the N dots
-// advance together, two vector accumulators each, so 2N independent FMA chains hide the FMA
-// latency (one chain per dot was latency-bound).
-template <int N>
-void shrink_row(const Item& it, const float* __restrict x, int64_t D, const float* __restrict row,
-                float scale, float* __restrict h, int64_t RT, int64_t col) {
+inline f16v load16(const bf16* p) {  // bf16 -> f32 is exact: the bits shifted into the high half
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f16v v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline float widen(float x) { return x; }
+inline float widen(bf16 b) {
+  const uint32_t w = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &w, sizeof f);
+  return f;
+}
+
+inline float hsum(f16v v) {
+  const f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += a[i];
+  return s;
+}
+
+// hout[k][col] = scale * dot(x[tok k], row) for the N tokens of an item, the row read once: the
+// N dots advance together (independent FMA chains hide the FMA latency; fewer tokens take two
+// each).
+template <int N, typename W>
+void shrink_row(const Item& it, const float* __restrict x, int64_t D, const W* __restrict row,
+                float scale, float* const* hout, int64_t col) {
+  constexpr int C = N >= 4 ? 1 : 2;  // accumulators per token
   const float* xs[N];
   for (int k = 0; k < N; ++k) xs[k] = x + it.tok[k] * D;
-  f8 acc[N][2] = {};
+  f16v acc[N][C] = {};
   int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    const f8 r0 = load8(row + d), r1 = load8(row + d + 8);
-    for (int k = 0; k < N; ++k) {
-      acc[k][0] += load8(xs[k] + d) * r0;
-      acc[k][1] += load8(xs[k] + d + 8) * r1;
+  for (; d + 16 * C <= D; d += 16 * C) {
+    __builtin_prefetch(row + d + kAhead);
+    for (int c = 0; c < C; ++c) {
+      const f16v r = load16(row + d + 16 * c);
+      for (int k = 0; k < N; ++k) acc[k][c] += load16(xs[k] + d + 16 * c) * r;
     }
   }
+  for (; d + 16 <= D; d += 16) {
+    const f16v r = load16(row + d);
+    for (int k = 0; k < N; ++k) acc[k][0] += load16(xs[k] + d) * r;
+  }
   for (int k = 0; k < N; ++k) {
-    const f8 v = acc[k][0] + acc[k][1];
-    float a = 0.f;
-    for (int i = 0; i < 8; ++i) a += v[i];
-    for (int64_t e = d; e < D; ++e) a += xs[k][e] * row[e];
-    h[it.tok[k] * RT + col] = scale * a;
+    f16v v = acc[k][0];
+    for (int c = 1; c < C; ++c) v += acc[k][c];
+    float a = hsum(v);
+    for (int64_t e = d; e < D; ++e) a += xs[k][e] * widen(row[e]);
+    hout[k][col] = scale * a;
   }
 }
 
-// y[t, :] = sum_r h[t, r] * B[r, :] for the N tokens of an item: each block of kLanes outputs
-// is accumulated in registers while the rank's rows stream by (B read once per item).
-template <int N>
-void expand_item(const Item& it, const float* __restrict hp, int64_t R, int64_t rank,
-                 const float* const* b_rows, int64_t O, float* __restrict y) {
-  const float* h[N];
-  for (int k = 0; k < N; ++k) h[k] = hp + it.tok[k] * R;
+// yout[k][:] = sum_r hin[k][r] * B[r, :] for the N tokens of an item: each block of outputs is
+// accumulated in registers while the rank's rows stream by (B read once per item).
+template <int N, typename W>
+void expand_item(const float* const* hin, int64_t rank, const W* const* b_rows, int64_t O,
+                 float* const* yout) {
   int64_t o0 = 0;
-  for (; o0 + kLanes <= O; o0 += kLanes) {
-    float acc[N][kLanes] = {};
+  for (; o0 + 32 <= O; o0 += 32) {
+    f16v acc[N][2] = {};
     for (int64_t r = 0; r < rank; ++r) {
-      const float* row = b_rows[r] + o0;
+      // Each rank row is a separate stream, each read 32 outputs at a time: fetched ahead here
+      // (the hardware prefetcher loses them at every page boundary).
+      __builtin_prefetch(b_rows[r] + o0 + kAhead);
+      const f16v b0 = load16(b_rows[r] + o0), b1 = load16(b_rows[r] + o0 + 16);
       for (int k = 0; k < N; ++k) {
-        const float c = h[k][r];
-#pragma omp simd
-        for (int i = 0; i < kLanes; ++i) acc[k][i] += c * row[i];
+        const float c = hin[k][r];
+        acc[k][0] += c * b0;
+        acc[k][1] += c * b1;
       }
     }
-    for (int k = 0; k < N; ++k) std::memcpy(y + it.tok[k] * O + o0, acc[k], sizeof(float) * kLanes);
+    for (int k = 0; k < N; ++k) std::memcpy(yout[k] + o0, acc[k], sizeof acc[k]);
+  }
+  for (; o0 + 16 <= O; o0 += 16) {
+    f16v acc[N] = {};
+    for (int64_t r = 0; r < rank; ++r) {
+      const f16v b0 = load16(b_rows[r] + o0);
+      for (int k = 0; k < N; ++k) acc[k] += hin[k][r] * b0;
+    }
+    for (int k = 0; k < N; ++k) std::memcpy(yout[k] + o0, &acc[k], sizeof acc[k]);
   }
   for (; o0 < O; ++o0)
     for (int k = 0; k < N; ++k) {
       float acc = 0.f;
-      for (int64_t r = 0; r < rank; ++r) acc += h[k][r] * b_rows[r][o0];
-      y[it.tok[k] * O + o0] = acc;
+      for (int64_t r = 0; r < rank; ++r) acc += hin[k][r] * widen(b_rows[r][o0]);
+      yout[k][o0] = acc;
     }
+}
+
+// fn(std::integral_constant<int, n>) for n in 1 .. kRows: an item's token count as a constant.
+template <int N = 1, typename Fn>
+inline void with_count(int64_t n, const Fn& fn) {
+  if constexpr (N < kRows) {
+    if (n > N) return with_count<N + 1>(n, fn);
+  }
+  fn(std::integral_constant<int, N>());
 }
 
 // The pool row of each of a slot's rank rows (rows_SR[s, r], clamped into the pool's U rows).
@@ -125,75 +187,203 @@ inline int64_t pool_row(const int32_t* rows, int64_t s, int64_t R, int64_t r, in
   return u < 0 ? 0 : (u >= U ? U - 1 : u);
 }
 
-ffi::Error Shrink(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_TD, ffi::Buffer<ffi::F32> a_LUD,
+// Row pointers of an item's tokens into a (T, X) matrix.
+template <typename P>
+void token_rows(const Item& it, P* base, int64_t X, P** out) {
+  for (int64_t k = 0; k < it.n; ++k) out[k] = base + it.tok[k] * X;
+}
+
+// One slot's rank rows of one block of a pool layer, found through its row table once.
+template <typename W>
+struct SlotRows {
+  const W* on_stack[kStackRows];
+  std::vector<const W*> on_heap;
+  const W** rows;
+  SlotRows(const W* pool, int64_t X, const int32_t* table, int64_t s, int64_t R, int64_t rank, int64_t U)
+      : on_heap(rank > kStackRows ? rank : 0), rows(rank > kStackRows ? on_heap.data() : on_stack) {
+    for (int64_t r = 0; r < rank; ++r) rows[r] = pool + pool_row(table, s, R, r, U) * X;
+  }
+};
+
+// The operands every kernel of this file shares: the step's tokens and its slots' tables.
+struct Slots {
+  const float* scalings;
+  const int32_t* ranks;
+  const int32_t* rows;
+  int64_t R;
+  int64_t rank(int64_t s) const { return std::min<int64_t>(std::max<int32_t>(ranks[s], 0), R); }
+};
+
+// h_k[j * R + r] for the item's tokens: its slot's rows of every block of the A pool layer.
+template <int N, typename W>
+void shrink_item(const Item& it, const float* x, int64_t D, const W* a, int64_t U, int64_t blocks,
+                 const Slots& sl, float* const* hout) {
+  const int64_t rank = sl.rank(it.slot);
+  for (int64_t j = 0; j < blocks; ++j) {
+    const SlotRows<W> rows(a + j * U * D, D, sl.rows, it.slot, sl.R, rank, U);
+    for (int64_t r = 0; r < rank; ++r)
+      shrink_row<N>(it, x, D, rows.rows[r], sl.scalings[it.slot], hout, j * sl.R + r);
+  }
+}
+
+template <typename W>
+void shrink_items(ffi::ThreadPool& pool, const std::vector<Item>& items, const float* x, int64_t D,
+                  const W* a, int64_t U, int64_t blocks, const Slots& sl, float* h) {
+  parallel_items(pool, items, [&](const Item& it) {
+    float* hout[kRows];
+    token_rows(it, h, blocks * sl.R, hout);
+    with_count(it.n, [&](auto n) { shrink_item<decltype(n)::value>(it, x, D, a, U, blocks, sl, hout); });
+  });
+}
+
+template <typename W>
+void expand_items(ffi::ThreadPool& pool, const std::vector<Item>& items, const float* h, const W* b,
+                  int64_t U, int64_t O, const Slots& sl, float* y) {
+  parallel_items(pool, items, [&](const Item& it) {
+    const SlotRows<W> rows(b, O, sl.rows, it.slot, sl.R, sl.rank(it.slot), U);
+    const float* hin[kRows];
+    float* yout[kRows];
+    token_rows(it, h, sl.R, hin);
+    token_rows(it, y, O, yout);
+    with_count(it.n, [&](auto n) { expand_item<decltype(n)::value>(hin, sl.rank(it.slot), rows.rows, O, yout); });
+  });
+}
+
+// A whole group in one pass over its items: the item's h stays local (its tokens only), then
+// one expand per block. One call and one spread over the threads instead of 1 + blocks.
+constexpr int64_t kMaxBlocks = 3;
+
+template <typename W>
+void apply_items(ffi::ThreadPool& pool, const std::vector<Item>& items, const float* x, int64_t D,
+                 const W* a, int64_t U, int64_t blocks, const W* const* b, const int64_t* O,
+                 const Slots& sl, float* const* y) {
+  const int64_t RT = blocks * sl.R;
+  parallel_items(pool, items, [&](const Item& it) {
+    std::vector<float> h(it.n * RT);
+    float* hout[kRows];
+    for (int64_t k = 0; k < it.n; ++k) hout[k] = h.data() + k * RT;
+    with_count(it.n, [&](auto n) {
+      constexpr int N = decltype(n)::value;
+      shrink_item<N>(it, x, D, a, U, blocks, sl, hout);
+      for (int64_t j = 0; j < blocks; ++j) {
+        const SlotRows<W> rows(b[j], O[j], sl.rows, it.slot, sl.R, sl.rank(it.slot), U);
+        const float* hin[kRows];
+        float* yout[kRows];
+        for (int k = 0; k < N; ++k) hin[k] = hout[k] + j * sl.R;
+        token_rows(it, y[j], O[j], yout);
+        expand_item<N>(hin, sl.rank(it.slot), rows.rows, O[j], yout);
+      }
+    });
+  });
+}
+
+bool float_pool(const ffi::AnyBuffer& w) {
+  return w.element_type() == ffi::DataType::F32 || w.element_type() == ffi::DataType::BF16;
+}
+
+// Zero the output rows of the tokens no item writes (base rows, out-of-range slots).
+void zero_unwritten(const int32_t* slot_T, int64_t T, int64_t S, float* y, int64_t O) {
+  for (int64_t t = 0; t < T; ++t)
+    if (slot_T[t] <= 0 || slot_T[t] >= S) std::memset(y + t * O, 0, sizeof(float) * O);
+}
+
+ffi::Error Shrink(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_TD, ffi::AnyBuffer a_LUD,
                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slot_T,
                   ffi::Buffer<ffi::F32> scalings_S, ffi::Buffer<ffi::S32> ranks_S,
                   ffi::Buffer<ffi::S32> rows_SR, ffi::ResultBuffer<ffi::F32> h_TR, int64_t blocks) {
   auto xd = x_TD.dimensions();
   auto ad = a_LUD.dimensions();
   auto rd = rows_SR.dimensions();
+  if (!float_pool(a_LUD))
+    return ffi::Error::InvalidArgument("multilora lora shrink: the pool must be float32 or bfloat16");
   if (xd.size() != 2 || ad.size() != 3 || rd.size() != 2 || ad[2] != xd[1] || blocks < 1 ||
       ad[1] % blocks || slot_T.element_count() != xd[0] || scalings_S.element_count() != rd[0] ||
       ranks_S.element_count() != rd[0])
     return ffi::Error::InvalidArgument("multilora lora shrink: operand shapes disagree");
   const int64_t T = xd[0], D = xd[1], L = ad[0], U = ad[1] / blocks, S = rd[0], R = rd[1];
-  const int64_t RT = blocks * R;
-  const float* x = x_TD.typed_data();
-  const float* a = a_LUD.typed_data() + clamp_layer(layer.typed_data()[0], L) * ad[1] * D;
-  const float* scalings = scalings_S.typed_data();
-  const int32_t* ranks = ranks_S.typed_data();
-  const int32_t* rows = rows_SR.typed_data();
+  const int64_t offset = clamp_layer(layer.typed_data()[0], L) * ad[1] * D;
+  const Slots sl{scalings_S.typed_data(), ranks_S.typed_data(), rows_SR.typed_data(), R};
   float* h = h_TR->typed_data();
-  std::memset(h, 0, sizeof(float) * T * RT);
+  std::memset(h, 0, sizeof(float) * T * blocks * R);  // also the columns past each slot's rank
   const std::vector<Item> items = items_by_slot(slot_T.typed_data(), T, S);
-  parallel_items(pool, items, [&](const Item& it) {
-    const int64_t rank = std::min<int64_t>(std::max<int32_t>(ranks[it.slot], 0), R);
-    const float scale = scalings[it.slot];
-    for (int64_t j = 0; j < blocks; ++j)
-      for (int64_t r = 0; r < rank; ++r) {
-        const float* row = a + (j * U + pool_row(rows, it.slot, R, r, U)) * D;
-        switch (it.n) {
-          case 1: shrink_row<1>(it, x, D, row, scale, h, RT, j * R + r); break;
-          case 2: shrink_row<2>(it, x, D, row, scale, h, RT, j * R + r); break;
-          case 3: shrink_row<3>(it, x, D, row, scale, h, RT, j * R + r); break;
-          default: shrink_row<4>(it, x, D, row, scale, h, RT, j * R + r);
-        }
-      }
-  });
+  if (a_LUD.element_type() == ffi::DataType::F32)
+    shrink_items(pool, items, x_TD.typed_data(), D, a_LUD.reinterpret_data<float>() + offset, U, blocks, sl, h);
+  else
+    shrink_items(pool, items, x_TD.typed_data(), D, a_LUD.reinterpret_data<bf16>() + offset, U, blocks, sl, h);
   return ffi::Error::Success();
 }
 
-ffi::Error Expand(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h_TR, ffi::Buffer<ffi::F32> b_LUO,
+ffi::Error Expand(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h_TR, ffi::AnyBuffer b_LUO,
                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slot_T,
                   ffi::Buffer<ffi::S32> ranks_S, ffi::Buffer<ffi::S32> rows_SR,
                   ffi::ResultBuffer<ffi::F32> y_TO) {
   auto hd = h_TR.dimensions();
   auto bd = b_LUO.dimensions();
   auto rd = rows_SR.dimensions();
+  if (!float_pool(b_LUO))
+    return ffi::Error::InvalidArgument("multilora lora expand: the pool must be float32 or bfloat16");
   if (hd.size() != 2 || bd.size() != 3 || rd.size() != 2 || rd[1] != hd[1] ||
       slot_T.element_count() != hd[0] || ranks_S.element_count() != rd[0])
     return ffi::Error::InvalidArgument("multilora lora expand: operand shapes disagree");
   const int64_t T = hd[0], R = hd[1], L = bd[0], U = bd[1], O = bd[2], S = rd[0];
-  const float* hp = h_TR.typed_data();
-  const float* b = b_LUO.typed_data() + clamp_layer(layer.typed_data()[0], L) * U * O;
-  const int32_t* ranks = ranks_S.typed_data();
-  const int32_t* rows = rows_SR.typed_data();
+  const int64_t offset = clamp_layer(layer.typed_data()[0], L) * U * O;
+  const Slots sl{nullptr, ranks_S.typed_data(), rows_SR.typed_data(), R};
   float* y = y_TO->typed_data();
-  std::memset(y, 0, sizeof(float) * T * O);
+  zero_unwritten(slot_T.typed_data(), T, S, y, O);
   const std::vector<Item> items = items_by_slot(slot_T.typed_data(), T, S);
-  parallel_items(pool, items, [&](const Item& it) {
-    const int64_t rank = std::min<int64_t>(std::max<int32_t>(ranks[it.slot], 0), R);
-    const float* on_stack[kStackRows];  // the slot's B rows, found through its table once
-    std::vector<const float*> on_heap(rank > kStackRows ? rank : 0);
-    const float** b_rows = rank > kStackRows ? on_heap.data() : on_stack;
-    for (int64_t r = 0; r < rank; ++r) b_rows[r] = b + pool_row(rows, it.slot, R, r, U) * O;
-    switch (it.n) {
-      case 1: expand_item<1>(it, hp, R, rank, b_rows, O, y); break;
-      case 2: expand_item<2>(it, hp, R, rank, b_rows, O, y); break;
-      case 3: expand_item<3>(it, hp, R, rank, b_rows, O, y); break;
-      default: expand_item<4>(it, hp, R, rank, b_rows, O, y);
-    }
-  });
+  if (b_LUO.element_type() == ffi::DataType::F32)
+    expand_items(pool, items, h_TR.typed_data(), b_LUO.reinterpret_data<float>() + offset, U, O, sl, y);
+  else
+    expand_items(pool, items, h_TR.typed_data(), b_LUO.reinterpret_data<bf16>() + offset, U, O, sl, y);
+  return ffi::Error::Success();
+}
+
+// y_j = expand_j(shrink(x)) for the blocks of a group (q/k/v, gate/up, or one projection): the
+// A pool holds one block of U rows per B pool given.
+ffi::Error Apply(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_TD, ffi::Buffer<ffi::S32> layer,
+                 ffi::Buffer<ffi::S32> slot_T, ffi::Buffer<ffi::F32> scalings_S,
+                 ffi::Buffer<ffi::S32> ranks_S, ffi::Buffer<ffi::S32> rows_SR, ffi::AnyBuffer a_LUD,
+                 ffi::RemainingArgs b_pools, ffi::RemainingRets ys) {
+  auto xd = x_TD.dimensions();
+  auto ad = a_LUD.dimensions();
+  auto rd = rows_SR.dimensions();
+  const int64_t blocks = static_cast<int64_t>(b_pools.size());
+  if (!float_pool(a_LUD))
+    return ffi::Error::InvalidArgument("multilora lora apply: the pools must be float32 or bfloat16");
+  if (xd.size() != 2 || ad.size() != 3 || rd.size() != 2 || ad[2] != xd[1] || blocks < 1 ||
+      blocks > kMaxBlocks || static_cast<int64_t>(ys.size()) != blocks || ad[1] % blocks ||
+      slot_T.element_count() != xd[0] || scalings_S.element_count() != rd[0] ||
+      ranks_S.element_count() != rd[0])
+    return ffi::Error::InvalidArgument("multilora lora apply: operand shapes disagree");
+  const int64_t T = xd[0], D = xd[1], L = ad[0], U = ad[1] / blocks, S = rd[0], R = rd[1];
+  const int64_t l = clamp_layer(layer.typed_data()[0], L);
+  const void* b[kMaxBlocks];
+  int64_t O[kMaxBlocks];
+  float* y[kMaxBlocks];
+  for (int64_t j = 0; j < blocks; ++j) {
+    auto bj = b_pools.get<ffi::AnyBuffer>(j);
+    auto yj = ys.get<ffi::Buffer<ffi::F32>>(j);
+    if (bj.has_error() || yj.has_error())
+      return ffi::Error::InvalidArgument("multilora lora apply: a B pool or result is not a buffer");
+    auto bd = bj->dimensions();
+    auto yd = (*yj)->dimensions();
+    if (bj->element_type() != a_LUD.element_type() || bd.size() != 3 || bd[0] != L || bd[1] != U ||
+        yd.size() != 2 || yd[0] != T || yd[1] != bd[2])
+      return ffi::Error::InvalidArgument("multilora lora apply: a B pool disagrees with A or its result");
+    O[j] = bd[2];
+    b[j] = static_cast<const char*>(bj->untyped_data()) + l * U * O[j] * ffi::ByteWidth(bj->element_type());
+    y[j] = (*yj)->typed_data();
+    zero_unwritten(slot_T.typed_data(), T, S, y[j], O[j]);
+  }
+  const Slots sl{scalings_S.typed_data(), ranks_S.typed_data(), rows_SR.typed_data(), R};
+  const std::vector<Item> items = items_by_slot(slot_T.typed_data(), T, S);
+  const int64_t offset = l * ad[1] * D;
+  if (a_LUD.element_type() == ffi::DataType::F32)
+    apply_items(pool, items, x_TD.typed_data(), D, a_LUD.reinterpret_data<float>() + offset, U, blocks,
+                reinterpret_cast<const float* const*>(b), O, sl, y);
+  else
+    apply_items(pool, items, x_TD.typed_data(), D, a_LUD.reinterpret_data<bf16>() + offset, U, blocks,
+                reinterpret_cast<const bf16* const*>(b), O, sl, y);
   return ffi::Error::Success();
 }
 
@@ -203,7 +393,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraLoraShrink, Shrink,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -216,9 +406,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraLoraExpand, Expand,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraLoraApply, Apply,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets());

@@ -170,19 +170,23 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     # (grouped, per-token) pair of backends runs the one the step's mode names: branches taken
     # at run time, so they cost no extra compiled shapes.
 
-    def with_lora(fn, idx, *zeros_like):
-        # The pools enter the branch whole and the layer is picked inside it, where the pick
-        # fuses into the backend's gathers: a layer slice taken outside was copied out whole (the
-        # entire pool, every step) to be handed to the branch.
+    def with_lora(fn, idx, *base):
+        # base + the LoRA deltas fn gives, or base itself in a step without adapters (a branch
+        # of zeros added outside cost a prefill step ~10 %: every projection's output written as
+        # zeros, then read and added). The pools enter the branch whole and the layer is picked
+        # inside it, where the pick fuses into the backend's gathers: a layer slice taken outside
+        # was copied out whole (the entire pool, every step) to be handed to the branch.
         def run(b):
             if getattr(b, "reads_pool_in_place", False):  # its kernel indexes the layer itself
-                return lambda: fn(jax.tree.map(lambda a: PoolLayer(a, idx), lora), b)
-            return lambda: fn(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, keepdims=False),
-                                           lora), b)
-        zeros = lambda: tuple(jnp.zeros_like(z) for z in zeros_like)  # noqa: E731
+                pools = lambda: jax.tree.map(lambda a: PoolLayer(a, idx), lora)  # noqa: E731
+            else:
+                pools = lambda: jax.tree.map(  # noqa: E731
+                    lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, keepdims=False), lora)
+            return lambda: tuple(y + d.astype(y.dtype) for y, d in zip(base, fn(pools(), b)))
+        same = lambda: base  # noqa: E731
         if len(bes) == 1:
-            return jax.lax.cond(info.mode != NO_LORA, run(bes[0]), zeros)
-        return jax.lax.switch(jnp.clip(info.mode, NO_LORA, PER_TOKEN), [zeros, run(bes[0]), run(bes[1])])
+            return jax.lax.cond(info.mode != NO_LORA, run(bes[0]), same)
+        return jax.lax.switch(jnp.clip(info.mode, NO_LORA, PER_TOKEN), [same, run(bes[0]), run(bes[1])])
 
     # Packed projections (multilora.model.projections) stay whole, outside the scanned slices:
     # the kernel reads layer idx of the stack in place.
@@ -200,9 +204,8 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         k = _proj(hid, lw.wk_LDO, lw.bk_LO, idx)
         v = _proj(hid, lw.wv_LDO, lw.bv_LO, idx)
         if be is not None:
-            dq, dk, dv = with_lora(lambda ll, be: be.run_qkv_lora(
+            q, k, v = with_lora(lambda ll, be: be.run_qkv_lora(
                 hid, ll.qkv_a_LUD, (ll.q_b_LUO, ll.k_b_LUO, ll.v_b_LUO), info), idx, q, k, v)
-            q, k, v = q + dq.astype(q.dtype), k + dk.astype(k.dtype), v + dv.astype(v.dtype)
         q_TNH = apply_rope(q.reshape(t, n, h), cos_TH, sin_TH)
         k_TKH = apply_rope(k.reshape(t, kvh, h), cos_TH, sin_TH)
         k_cache = write_kv(k_cache, idx, batch.slot_mapping_T, k_TKH)
@@ -214,22 +217,17 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         attn_TO = jnp.where(is_decode_T[:, None, None], dec, pre).reshape(t, n * h)
         o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD, idx)
         if be is not None:
-            (do,) = with_lora(lambda ll, be: (be.run_lora_b_gemm(
-                be.run_lora_a_gemm(attn_TO, ll.o_a_LUO, info), ll.o_b_LUD, info),), idx, o)
-            o = o + do.astype(o.dtype)
+            (o,) = with_lora(lambda ll, be: (be.run_lora(attn_TO, ll.o_a_LUO, ll.o_b_LUD, info),), idx, o)
         x_TD = x_TD + o
         hid = rms_norm(x_TD, lw.mlp_norm_LD, cfg.rms_norm_eps)
         gate, up = _proj(hid, lw.w_gate_LDF, layer=idx), _proj(hid, lw.w_up_LDF, layer=idx)
         if be is not None:
-            dg, du = with_lora(lambda ll, be: be.run_gate_up_lora(
+            gate, up = with_lora(lambda ll, be: be.run_gate_up_lora(
                 hid, ll.gate_up_a_LUD, (ll.gate_b_LUF, ll.up_b_LUF), info), idx, gate, up)
-            gate, up = gate + dg.astype(gate.dtype), up + du.astype(up.dtype)
         act_TF = swiglu(gate, up)
         down = _proj(act_TF, lw.w_down_LFD, layer=idx)
         if be is not None:
-            (dd,) = with_lora(lambda ll, be: (be.run_lora_b_gemm(
-                be.run_lora_a_gemm(act_TF, ll.down_a_LUF, info), ll.down_b_LUD, info),), idx, down)
-            down = down + dd.astype(down.dtype)
+            (down,) = with_lora(lambda ll, be: (be.run_lora(act_TF, ll.down_a_LUF, ll.down_b_LUD, info),), idx, down)
         return (x_TD + down, k_cache, v_cache), None
 
     carry = (x_TD, kv.k_LPpKH, kv.v_LPpKH)

@@ -77,6 +77,17 @@ def resolve(projection_dtype: str, dtype, like: jax.Array) -> str:
     return projection_dtype
 
 
+def lora_pool_dtype(lora_dtype: str, mode: str, dtype):
+    """The adapter pool's dtype: lora_dtype when given, else (auto) the projections' own, so the
+    adapters are kept at the precision of the matrices they modify (bfloat16 beside bf16
+    projections, the engine's dtype beside exact ones)."""
+    if lora_dtype not in PROJECTION_DTYPES:
+        raise ValueError(f"unknown lora_dtype {lora_dtype!r}; choose one of {', '.join(PROJECTION_DTYPES)}")
+    if lora_dtype != "auto":
+        return jnp.dtype(lora_dtype)
+    return jnp.dtype(jnp.bfloat16) if mode.startswith("bfloat16") else jnp.dtype(dtype)
+
+
 def convert(weights, mode: str):
     """The Weights with their projection matrices (and an untied LM head, or a copy of the tied
     embedding as the head) in the form `mode` (resolve's answer) names; other arrays untouched.

@@ -45,8 +45,8 @@ def grouped_cap(num_tokens: int) -> int:
 
 
 def native_usable(dtype, devices) -> bool:
-    """multilora's CPU kernels serve float32 slots on one CPU device (built on first call)."""
-    return (jax.numpy.dtype(dtype) == jax.numpy.float32 and len(devices) == 1
+    """multilora's CPU kernels serve float32 or bfloat16 slots on one CPU device (built on first call)."""
+    return (jax.numpy.dtype(dtype) in (jax.numpy.float32, jax.numpy.bfloat16) and len(devices) == 1
             and next(iter(devices)).platform == "cpu" and kernels.available())
 
 

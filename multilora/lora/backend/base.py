@@ -35,6 +35,11 @@ class BaseLoRABackend:
         """Expand: y_TO = h_TR @ B[slot_t], added to base_output_TO when given."""
         raise NotImplementedError
 
+    def run_lora(self, x_TD: jax.Array, lora_a_UD: jax.Array, lora_b_UO: jax.Array,
+                 info: LoRABatchInfo) -> jax.Array:
+        """One projection's delta, shrink then expand (o_proj, down_proj)."""
+        return self.run_lora_b_gemm(self.run_lora_a_gemm(x_TD, lora_a_UD, info), lora_b_UO, info)
+
     def run_qkv_lora(self, x_TD: jax.Array, qkv_a_UD: jax.Array,
                      lora_b: Sequence[jax.Array], info: LoRABatchInfo) -> tuple[jax.Array, ...]:
         """One shrink over the stacked q/k/v A (three blocks), then one expand per output."""
