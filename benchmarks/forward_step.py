@@ -124,8 +124,8 @@ def main(argv=None):
                          "copies each layer's weights out) or one array per layer and weight (split: the "
                          "layers unrolled, nothing copied, a compile ~5x as long)")
     ap.add_argument("--lora-dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
-                    help="the adapter pool's dtype (auto: as the engine's lora_dtype=auto, bfloat16 beside "
-                         "bf16-amx projections, else the case's dtype); several: side by side")
+                    help="the adapter pool's dtype (auto: as the engine's lora_dtype=auto, the case's dtype); "
+                         "several: side by side")
     ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "bf16-weights", "bf16-amx"],
                     help="the base weights', adapters' and KV cache's dtype (bfloat16: XLA's attention); "
                          "bf16-weights: the projection matrices in bfloat16 (XLA's dot), all else float32; "

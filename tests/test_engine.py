@@ -131,9 +131,9 @@ def test_bf16_projections_greedy_within_tolerance(model_dir, spec_dirs, peft_ref
     float32 logit at most BF16_RTOL of the largest |logit| below the argmax's): a near tie."""
     from tests.test_model_parity import BF16_RTOL
     eng = make_engine(model_dir, {"a": spec_dirs[SPEC[0]], "b": spec_dirs[SPEC[1]], "c": spec_dirs[SPEC[2]]},
-                      projection_dtype="bfloat16")
+                      projection_dtype="bfloat16", lora_dtype="bfloat16")
     assert eng.projection_mode in ("bfloat16", "bfloat16-amx")
-    assert eng.lora_dtype.name == "bfloat16" and eng.slots.weights.qkv_a_LUD.dtype.name == "bfloat16"  # auto follows
+    assert eng.lora_dtype.name == "bfloat16" and eng.slots.weights.qkv_a_LUD.dtype.name == "bfloat16"  # pools written by their bits
     prompts = prompts_of(1, MIXED_LENGTHS)
     loras = [[None, "a", "b", "c"][i % 4] for i in range(len(prompts))]
     outs = gen(eng, prompts, GREEDY, loras)

@@ -89,9 +89,9 @@ def test_resolve(monkeypatch):
         EngineConfig(projection_dtype="half")
 
 
-def test_lora_pool_dtype_follows_the_projections_unless_given():
-    assert projections.lora_pool_dtype("auto", "bfloat16-amx", jnp.float32) == jnp.bfloat16
-    assert projections.lora_pool_dtype("auto", "bfloat16", jnp.float32) == jnp.bfloat16
+def test_lora_pool_dtype_is_the_engines_unless_given():
+    assert projections.lora_pool_dtype("auto", "bfloat16-amx", jnp.float32) == jnp.float32  # see its docstring
+    assert projections.lora_pool_dtype("auto", "bfloat16", jnp.bfloat16) == jnp.bfloat16
     assert projections.lora_pool_dtype("auto", "float32", jnp.float32) == jnp.float32  # the exact path
     assert projections.lora_pool_dtype("auto", "float16", jnp.float16) == jnp.float16
     assert projections.lora_pool_dtype("float32", "bfloat16-amx", jnp.float32) == jnp.float32

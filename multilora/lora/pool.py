@@ -116,6 +116,13 @@ def write_rows(lora: LoRAWeights, rows_R: jax.Array, new: LoRAWeights) -> LoRAWe
         buf, x = getattr(lora, field), getattr(new, field)
         b = blocks_of(field)
         idx = stacked_rows(rows_R, b, buf.shape[1] // b)
+        if buf.dtype == jnp.bfloat16:
+            # By the bits: XLA's CPU backend runs a bfloat16 scatter in float32, converting the
+            # whole pool both ways on every write (seconds per adapter for a 2 GB pool).
+            bits = jax.lax.bitcast_convert_type(buf, jnp.uint16)
+            new_bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+            bits = bits.at[:, idx].set(new_bits, mode="promise_in_bounds", unique_indices=False)
+            return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
         return buf.at[:, idx].set(x.astype(buf.dtype), mode="promise_in_bounds",
                                   unique_indices=False)
     return LoRAWeights(**{f: one(f) for f in POOLS})
