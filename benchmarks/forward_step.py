@@ -154,10 +154,9 @@ def main(argv=None):
         else:
             dt = asked
             w = jax.tree.map(lambda a, dt=dt: a.astype(dt), stacked)
-        mode_of = {"bf16-amx": "bfloat16-amx", "bf16-weights": "bfloat16"}.get(asked, dt)
         for lay in args.layers:
             for ld in args.lora_dtypes:
-                ldt = projections.lora_pool_dtype(ld, mode_of, dt).name
+                ldt = projections.lora_pool_dtype(ld, dt).name
                 suffix = "" if ld == args.lora_dtypes[0] else f"+{short[ldt]}"  # adapters' pool dtype
                 layouts[f"{lay}/{short[asked]}{suffix}"] = (split_layers(w) if lay == "split" else w, dt, ldt)
     page_size = 16

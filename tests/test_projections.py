@@ -90,13 +90,12 @@ def test_resolve(monkeypatch):
 
 
 def test_lora_pool_dtype_is_the_engines_unless_given():
-    assert projections.lora_pool_dtype("auto", "bfloat16-amx", jnp.float32) == jnp.float32  # see its docstring
-    assert projections.lora_pool_dtype("auto", "bfloat16", jnp.bfloat16) == jnp.bfloat16
-    assert projections.lora_pool_dtype("auto", "float32", jnp.float32) == jnp.float32  # the exact path
-    assert projections.lora_pool_dtype("auto", "float16", jnp.float16) == jnp.float16
-    assert projections.lora_pool_dtype("float32", "bfloat16-amx", jnp.float32) == jnp.float32
-    assert projections.lora_pool_dtype("bfloat16", "float32", jnp.float32) == jnp.bfloat16
+    assert projections.lora_pool_dtype("auto", jnp.float32) == jnp.float32  # see its docstring
+    assert projections.lora_pool_dtype("auto", jnp.bfloat16) == jnp.bfloat16
+    assert projections.lora_pool_dtype("auto", jnp.float16) == jnp.float16
+    assert projections.lora_pool_dtype("float32", jnp.bfloat16) == jnp.float32
+    assert projections.lora_pool_dtype("bfloat16", jnp.float32) == jnp.bfloat16
     with pytest.raises(ValueError, match="unknown lora_dtype 'int8'; choose one of auto, float32, bfloat16"):
-        projections.lora_pool_dtype("int8", "float32", jnp.float32)
+        projections.lora_pool_dtype("int8", jnp.float32)
     with pytest.raises(ValueError, match="lora_dtype must be auto, float32 or bfloat16, got 'half'"):
         EngineConfig(lora_dtype="half")

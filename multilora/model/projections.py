@@ -77,13 +77,12 @@ def resolve(projection_dtype: str, dtype, like: jax.Array) -> str:
     return projection_dtype
 
 
-def lora_pool_dtype(lora_dtype: str, mode: str, dtype):
+def lora_pool_dtype(lora_dtype: str, dtype):
     """The adapter pool's dtype: lora_dtype when given, else (auto) the engine's dtype.
     bfloat16 pools halve the bytes a decode step reads per adapter (forward_step: 40 adapters
     1.29x of no adapter against 1.47x in float32), but in the engine every adapter written into a
     bf16 pool still costs far more than into a float32 one (serving.py, 64 adapters: 171 against
-    268 tok/s; BENCHMARKS.md), so auto keeps float32 until that write is mended. `mode` (the
-    projections' resolved mode) is accepted for the day auto follows it."""
+    268 tok/s; BENCHMARKS.md), so auto keeps float32 until that write is mended."""
     if lora_dtype not in PROJECTION_DTYPES:
         raise ValueError(f"unknown lora_dtype {lora_dtype!r}; choose one of {', '.join(PROJECTION_DTYPES)}")
     if lora_dtype != "auto":
