@@ -156,7 +156,7 @@ def main(argv=None):
             w = jax.tree.map(lambda a, dt=dt: a.astype(dt), stacked)
         for lay in args.layers:
             for ld in args.lora_dtypes:
-                ldt = projections.lora_pool_dtype(ld, dt).name
+                ldt = projections.lora_pool_dtype(ld, dt, "bfloat16-amx" if asked == "bf16-amx" else dt).name
                 suffix = "" if ld == args.lora_dtypes[0] else f"+{short[ldt]}"  # adapters' pool dtype
                 layouts[f"{lay}/{short[asked]}{suffix}"] = (split_layers(w) if lay == "split" else w, dt, ldt)
     page_size = 16

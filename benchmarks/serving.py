@@ -240,14 +240,15 @@ def instrument_steps(eng, records: list, profile: "PhaseTimer | None"):
 
 
 def run_engine(model, adapters, prompts, names, new_tokens, mlpb, mll, dtype, backend, profile=False,
-               system="multilora-engine", projection_dtype=None):
+               system="multilora-engine", projection_dtype=None, lora_dtype=None):
     from multilora import Engine, SamplingParams
     mods = {f"a{i}": str(p) for i, p in enumerate(adapters)}
     t0 = time.time()
     # multilora as a user gets it: its defaults (step shapes, context, rank from the adapters,
     # slots sized by memory), but for what the command line asks.
     opts = {k: v for k, v in dict(max_loras_per_batch=mlpb, max_loaded_loras=mll,
-                                  projection_dtype=projection_dtype).items() if v is not None}
+                                  projection_dtype=projection_dtype, lora_dtype=lora_dtype).items()
+            if v is not None}
     eng = Engine(str(model), mods, lora_backend=backend, dtype=dtype, **opts)
     init_s = time.time() - t0
     lora = [f"a{i}" if i is not None else None for i in names]
@@ -271,6 +272,7 @@ def run_engine(model, adapters, prompts, names, new_tokens, mlpb, mll, dtype, ba
                max_loaded_loras=mll,
                dtype=dtype, projections=eng.projection_mode, backend=backend, tokens=toks, seconds=secs,
                tok_per_s=toks / secs, init_s=init_s, stats=stats, weight_bytes=weight_bytes,
+               lora_itemsize=eng.lora_dtype.itemsize,
                compiles_after_warmup=eng.runner.compiles_after_warmup,
                tier=_tier_stats(eng), first_tokens=[o.token_ids[:8] for o in outs], steps=records)
     if timer is not None:
@@ -333,6 +335,7 @@ def floor_summary(res, bandwidth, kv_bytes_per_token, adapter_bytes, cfg=None, p
     dec = [s for s in res["steps"] if s["mode"] == "decode"]
     if not dec:
         return None
+    adapter_bytes *= res.get("lora_itemsize", 4) / 4  # the files are float32; the pool may be bf16
     floors = [(res["weight_bytes"] + s["distinct"] * adapter_bytes + s["ctx"] * kv_bytes_per_token) / bandwidth
               for s in dec]
     meas = [s["s"] for s in dec]
@@ -621,6 +624,7 @@ def bf16_probe(out_json):
 
 # ---- output ------------------------------------------------------------------------------------------
 SYSTEMS = [("multilora-engine", "multilora Engine"), ("multilora-engine-f32proj", "Engine, f32 projections"),
+           ("multilora-engine-f32lora", "Engine, f32 adapter pool"),
            ("multilora-server", "multilora server"), ("transformers+peft", "transformers+PEFT"),
            ("vllm-cpu", "vLLM CPU"), ("vllm-cpu-bf16", "vLLM CPU bf16")]
 
@@ -760,9 +764,10 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--systems", nargs="*", default=["engine", "server", "peft", "vllm"],
-                    choices=["engine", "engine-f32proj", "engine-lora-on", "server", "peft", "vllm", "vllm-bf16"],
+                    choices=["engine", "engine-f32proj", "engine-f32lora", "engine-lora-on", "server", "peft", "vllm", "vllm-bf16"],
                     help="engine: multilora's defaults; engine-f32proj: the same with projection_dtype=float32 "
                          "(the exact path; the default takes bfloat16 projections where the CPU has AMX); "
+                         "engine-f32lora: the defaults with lora_dtype=float32 (auto takes a bf16 pool beside AMX); "
                          "vllm: vLLM at --dtype; vllm-bf16: vLLM at bfloat16 (its default dtype on this CPU)")
     ap.add_argument("--max-loras-per-batch", type=int, default=None,
                     help=f"device slots (default: K up to {CHURN_ABOVE}, 8 above)")
@@ -892,6 +897,14 @@ def main(argv=None):
                 r["floor"] = floor_summary(r, bw, kv_per_token, adapter_bytes, cfg, peak)
                 r.update(common)
                 print(f"engine, f32 projections {tag}: {r['tok_per_s']:7.1f} tok/s", flush=True)
+                record(r)
+            if "engine-f32lora" in args.systems and k > 0:
+                r = run_engine(model, adapters[:k], prompts, names, args.new_tokens, mlpb, mll, args.dtype,
+                               args.backend, system="multilora-engine-f32lora", lora_dtype="float32")
+                r["floor"] = floor_summary(r, bw, kv_per_token, adapter_bytes, cfg, peak)
+                r.update(common)
+                print(f"engine, f32 adapter pool {tag}: {r['tok_per_s']:7.1f} tok/s (decode step "
+                      f"{r['floor']['mean_step_ms']:.1f} ms)", flush=True)
                 record(r)
             if "engine-lora-on" in args.systems and k == 0:
                 # base traffic on a LoRA-enabled engine (defaults, 8 adapters registered, none used)

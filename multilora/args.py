@@ -35,7 +35,8 @@ _HELP = {
                         "auto: bfloat16 there, else --dtype; float32: the exact path",
     "lora_dtype": "dtype of the adapter pool on the device (activations and sums stay float32): "
                   "bfloat16 halves the bytes a step reads per adapter and doubles the adapters a "
-                  "--lora-memory-gb holds (writing adapters into it is still slow); auto: --dtype",
+                  "--lora-memory-gb holds; auto: bfloat16 beside AMX bfloat16 projections (multilora's "
+                  "kernels read and write it), else --dtype; float32: the exact path",
     "max_model_len": "context length (default: the model's max_position_embeddings)",
     "num_pages": "KV cache pages (default: from --kv-cache-memory-gb)",
     "enable_prefix_caching": "share the KV pages of common prompt prefixes (per adapter); on by default",

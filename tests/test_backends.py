@@ -490,3 +490,42 @@ def test_native_refuses_pools_of_other_dtypes_and_mismatched_groups():
     with pytest.raises(Exception, match="disagrees"):
         kernels.lora_apply(x, np.ones((1, s * r, d), np.float32), (np.ones((1, s * r + 1, o), np.float32),),
                            np.int32(0), *args)[0].block_until_ready()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_pool_write_matches_xla_scatter_in_place(dtype):
+    """kernels.pool_write writes exactly what XLA's scatter of the rounded rows writes (ties to
+    even, NaN, inf, -0 and bfloat16's subnormals included), leaves every other row untouched,
+    and with the pool donated writes into the pool's own buffer (aliased, no copy)."""
+    import jax.numpy as jnp
+    _native()
+    rng = np.random.default_rng(3)
+    L, U, X, R = 3, 40, 37, 6
+    pool = jnp.asarray(rng.standard_normal((L, U, X)), dtype)
+    rows = np.array([9, 2, 33, 0, 0, 17], np.int32)  # a repeated row gets the same value (zero page)
+    new = rng.standard_normal((L, R, X)).astype(np.float32)
+    new[:, 3:5] = 0.0
+    new[0, 0, :6] = [np.nan, np.inf, -np.inf, -0.0, 1.0 + 2.0 ** -8, 1e-40]  # a tie, a subnormal
+    new[1, 0, :2] = [1.0 + 3 * 2.0 ** -8, 3.0e38]                            # tie upward, near max
+    want = np.asarray(pool.at[:, rows].set(jnp.asarray(new).astype(dtype)).astype(jnp.float32))
+    got = kernels.pool_write(pool, jnp.asarray(rows), jnp.asarray(new))
+    assert got.dtype == pool.dtype
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+    donated = jnp.array(pool)
+    ptr = donated.unsafe_buffer_pointer()
+    out = jax.jit(kernels.pool_write, donate_argnums=0)(donated, jnp.asarray(rows), jnp.asarray(new))
+    assert out.unsafe_buffer_pointer() == ptr  # in place
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), want)
+
+
+def test_native_pool_write_refuses_rows_outside_the_pool():
+    import jax.numpy as jnp
+    _native()
+    pool = jnp.zeros((2, 8, 4), jnp.bfloat16)
+    with pytest.raises(Exception, match="row 8 is outside the pool's 8 rows"):
+        kernels.pool_write(pool, jnp.array([1, 8], jnp.int32), jnp.ones((2, 2, 4))).block_until_ready()
+    with pytest.raises(Exception, match="shape does not match"):
+        kernels.pool_write(pool, jnp.array([1], jnp.int32), jnp.ones((2, 2, 4))).block_until_ready()
+    with pytest.raises(Exception, match="float32 or bfloat16"):
+        kernels.pool_write(jnp.zeros((2, 8, 4), jnp.float16), jnp.array([1], jnp.int32),
+                           jnp.ones((2, 1, 4))).block_until_ready()

@@ -298,6 +298,32 @@ REWRITE_SEQS = [(8, 0), (7, 1), (9, 2), (5, 0), (6, 2)]  # (length, slot)
 REWRITE_TOKENS = _tokens(3, [n for n, _ in REWRITE_SEQS])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_pool_writes_equal_xla_writes(dtype, tiny_models, tiny_adapters):
+    """LoRASlots writes through multilora's pool kernel where it can (in place, even in bfloat16,
+    which XLA's CPU scatter widens to float32 over the whole pool): the same pools, bit for bit,
+    as the XLA writer, for adapters of several ranks rewritten over each other."""
+    if not kernels.available():
+        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    from multilora.lora.pool import write_rows
+    kind = REWRITE_KIND
+    cfg, _ = load_weights(tiny_models[kind], mesh=MESH)
+    lcfg = LoRAConfig(max_loras_per_batch=2, max_lora_rank=32)
+    native = LoRASlots(cfg, lcfg, dtype, MESH, jit_writer=jit_slot_writer)
+    assert native.native_write
+    xla = LoRASlots(cfg, lcfg, dtype, MESH)
+    xla._write = lambda w, rows, new: write_rows(w, rows, new, native=False)
+    for slot, name, pages in ((1, "c_mlp_r16", [7, 3]), (2, "a_all_r8", [5]), (1, "b_attn_r4_rslora", [3])):
+        adapter = load_adapter(name, tiny_adapters[(kind, name)], cfg, 32)
+        for slots in (native, xla):
+            slots.load(slot, page_rows(pages), adapter)
+    for field in vars(native.weights):
+        a, b = getattr(native.weights, field), getattr(xla.weights, field)
+        assert a.dtype == b.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)),
+                                      err_msg=field)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_small_ranks_slot_rewrite_and_clear(backend, tiny_models, tiny_adapters, peft_refs):
     """max_lora_rank 32 with adapters of rank 2..16; an occupied slot rewritten with an adapter of

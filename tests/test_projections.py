@@ -89,8 +89,14 @@ def test_resolve(monkeypatch):
         EngineConfig(projection_dtype="half")
 
 
-def test_lora_pool_dtype_is_the_engines_unless_given():
+def test_lora_pool_dtype_follows_amx_projections_else_the_engines_unless_given():
     assert projections.lora_pool_dtype("auto", jnp.float32) == jnp.float32  # see its docstring
+    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-amx") == jnp.bfloat16
+    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-amx", "native") == jnp.bfloat16
+    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-amx", "bgmv") == jnp.float32  # XLA reads
+    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16") == jnp.float32  # no in-place writer
+    assert projections.lora_pool_dtype("auto", jnp.float32, "float32") == jnp.float32
+    assert projections.lora_pool_dtype("float32", jnp.float32, "bfloat16-amx") == jnp.float32
     assert projections.lora_pool_dtype("auto", jnp.bfloat16) == jnp.bfloat16
     assert projections.lora_pool_dtype("auto", jnp.float16) == jnp.float16
     assert projections.lora_pool_dtype("float32", jnp.bfloat16) == jnp.float32

@@ -133,7 +133,8 @@ class Engine:
         _, weights = load_weights(model, self.cfg, c.dtype, self.mesh, progress=progress)
         self.projection_mode = projections.resolve(c.projection_dtype, self.dtype, weights.embed_VD)
         weights = projections.convert(weights, self.projection_mode)
-        self.lora_dtype = projections.lora_pool_dtype(c.lora_dtype, self.dtype)
+        self.lora_dtype = projections.lora_pool_dtype(c.lora_dtype, self.dtype, self.projection_mode,
+                                                       c.lora_backend)
         log.info("projections: %s; adapter pool: %s", self.projection_mode, self.lora_dtype.name)
         self.tokenizer = load_tokenizer(model)
         self.eos_token_ids = set(self.cfg.eos_token_ids) | _generation_eos(model)

@@ -1,7 +1,8 @@
 """multilora's own CPU kernels, built on first use and called through XLA's FFI: per-token LoRA
 shrink and expand (lora_kernels.cc, the `native` LoRA backend) and decode attention over the
 paged KV cache (attention_kernels.cc, decode and prefill), and the base model's projections in bfloat16 on Intel AMX
-(gemm_kernels.cc, where the CPU has it).
+(gemm_kernels.cc, where the CPU has it), and in-place row writes into the LoRA pools
+(pool_kernels.cc).
 
 The C++ source ships with the package and is compiled once per machine into the user cache
 (`$MULTILORA_CACHE/native/<key>/`, the key covering the source, jaxlib's FFI headers, the
@@ -32,13 +33,14 @@ import numpy as np
 log = logging.getLogger("multilora.kernels")
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "lora_kernels.cc", HERE / "attention_kernels.cc", HERE / "gemm_kernels.cc")
+SOURCES = (HERE / "lora_kernels.cc", HERE / "attention_kernels.cc", HERE / "gemm_kernels.cc",
+           HERE / "pool_kernels.cc")
 HEADERS = (HERE / "parallel.h",)
 DISABLE_ENV = "MULTILORA_NATIVE"
 TARGETS = {"multilora_lora_shrink": "MultiloraLoraShrink", "multilora_lora_expand": "MultiloraLoraExpand",
            "multilora_lora_apply": "MultiloraLoraApply",
            "multilora_decode_attention": "MultiloraDecodeAttention", "multilora_gemm_bf16": "MultiloraGemmBf16",
-           "multilora_prefill_attention": "MultiloraPrefillAttention"}
+           "multilora_prefill_attention": "MultiloraPrefillAttention", "multilora_pool_write": "MultiloraPoolWrite"}
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -155,6 +157,15 @@ def lora_apply(x_TD: jax.Array, a_LUD: jax.Array, b_LUOs: "tuple[jax.Array, ...]
     return tuple(jax.ffi.ffi_call("multilora_lora_apply", outs)(
         x_TD.astype(jnp.float32), jnp.asarray(layer, jnp.int32), slot_T.astype(jnp.int32),
         scalings_S.astype(jnp.float32), ranks_S.astype(jnp.int32), rows_SR.astype(jnp.int32), a_LUD, *b_LUOs))
+
+
+def pool_write(pool_LUX: jax.Array, rows_R: jax.Array, new_LRX: jax.Array) -> jax.Array:
+    """pool_LUX with pool[:, rows_R[j]] = new_LRX[:, j] (rounded to the pool's float32 or
+    bfloat16), written in place where the pool is donated (the result aliases it): XLA's CPU
+    backend would run a bfloat16 scatter in float32 over the whole pool."""
+    return jax.ffi.ffi_call("multilora_pool_write", jax.ShapeDtypeStruct(pool_LUX.shape, pool_LUX.dtype),
+                            input_output_aliases={0: 0})(
+        pool_LUX, rows_R.astype(jnp.int32), new_LRX.astype(jnp.float32))
 
 
 def decode_attention(q_TNH: jax.Array, k_LPpKH: jax.Array, v_LPpKH: jax.Array, layer: jax.Array,

@@ -27,12 +27,16 @@ sharding (out_shardings).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from multilora import kernels
 from multilora.config import PAGE_ROWS, LoRAConfig, ModelConfig, round_to_pages
 from multilora.lora.adapter import LoRAAdapter
+from multilora.lora.backend import native_usable
 from multilora.lora.batch import NO_ADAPTER, stacked_rows
 from multilora.model.arrays import arrays, dim
 from multilora.model.llama import LoRAWeights
@@ -108,17 +112,21 @@ def empty_table_row(width: int) -> np.ndarray:
     return np.arange(width, dtype=np.int32) % PAGE_ROWS
 
 
-def write_rows(lora: LoRAWeights, rows_R: jax.Array, new: LoRAWeights) -> LoRAWeights:
+def write_rows(lora: LoRAWeights, rows_R: jax.Array, new: LoRAWeights, native: bool = False) -> LoRAWeights:
     """Pure: lora with the rows rows_R (R,) of every pool replaced by `new`'s (jitted with
     donation in the runner). Entries past the adapter's pages name the zero page, and `new` is
-    zero there (and past its rank), so the zero page stays zero."""
+    zero there (and past its rank), so the zero page stays zero. native: through multilora's
+    pool kernel (one CPU device), which writes the rows in place in the donated pool."""
     def one(field):
         buf, x = getattr(lora, field), getattr(new, field)
         b = blocks_of(field)
         idx = stacked_rows(rows_R, b, buf.shape[1] // b)
+        if native:
+            return kernels.pool_write(buf, idx, x)
         if buf.dtype == jnp.bfloat16:
             # By the bits: XLA's CPU backend runs a bfloat16 scatter in float32, converting the
-            # whole pool both ways on every write (seconds per adapter for a 2 GB pool).
+            # whole pool both ways on every write (seconds per adapter for a 2 GB pool); the
+            # bitcasts still cost whole-pool copies (pool_kernels.cc), hence `native` where it can.
             bits = jax.lax.bitcast_convert_type(buf, jnp.uint16)
             new_bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
             bits = bits.at[:, idx].set(new_bits, mode="promise_in_bounds", unique_indices=False)
@@ -139,8 +147,11 @@ class LoRASlots:
         self.shardings = lora_shardings(cfg, mesh)
         self.weights = init_lora_weights(cfg, lora_cfg, dtype, mesh)
         self._rows_shardings = lora_shardings(cfg, mesh, LORA_ROWS_RENAME)
-        self._write = (jit_writer(write_rows, self.weights, self.shardings, self._rows_shardings,
-                                  replicated(mesh), lora_cfg.table_width) if jit_writer is not None else write_rows)
+        # multilora's pool kernel where it can write these pools (one CPU device, kernels built)
+        self.native_write = native_usable(dtype, self.weights.qkv_a_LUD.sharding.device_set)
+        writer = functools.partial(write_rows, native=self.native_write)
+        self._write = (jit_writer(writer, self.weights, self.shardings, self._rows_shardings,
+                                  replicated(mesh), lora_cfg.table_width) if jit_writer is not None else writer)
         S, R = lora_cfg.num_slots, lora_cfg.table_width
         self.scalings_S = np.zeros((S,), np.float32)
         self.ranks_S = np.zeros((S,), np.int32)

@@ -77,16 +77,18 @@ def resolve(projection_dtype: str, dtype, like: jax.Array) -> str:
     return projection_dtype
 
 
-def lora_pool_dtype(lora_dtype: str, dtype):
-    """The adapter pool's dtype: lora_dtype when given, else (auto) the engine's dtype.
-    bfloat16 pools halve the bytes a decode step reads per adapter (forward_step: 40 adapters
-    1.29x of no adapter against 1.47x in float32), but in the engine every adapter written into a
-    bf16 pool still costs far more than into a float32 one (serving.py, 64 adapters: 171 against
-    268 tok/s; BENCHMARKS.md), so auto keeps float32 until that write is mended."""
+def lora_pool_dtype(lora_dtype: str, dtype, projection_mode: str = "", lora_backend: str = "auto"):
+    """The adapter pool's dtype: lora_dtype when given; auto: bfloat16 beside AMX bfloat16
+    projections (projection_mode "bfloat16-amx": one CPU device with multilora's kernels, which
+    read bf16 rows exactly widened and write them in place) when the LoRA backend is auto or
+    native, else the engine's dtype. A bf16 pool halves the bytes each adapter costs a decode
+    step and in memory (twice the adapters per GB); the float32 path stays the exact one."""
     if lora_dtype not in PROJECTION_DTYPES:
         raise ValueError(f"unknown lora_dtype {lora_dtype!r}; choose one of {', '.join(PROJECTION_DTYPES)}")
     if lora_dtype != "auto":
         return jnp.dtype(lora_dtype)
+    if projection_mode == "bfloat16-amx" and lora_backend in ("auto", "native"):
+        return jnp.dtype(jnp.bfloat16)
     return jnp.dtype(dtype)
 
 

@@ -1,0 +1,84 @@
+// Writing an adapter's rank rows into a LoRA pool in place (multilora/lora/pool.py, write_rows).
+//
+// XLA's CPU backend runs a bfloat16 scatter, and even a bfloat16 dynamic-update-slice, in float32:
+// it converts the whole pool to float32 and back around every write (seconds per adapter for a
+// pool of gigabytes), and bit-casting the pool to uint16 around the scatter is materialized as two
+// more whole-pool copies. This kernel writes only the rows: its result is aliased to the pool
+// operand (input_output_aliases, the pool donated by the jitted writer), so XLA hands it the
+// pool's own buffer; where it does not (no donation), the pool is copied first, once.
+//
+//   pool[l, rows[j], :] = round(new[l, j, :])   for every layer l and every j
+//
+// new is float32; a bfloat16 pool gets each value rounded to nearest, ties to even (NaN stays
+// NaN), as XLA's convert does. Row ids out of [0, U) are refused with an error, nothing written.
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline uint16_t to_bf16(float f) {
+  uint32_t w;
+  std::memcpy(&w, &f, sizeof w);
+  if ((w & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((w >> 16) | 0x40u);  // quiet NaN
+  return static_cast<uint16_t>((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+}
+
+template <typename T>
+void write_rows(T* pool, int64_t L, int64_t U, int64_t X, const int32_t* rows, int64_t R,
+                const float* src) {
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t j = 0; j < R; ++j) {
+      T* dst = pool + (l * U + rows[j]) * X;
+      const float* s = src + (l * R + j) * X;
+      if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(dst, s, X * sizeof(float));
+      } else {
+        for (int64_t x = 0; x < X; ++x) dst[x] = to_bf16(s[x]);
+      }
+    }
+}
+
+ffi::Error PoolWrite(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> rows_R, ffi::Buffer<ffi::F32> new_LRX,
+                     ffi::Result<ffi::AnyBuffer> out) {
+  const auto dims = pool.dimensions();
+  const auto ndims = new_LRX.dimensions();
+  if (dims.size() != 3 || ndims.size() != 3 || rows_R.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("pool_write: pool (L, U, X), rows (R,), new (L, R, X) expected");
+  const int64_t L = dims[0], U = dims[1], X = dims[2], R = rows_R.dimensions()[0];
+  if (ndims[0] != L || ndims[1] != R || ndims[2] != X)
+    return ffi::Error::InvalidArgument("pool_write: new rows' shape does not match the pool and rows");
+  const int32_t* rows = rows_R.typed_data();
+  for (int64_t j = 0; j < R; ++j)
+    if (rows[j] < 0 || rows[j] >= U)
+      return ffi::Error::InvalidArgument("pool_write: row " + std::to_string(rows[j]) + " is outside the pool's " +
+                                         std::to_string(U) + " rows");
+  if (out->untyped_data() != pool.untyped_data())  // not aliased: start from a copy of the pool
+    std::memcpy(out->untyped_data(), pool.untyped_data(), pool.size_bytes());
+  switch (pool.element_type()) {
+    case ffi::DataType::F32:
+      write_rows(static_cast<float*>(out->untyped_data()), L, U, X, rows, R, new_LRX.typed_data());
+      break;
+    case ffi::DataType::BF16:
+      write_rows(static_cast<uint16_t*>(out->untyped_data()), L, U, X, rows, R, new_LRX.typed_data());
+      break;
+    default:
+      return ffi::Error::InvalidArgument("pool_write: the pool must be float32 or bfloat16");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraPoolWrite, PoolWrite,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>());
