@@ -51,3 +51,32 @@ def test_urgent_reads_go_ahead_of_background_ones():
     assert isinstance(got["bad"][1], ValueError) and got["bad"][0] is None
     assert got["bg3"][0].name == "bg3" and loader.in_flight() == 0
     assert loader.submit("late", "/p/late").result(5).name == "late"
+
+
+def test_background_reads_wait_while_held_and_urgent_ones_do_not():
+    """hold_background(True) (the engine has work): queued background reads wait, urgent reads
+    (a waiting request's adapter, a run-time load) still run; releasing starts the rest."""
+    order = []
+
+    def read(name, path):
+        order.append(name)
+        return _Adapter(name)
+
+    loader = AdapterLoader(read)
+    loader.hold_background(True)
+    for i in range(3):
+        assert loader.prefetch(f"bg{i}", f"/p/bg{i}")
+    assert loader.submit("now", "/p/now").result(5).name == "now"
+    assert loader.prefetch("asked", "/p/asked", urgent=True)
+    assert not loader.prefetch("bg1", "/p/bg1", urgent=True)  # a request waits for it: moved ahead
+    deadline = time.time() + 5
+    while len(order) < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert order == ["now", "asked", "bg1"]      # bg0 and bg2 held
+    assert loader.in_flight() == 4               # asked, bg1 done but unpolled; bg0, bg2 queued
+    loader.hold_background(False)
+    deadline = time.time() + 5
+    while len(order) < 5 and time.time() < deadline:
+        time.sleep(0.01)
+    assert order == ["now", "asked", "bg1", "bg0", "bg2"]

@@ -437,6 +437,7 @@ class Engine:
             return []  # several processes, and the leader has stopped
         if self._sync is None:
             self._fetch_adapters()
+        self.loader.hold_background(self.scheduler.has_work)  # speculative reads wait for idle
         plan = self.scheduler.schedule()
         self.stats["preemptions"] += len(plan.preempted)
         if plan.chunks:
@@ -590,6 +591,7 @@ class Engine:
         # every live request. dict.fromkeys keeps the order and drops repeats.
         rids = dict.fromkeys([*touched, *self._finished_unreported])
         self._finished_unreported = []
+        self.loader.hold_background(self.scheduler.has_work)  # idle again: the host tier fills
         for rid in rids:
             req = self._requests.get(rid)
             if req is None:  # popped or released already

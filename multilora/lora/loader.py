@@ -11,7 +11,10 @@ hash run on one background worker, so that no engine step ever waits on a disk.
 
 Urgent reads (a waiting request's adapter, a run-time load) go before background ones (the
 adapters given at start, read ahead up to the host tier's size): with thousands registered, a
-request never queues behind the speculative reads.
+request never queues behind the speculative reads. Background reads also wait while the engine
+has work (`hold_background(True)`, set by the engine around its steps): a speculative read takes
+CPU from the running streams (on a 2-core machine, 512 adapters registered and read ahead during
+traffic cost their steps ~2x), so they fill the host tier while the engine is idle instead.
 
 Plain Python (a thread pool), no jax: device writes stay with the engine, between steps.
 """
@@ -55,6 +58,7 @@ class AdapterLoader:
         self._queue: list = []      # heap of (priority, order, future, name, path)
         self._order = itertools.count()
         self._inflight: dict[tuple[str, str], Future] = {}
+        self._hold = False          # background reads wait while the engine has work
         for i in range(workers):
             threading.Thread(target=self._work, name=f"multilora-lora-load_{i}", daemon=True).start()
 
@@ -62,8 +66,8 @@ class AdapterLoader:
         _lower_priority()
         while True:
             with self._cv:
-                while not self._queue:
-                    self._cv.wait()
+                while not self._queue or (self._hold and self._queue[0][0] == self.BACKGROUND):
+                    self._cv.wait()  # the heap's top is urgent whenever any urgent read is queued
                 _, _, fut, name, path = heapq.heappop(self._queue)
                 # queued twice (moved ahead) and taken already, or cancelled: skip
                 if fut.running() or fut.done() or not fut.set_running_or_notify_cancel():
@@ -79,6 +83,14 @@ class AdapterLoader:
         with self._cv:
             heapq.heappush(self._queue, (priority, next(self._order), fut, name, path))
             self._cv.notify_all()
+
+    def hold_background(self, hold: bool) -> None:
+        """Hold (True) or release background reads; urgent ones always run. A read already
+        started finishes."""
+        with self._cv:
+            if hold != self._hold:
+                self._hold = hold
+                self._cv.notify_all()
 
     def submit(self, name: str, path: str) -> Future:
         """An urgent read on the loader's (low-priority) worker; the future holds the adapter or
