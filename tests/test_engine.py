@@ -725,3 +725,24 @@ def test_weighted_mix_equals_peft_cat_in_a_mixed_batch(model_dir, spec_dirs, pef
     with pytest.raises(ValueError, match="max_lora_rank=16"):
         small.add_mix({"a": 1.0, "c": 1.0})
     assert set(eng.registry.entries) == before
+
+
+def test_a_dropped_engine_is_freed_with_its_loader_thread(model_dir, spec_dirs):
+    """Nothing the engine starts keeps it alive: once dropped (after serving a request on an
+    adapter) it is collected, device arrays and host copies with it, and its adapter loader's
+    thread ends (engines built one after another in a process used to pile up until OOM)."""
+    import gc
+    import threading
+    import time
+    import weakref
+    before = {t.ident for t in threading.enumerate() if "lora-load" in t.name}
+    eng = Engine(str(model_dir), {n: str(spec_dirs[n]) for n in SPEC[:2]}, **KW)
+    eng.generate([prompts_of(5, [6])[0]], GREEDY, lora=[SPEC[0]])
+    ref = weakref.ref(eng)
+    del eng
+    gc.collect()
+    assert ref() is None
+    deadline = time.time() + 5
+    while time.time() < deadline and {t.ident for t in threading.enumerate() if "lora-load" in t.name} - before:
+        time.sleep(0.1)
+    assert not {t.ident for t in threading.enumerate() if "lora-load" in t.name} - before

@@ -177,10 +177,12 @@ class Engine:
                                    pool_rows=pool_rows)
         self.slots = (LoRASlots(self.cfg, self.lora_cfg, self.lora_dtype, self.mesh, jit_writer=jit_slot_writer)
                       if max_loras_per_batch > 0 else None)
+        cfg = self.cfg  # not self: the loader's thread must not keep the engine alive
+
         def read(name, path):
             if str(path).startswith(MIX_PREFIX):  # a weighted mix: rebuilt from its parts
                 return read_mix(name, path, read)
-            return load_adapter(name, path, self.cfg, max_lora_rank)
+            return load_adapter(name, path, cfg, max_lora_rank)
 
         self.registry = AdapterRegistry(max(max_loras_per_batch, 1), c.max_loaded_loras, read,
                                         max_host_bytes=int(c.lora_host_memory_gb * 2**30),

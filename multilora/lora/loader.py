@@ -25,6 +25,7 @@ import heapq
 import itertools
 import os
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import Callable, Iterator, Optional
 
@@ -49,6 +50,20 @@ def _lower_priority() -> None:
         pass
 
 
+def _work(ref: "weakref.ref[AdapterLoader]") -> None:
+    """A worker: runs reads while its loader lives (an engine dropped takes its loader, and so
+    this thread, with it: nothing here keeps either alive between reads)."""
+    _lower_priority()
+    while True:
+        loader = ref()
+        if loader is None:
+            return
+        job = loader._next(timeout=1.0)
+        if job is not None:
+            loader._run(*job)
+        del loader, job
+
+
 class AdapterLoader:
     URGENT, BACKGROUND = 0, 1
 
@@ -59,25 +74,30 @@ class AdapterLoader:
         self._order = itertools.count()
         self._inflight: dict[tuple[str, str], Future] = {}
         self._hold = False          # background reads wait while the engine has work
-        for i in range(workers):
-            threading.Thread(target=self._work, name=f"multilora-lora-load_{i}", daemon=True).start()
+        for i in range(workers):  # the thread holds the loader weakly: it ends with its loader
+            threading.Thread(target=_work, args=(weakref.ref(self),), name=f"multilora-lora-load_{i}",
+                             daemon=True).start()
 
-    def _work(self) -> None:
-        _lower_priority()
-        while True:
-            with self._cv:
+    def _next(self, timeout: float):
+        """The next read to run, marked running (None after `timeout` with nothing to do)."""
+        with self._cv:
+            while True:
                 while not self._queue or (self._hold and self._queue[0][0] == self.BACKGROUND):
-                    self._cv.wait()  # the heap's top is urgent whenever any urgent read is queued
+                    # the heap's top is urgent whenever any urgent read is queued
+                    if not self._cv.wait(timeout):
+                        return None
                 _, _, fut, name, path = heapq.heappop(self._queue)
                 # queued twice (moved ahead) and taken already, or cancelled: skip
-                if fut.running() or fut.done() or not fut.set_running_or_notify_cancel():
-                    continue
-            try:
-                fut.set_result(read_with_hash(self._read, name, path))
-            except BaseException as e:  # noqa: BLE001 - handed to whoever polls
-                fut.set_exception(e)
-            with self._cv:
-                self._cv.notify_all()
+                if not (fut.running() or fut.done()) and fut.set_running_or_notify_cancel():
+                    return fut, name, path
+
+    def _run(self, fut: Future, name: str, path: str) -> None:
+        try:
+            fut.set_result(read_with_hash(self._read, name, path))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever polls
+            fut.set_exception(e)
+        with self._cv:
+            self._cv.notify_all()
 
     def _enqueue(self, fut: Future, name: str, path: str, priority: int) -> None:
         with self._cv:
