@@ -1,7 +1,7 @@
 """Loading adapters while streams decode: does a run-time load stall the running streams?
 
 32 requests decode on multilora's offline Engine (its defaults; the embedded default model; 8
-rank-16 adapters registered at start, drawn round-robin). Every step is timed. After a quiet
+rank-16 adapters registered at start, drawn round-robin). Every inter-token time is timed (a step and the work the loop does before it). After a quiet
 phase, adapters are loaded (8 folders, under new names) one after another the way the server loads them
 (`Engine.read_adapter_async`: disk read, validation and hash on the engine's low-priority loader
 thread; then `load_lora_adapter(..., adapter=)` between two steps), while the streams keep
@@ -58,14 +58,6 @@ def main(argv=None):
     while any(not r.output_token_ids for r in list(eng._requests.values())):  # every prefill done
         eng.step()
 
-    def timed_steps(n):
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            eng.step()
-            out.append(time.perf_counter() - t0)
-        return out
-
     # Quiet and loading blocks alternate, so that both phases see the machine's drift alike.
     quiet, loading, load_secs = [], [], []
     todo = [(f"new{i}", extra[i % len(extra)]) for i in range(args.loads)]
@@ -73,6 +65,7 @@ def main(argv=None):
     for block in range(2 * args.blocks):
         loads_on = block % 2 == 1
         for _ in range(args.phase_steps // args.blocks):
+            t0 = time.perf_counter()   # an inter-token time: the work between steps and the step
             if fut is not None and fut.done():   # between two steps, as the server does
                 eng.load_lora_adapter(name, str(path), adapter=fut.result())
                 load_secs.append(time.perf_counter() - started)
@@ -81,7 +74,8 @@ def main(argv=None):
                 name, path = todo.pop(0)
                 started = time.perf_counter()
                 fut = eng.read_adapter_async(name, str(path))   # the server's path
-            (loading if loads_on else quiet).extend(timed_steps(1))
+            eng.step()
+            (loading if loads_on else quiet).append(time.perf_counter() - t0)
     row = dict(streams=args.streams, adapters=args.adapters, loads_done=len(load_secs),
                load_s_median=statistics.median(load_secs) if load_secs else None,
                quiet_ms=dict(p50=1e3 * pct(quiet, 50), p99=1e3 * pct(quiet, 99)),

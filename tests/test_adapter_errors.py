@@ -75,6 +75,12 @@ def _add_lm_head(t):
     return t
 
 
+def _as_int8(t):
+    k = KEY.format(layer=0, block="mlp", module="down_proj", ab="A")
+    t[k] = t[k].astype(np.int8)
+    return t
+
+
 def _truncate(folder: Path) -> None:
     f = folder / WEIGHTS
     data = f.read_bytes()
@@ -140,6 +146,8 @@ CASES = {
                         ["JSON object"]),
     "missing_safetensors": (_case_missing_weights, MAX_RANK, ["no adapter_model.safetensors"]),
     "truncated_safetensors": (_case_truncated_weights, MAX_RANK, ["adapter_model.safetensors", "not readable"]),
+    "integer_weights": (_weights_case(_as_int8), MAX_RANK,
+                        ["adapter_model.safetensors", "not readable", "dtype 'I8'", "F32"]),
     "dora": (_json_case(use_dora=True), MAX_RANK, ["use_dora", "DoRA"]),
     "modules_to_save": (_json_case(modules_to_save=["lm_head"]), MAX_RANK, ["modules_to_save", "lm_head"]),
     "target_embed_tokens": (_json_case(target_modules=["embed_tokens"]), MAX_RANK,

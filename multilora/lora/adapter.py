@@ -17,9 +17,9 @@ from pathlib import Path
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for bf16 adapters)
 import numpy as np
-from safetensors import SafetensorError, safe_open
 
 from multilora.config import LORA_MODULES, LoRAType, ModelConfig
+from multilora.lora.safetensors_views import read_header, read_views
 
 _KEY_RE = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.(?:[\w-]+\.)?weight$")
 _ALL_LINEAR = "all-linear"
@@ -221,29 +221,18 @@ def _host_bytes(plan, shapes, model_cfg: ModelConfig) -> int:
     return total
 
 
-def _open_folder(name: str, path: str | Path, take):
-    """The folder's config (checked) and take(the open safetensors file): what both reads share."""
+def probe_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int) -> AdapterProbe:
+    """Validate an adapter folder from its config and its safetensors header only (names,
+    dtypes, shapes, ranks against the base model and max_lora_rank), reading none of its
+    weights; what only the weights can tell (NaN or Inf) is checked when load_adapter reads them."""
     folder = Path(path)
     cfg = _read_config(name, folder)
     _check_config(name, cfg)
     weights_file = _weights_file(name, folder)
     try:
-        with safe_open(weights_file, "numpy") as f:
-            got = take(f)
-    except (SafetensorError, OSError, ValueError, TypeError) as e:
-        raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
-    return folder, cfg, weights_file, got
-
-
-def probe_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int) -> AdapterProbe:
-    """Validate an adapter folder from its config and its safetensors header only (names,
-    shapes, ranks against the base model and max_lora_rank), reading none of its weights; what
-    only the weights can tell (NaN or Inf) is checked when load_adapter reads them."""
-    folder, cfg, weights_file, shapes = _open_folder(
-        name, path, lambda f: {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-    try:
+        shapes = {k: shape for k, (_, shape) in read_header(weights_file).items()}
         st = weights_file.stat()
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
     plan, rank, _ = _plan(name, cfg, shapes, model_cfg, max_lora_rank)
     h = hashlib.sha256(b"multilora:lora-unread:v1")
@@ -254,25 +243,44 @@ def probe_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_
                         fingerprint=h.digest())
 
 
-def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
-    """Read, validate and lay out one adapter. Raises AdapterError; touches no shared state."""
-    folder, cfg, _, tensors = _open_folder(name, path, lambda f: {k: f.get_tensor(k) for k in f.keys()})
-    plan, max_rank, default_scaling = _plan(name, cfg, {k: v.shape for k, v in tensors.items()},
-                                            model_cfg, max_lora_rank)
-    for key, arr in tensors.items():
-        if not np.all(np.isfinite(arr.astype(np.float32))):
+def _read_weights(name: str, weights_file: Path) -> dict[str, np.ndarray]:
+    try:
+        return read_views(weights_file)
+    except (OSError, ValueError) as e:
+        raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
+
+
+def _first_not_finite(name: str, keys, tensors) -> None:
+    for key in keys:
+        if not np.isfinite(tensors[key].astype(np.float32)).all():
             raise AdapterError(name, f"tensor {key!r} holds NaN or Inf values")
 
+
+def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
+    """Read, validate and lay out one adapter. Raises AdapterError; touches no shared state.
+    Runs beside decoding streams (on the loader's thread), so its work is a few large numpy
+    operations, which release the GIL, rather than many small ones: one read of the file,
+    views into it (safetensors_views), one copy per tensor and one finite check per module."""
+    folder = Path(path)
+    cfg = _read_config(name, folder)
+    _check_config(name, cfg)
+    tensors = _read_weights(name, _weights_file(name, folder))
+    plan, max_rank, default_scaling = _plan(name, cfg, {k: v.shape for k, v in tensors.items()},
+                                            model_cfg, max_lora_rank)
     modules = {}
     for module, layers in plan.items():
         d_in, d_out = model_cfg.module_dims(module)
         r_mod = max(tensors[ka].shape[0] for ka, _, _ in layers.values())
         a_LRI = np.zeros((model_cfg.num_layers, r_mod, d_in), np.float32)
         b_LOR = np.zeros((model_cfg.num_layers, d_out, r_mod), np.float32)
-        for layer, (ka, kb, ratio) in layers.items():
-            a, b = tensors[ka].astype(np.float32), tensors[kb].astype(np.float32)
-            r = a.shape[0]
-            a_LRI[layer, :r] = a
-            b_LOR[layer, :, :r] = b * ratio if ratio != 1.0 else b
+        for layer, (ka, kb, _) in layers.items():
+            r = tensors[ka].shape[0]
+            a_LRI[layer, :r] = tensors[ka]
+            b_LOR[layer, :, :r] = tensors[kb]
+        if not (np.isfinite(a_LRI).all() and np.isfinite(b_LOR).all()):
+            _first_not_finite(name, [k for ka, kb, _ in layers.values() for k in (ka, kb)], tensors)
+        for layer, (_, _, ratio) in layers.items():
+            if ratio != 1.0:
+                b_LOR[layer] *= ratio
         modules[module] = (a_LRI, b_LOR)
     return LoRAAdapter(name=name, path=str(folder), rank=max_rank, scaling=default_scaling, modules=modules)
