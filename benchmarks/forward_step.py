@@ -126,11 +126,12 @@ def main(argv=None):
     ap.add_argument("--lora-dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
                     help="the adapter pool's dtype (auto: as the engine's lora_dtype=auto, the case's dtype); "
                          "several: side by side")
-    ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "bf16-weights", "bf16-amx"],
+    ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "bf16-weights", "bf16-packed", "bf16-amx"],
                     help="the base weights', adapters' and KV cache's dtype (bfloat16: XLA's attention); "
                          "bf16-weights: the projection matrices in bfloat16 (XLA's dot), all else float32; "
-                         "bf16-amx: the same through multilora's AMX kernel, with the LM head "
-                         "(projection_dtype=bfloat16 where the CPU has AMX)")
+                         "bf16-packed: the same through multilora's bf16 GEMM (AMX or AVX512-BF16), with the "
+                         "LM head (projection_dtype=bfloat16 where the CPU has either); bf16-amx: its "
+                         "earlier name")
     ap.add_argument("--trace", type=Path, default=None, metavar="DIR",
                     help="profile each case and print its op time by kind")
     args = ap.parse_args(argv)
@@ -140,12 +141,14 @@ def main(argv=None):
     cfg = ModelConfig.from_hf_dict(SMOLLM2_135M)
     stacked = random_weights(cfg)
     layouts = {}
-    short = {"float32": "f32", "bfloat16": "bf16", "bf16-weights": "bf16w", "bf16-amx": "amx"}
-    for asked in args.dtypes:
-        if asked == "bf16-amx":
-            if not projections.amx_usable(stacked.embed_VD):
-                raise SystemExit("--dtypes bf16-amx: multilora's AMX kernel does not run on this machine")
-            w, dt = projections.convert(stacked, "bfloat16-amx"), "float32"
+    short = {"float32": "f32", "bfloat16": "bf16", "bf16-weights": "bf16w", "bf16-packed": "packed"}
+    from multilora import kernels
+    for asked in dict.fromkeys("bf16-packed" if d == "bf16-amx" else d for d in args.dtypes):
+        if asked == "bf16-packed":
+            if not projections.packed_usable(stacked.embed_VD):
+                raise SystemExit("--dtypes bf16-packed: multilora's bf16 GEMM does not run on this machine")
+            print(f"bf16-packed runs on {kernels.bf16_gemm_isa()}")
+            w, dt = projections.convert(stacked, "bfloat16-packed"), "float32"
         elif asked == "bf16-weights":  # the projection matrices only; activations, adapters, cache f32
             lw, dt = stacked.layers, "float32"
             w = dataclasses.replace(stacked, layers=dataclasses.replace(lw, **{
@@ -156,7 +159,7 @@ def main(argv=None):
             w = jax.tree.map(lambda a, dt=dt: a.astype(dt), stacked)
         for lay in args.layers:
             for ld in args.lora_dtypes:
-                ldt = projections.lora_pool_dtype(ld, dt, "bfloat16-amx" if asked == "bf16-amx" else dt).name
+                ldt = projections.lora_pool_dtype(ld, dt, "bfloat16-packed" if asked == "bf16-packed" else dt).name
                 suffix = "" if ld == args.lora_dtypes[0] else f"+{short[ldt]}"  # adapters' pool dtype
                 layouts[f"{lay}/{short[asked]}{suffix}"] = (split_layers(w) if lay == "split" else w, dt, ldt)
     page_size = 16

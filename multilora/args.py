@@ -31,11 +31,12 @@ _HELP = {
     "lora_backend": "LoRA kernel: auto picks by step shape",
     "dtype": "weights, activations and KV cache dtype",
     "projection_dtype": "dtype of the base model's projection matrices (activations stay --dtype): "
-                        "bfloat16 products summed in float32 are 3-4x faster where the CPU has AMX; "
+                        "bfloat16 products summed in float32 are 2-4x faster where the CPU has AMX-BF16 "
+                        "or AVX512-BF16; "
                         "auto: bfloat16 there, else --dtype; float32: the exact path",
     "lora_dtype": "dtype of the adapter pool on the device (activations and sums stay float32): "
                   "bfloat16 halves the bytes a step reads per adapter and doubles the adapters a "
-                  "--lora-memory-gb holds; auto: bfloat16 beside AMX bfloat16 projections (multilora's "
+                  "--lora-memory-gb holds; auto: bfloat16 beside packed bfloat16 projections (multilora's "
                   "kernels read and write it), else --dtype; float32: the exact path",
     "max_model_len": "context length (default: the model's max_position_embeddings)",
     "num_pages": "KV cache pages (default: from --kv-cache-memory-gb)",

@@ -238,7 +238,7 @@ class EngineConfig:
     # model and memory
     dtype: str = "float32"
     projection_dtype: str = "auto"         # the projection matrices' dtype (multilora.model.projections)
-    lora_dtype: str = "auto"               # the adapter pool's dtype; auto: bf16 beside AMX, else dtype (projections.lora_pool_dtype)
+    lora_dtype: str = "auto"               # the adapter pool's dtype; auto: bf16 beside packed bf16 projections, else dtype (projections.lora_pool_dtype)
     max_model_len: Optional[int] = None   # None: the model's max_position_embeddings
     page_size: int = 16
     num_pages: Optional[int] = None       # None: from kv_cache_memory_gb

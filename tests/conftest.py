@@ -9,7 +9,7 @@ import zlib
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch threads spin on a busy 2-core box
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Engines built with the defaults compare to PEFT at float32 exactly: projection_dtype "auto"
-# would take bfloat16 where the CPU has AMX. The bfloat16 path is tested where it is asked for
+# would take bfloat16 where the CPU has AMX-BF16 or AVX512-BF16. The bfloat16 path is tested where it is asked for
 # by name (test_projections.py, test_model_parity.py, test_engine.py).
 os.environ.setdefault("MULTILORA_PROJECTION_DTYPE", "float32")
 

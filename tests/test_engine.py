@@ -126,13 +126,13 @@ def test_mixed_batch_equals_peft(backend, engine, model_dir, spec_dirs, short_di
 
 
 def test_bf16_projections_greedy_within_tolerance(model_dir, spec_dirs, peft_refs):
-    """projection_dtype="bfloat16" (the default where the CPU has AMX): each greedy token is
+    """projection_dtype="bfloat16" (the default where the CPU has AMX-BF16 or AVX512-BF16): each greedy token is
     PEFT's float32 argmax given the same prefix, or within bfloat16's tolerance of it (its
     float32 logit at most BF16_RTOL of the largest |logit| below the argmax's): a near tie."""
     from tests.test_model_parity import BF16_RTOL
     eng = make_engine(model_dir, {"a": spec_dirs[SPEC[0]], "b": spec_dirs[SPEC[1]], "c": spec_dirs[SPEC[2]]},
                       projection_dtype="bfloat16", lora_dtype="bfloat16")
-    assert eng.projection_mode in ("bfloat16", "bfloat16-amx")
+    assert eng.projection_mode in ("bfloat16", "bfloat16-packed")
     assert eng.lora_dtype.name == "bfloat16" and eng.slots.weights.qkv_a_LUD.dtype.name == "bfloat16"  # pools written by their bits
     prompts = prompts_of(1, MIXED_LENGTHS)
     loras = [[None, "a", "b", "c"][i % 4] for i in range(len(prompts))]

@@ -456,7 +456,7 @@ def test_yarn_rope_scaling_is_refused(key, type_key):
 
 
 
-BF16_MODES = ("bfloat16",) + (("bfloat16-amx",) if kernels.amx_available() else ())
+BF16_MODES = ("bfloat16",) + (("bfloat16-packed",) if kernels.bf16_gemm_isa() else ())
 # bfloat16 projections: each sequence's largest logit error against PEFT at float32 is at most
 # BF16_RTOL of its largest |logit|, and at most BF16_VS_PEFT times that of PEFT run in bfloat16.
 BF16_RTOL = 0.02
@@ -473,12 +473,12 @@ def peft_bf16_refs(tiny_models, tiny_adapters):
 @pytest.mark.parametrize("mode", BF16_MODES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_projections_close_to_peft(kind, mode, served, peft_refs, peft_bf16_refs):
-    """Projection matrices in bfloat16 (XLA's dot, or packed for the AMX kernel and read in place
+    """Projection matrices in bfloat16 (XLA's dot, or packed for multilora's bf16 GEMM and read in place
     in the scan), everything else float32: every sequence's logits are within bfloat16's
     tolerance of PEFT at float32, and no farther from it than transformers + PEFT in bfloat16."""
     cfg, weights, slots = served(kind)
     bf16 = projections.convert(weights, mode)
-    if mode == "bfloat16-amx":
+    if mode == "bfloat16-packed":
         assert isinstance(bf16.layers.wq_LDO, projections.PackedBf16) and bf16.lm_head_DV is not None
     pages = _page_lists(10, [n for n, _ in MIXED])
     chunks = [SeqChunk(toks, 0, pg, slot) for toks, pg, (_, slot) in zip(MIXED_TOKENS, pages, MIXED)]

@@ -1,4 +1,4 @@
-"""The projection matrices in bfloat16 (multilora.model.projections): the AMX kernel's tile
+"""The projection matrices in bfloat16 (multilora.model.projections): the packed GEMM's tile
 layout, the kernel against a plain-jnp bfloat16 product, and how projection_dtype resolves.
 Whole-model parity in bfloat16 against PEFT: tests/test_model_parity.py::test_bf16_projections_*."""
 
@@ -13,8 +13,10 @@ from multilora import kernels
 from multilora.config import EngineConfig
 from multilora.model import projections
 
-AMX = kernels.amx_available()
-needs_amx = pytest.mark.skipif(not AMX, reason="multilora's AMX kernel does not run here (no AMX-BF16, "
+ISAS = kernels.bf16_gemm_isas()     # what the packed GEMM runs here: amx, avx512-bf16, neither
+PACKED = bool(ISAS)
+needs_packed = pytest.mark.skipif(not PACKED, reason="multilora's bf16 GEMM does not run here (no AMX-BF16 "
+                                                     "or AVX512-BF16, "
                                                "or the kernels are not built)")
 
 
@@ -42,16 +44,18 @@ def test_pack_bf16_layout(k, n):
     np.testing.assert_array_equal(_unpack(packed, k, n), np.asarray(w.astype(jnp.bfloat16).astype(jnp.float32)))
 
 
-@needs_amx
-@pytest.mark.parametrize("t,k,n", [(1, 64, 96), (17, 48, 24), (40, 100, 70), (64, 576, 192), (70, 128, 544)])
-def test_gemm_bf16_matches_jnp(t, k, n):
+@needs_packed
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("t,k,n", [(1, 64, 96), (17, 48, 24), (40, 100, 70), (64, 576, 192), (70, 128, 544),
+                                   (7, 32, 64), (13, 96, 160)])
+def test_gemm_bf16_matches_jnp(t, k, n, isa):
     """x rounded to bfloat16 times layer l of the stack, float32 sums: the same as jnp's bf16 dot
     (up to the order of the float32 sums), for every layer, shapes off the tile sizes included."""
     rng = np.random.default_rng(t + k + n)
     w = jnp.asarray(rng.standard_normal((3, k, n)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
     packed = kernels.pack_bf16(w)
-    run = jax.jit(lambda x, p, l: kernels.gemm_bf16(x, p, l, n))
+    run = jax.jit(lambda x, p, l: kernels.gemm_bf16(x, p, l, n, isa))
     for layer in range(3):
         got = np.asarray(run(x, packed, jnp.int32(layer)))
         want = np.asarray(jnp.dot(x.astype(jnp.bfloat16), w[layer].astype(jnp.bfloat16),
@@ -63,20 +67,34 @@ def test_gemm_bf16_matches_jnp(t, k, n):
     assert np.abs(got - f32).max() > 1e-4 * np.abs(f32).max()
 
 
-@needs_amx
-def test_gemm_bf16_rejects_mismatched_shapes():
+@needs_packed
+@pytest.mark.parametrize("isa", ISAS)
+def test_gemm_bf16_rejects_mismatched_shapes(isa):
     packed = kernels.pack_bf16(jnp.ones((1, 64, 32), jnp.float32))
     with pytest.raises(Exception, match="operand shapes disagree"):
-        jax.block_until_ready(kernels.gemm_bf16(jnp.ones((4, 96), jnp.float32), packed, jnp.int32(0), 32))
+        jax.block_until_ready(kernels.gemm_bf16(jnp.ones((4, 96), jnp.float32), packed, jnp.int32(0), 32, isa))
+
+
+def test_gemm_bf16_refuses_an_unknown_isa():
+    packed = kernels.pack_bf16(jnp.ones((1, 64, 32), jnp.float32))
+    with pytest.raises(ValueError, match="gemm_bf16 runs on avx512-bf16 or amx, not 'avx2'"):
+        kernels.gemm_bf16(jnp.ones((4, 64), jnp.float32), packed, jnp.int32(0), 32, "avx2")
+
+
+@pytest.mark.skipif(kernels.bf16_gemm_isa() != "avx512-bf16", reason="a CPU with AVX512-BF16 and no AMX")
+def test_gemm_bf16_without_amx_says_so():
+    packed = kernels.pack_bf16(jnp.ones((1, 64, 32), jnp.float32))
+    with pytest.raises(Exception, match="multilora gemm bf16: built without AMX-BF16"):
+        jax.block_until_ready(kernels.gemm_bf16(jnp.ones((4, 64), jnp.float32), packed, jnp.int32(0), 32, "amx"))
 
 
 def test_resolve(monkeypatch):
     like = jnp.zeros(4)
     monkeypatch.delenv(projections.AUTO_ENV, raising=False)
     assert projections.resolve("float32", jnp.float32, like) == "float32"
-    assert projections.resolve("bfloat16", jnp.float32, like) == ("bfloat16-amx" if AMX else "bfloat16")
-    assert projections.resolve("auto", jnp.float32, like) == ("bfloat16-amx" if AMX else "float32")
-    assert projections.resolve("auto", jnp.bfloat16, like) == ("bfloat16-amx" if AMX else "bfloat16")
+    assert projections.resolve("bfloat16", jnp.float32, like) == ("bfloat16-packed" if PACKED else "bfloat16")
+    assert projections.resolve("auto", jnp.float32, like) == ("bfloat16-packed" if PACKED else "float32")
+    assert projections.resolve("auto", jnp.bfloat16, like) == ("bfloat16-packed" if PACKED else "bfloat16")
     monkeypatch.setenv(projections.AUTO_ENV, "float32")
     assert projections.resolve("auto", jnp.float32, like) == "float32"
     assert projections.resolve("bfloat16", jnp.float32, like) != "float32"  # the env var sets auto only
@@ -89,14 +107,14 @@ def test_resolve(monkeypatch):
         EngineConfig(projection_dtype="half")
 
 
-def test_lora_pool_dtype_follows_amx_projections_else_the_engines_unless_given():
+def test_lora_pool_dtype_follows_packed_projections_else_the_engines_unless_given():
     assert projections.lora_pool_dtype("auto", jnp.float32) == jnp.float32  # see its docstring
-    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-amx") == jnp.bfloat16
-    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-amx", "native") == jnp.bfloat16
-    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-amx", "bgmv") == jnp.float32  # XLA reads
+    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-packed") == jnp.bfloat16
+    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-packed", "native") == jnp.bfloat16
+    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-packed", "bgmv") == jnp.float32  # XLA reads
     assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16") == jnp.float32  # no in-place writer
     assert projections.lora_pool_dtype("auto", jnp.float32, "float32") == jnp.float32
-    assert projections.lora_pool_dtype("float32", jnp.float32, "bfloat16-amx") == jnp.float32
+    assert projections.lora_pool_dtype("float32", jnp.float32, "bfloat16-packed") == jnp.float32
     assert projections.lora_pool_dtype("auto", jnp.bfloat16) == jnp.bfloat16
     assert projections.lora_pool_dtype("auto", jnp.float16) == jnp.float16
     assert projections.lora_pool_dtype("float32", jnp.bfloat16) == jnp.float32

@@ -1,8 +1,8 @@
 """multilora's own CPU kernels, built on first use and called through XLA's FFI: per-token LoRA
 shrink and expand (lora_kernels.cc, the `native` LoRA backend) and decode attention over the
-paged KV cache (attention_kernels.cc, decode and prefill), and the base model's projections in bfloat16 on Intel AMX
-(gemm_kernels.cc, where the CPU has it), and in-place row writes into the LoRA pools
-(pool_kernels.cc).
+paged KV cache (attention_kernels.cc, decode and prefill), the base model's projections in
+bfloat16 (gemm_kernels.cc: Intel AMX, or AVX512-BF16 dot products, where the CPU has either), and
+in-place row writes into the LoRA pools (pool_kernels.cc).
 
 The C++ source ships with the package and is compiled once per machine into the user cache
 (`$MULTILORA_CACHE/native/<key>/`, the key covering the source, jaxlib's FFI headers, the
@@ -195,10 +195,25 @@ def prefill_attention(q_TNH: jax.Array, k_LPpKH: jax.Array, v_LPpKH: jax.Array, 
         positions_T.astype(jnp.int32), sliding_window=np.int64(sliding_window or 0))
 
 
+BF16_GEMM_ISAS = ("", "avx512-bf16", "amx")   # by what MultiloraBf16GemmIsa returns
+
+
+def bf16_gemm_isa() -> str:
+    """The best instructions gemm_bf16 runs here: "amx" (an Intel CPU from Sapphire Rapids on,
+    where Linux grants the process the tile state; avx512-bf16 runs there too), "avx512-bf16"
+    (AMD Zen 4 and later, Intel Cooper Lake) or "" (neither, or the kernels are not built)."""
+    return BF16_GEMM_ISAS[_state["lib"].MultiloraBf16GemmIsa()] if available() else ""
+
+
+def bf16_gemm_isas() -> tuple[str, ...]:
+    """Every instruction set gemm_bf16 can run here, best last (for tests of each)."""
+    best = bf16_gemm_isa()
+    return BF16_GEMM_ISAS[1:BF16_GEMM_ISAS.index(best) + 1] if best else ()
+
+
 def amx_available() -> bool:
-    """True where the kernels are built with AMX-BF16 (an Intel CPU from Sapphire Rapids on, with
-    -march=native) and Linux grants the process the tile state: gemm_bf16 runs."""
-    return available() and bool(_state["lib"].MultiloraAmxAvailable())
+    """True where gemm_bf16 runs on AMX tiles."""
+    return bf16_gemm_isa() == "amx"
 
 
 def pack_bf16(w_LKN) -> jax.Array:
@@ -213,8 +228,12 @@ def pack_bf16(w_LKN) -> jax.Array:
     return w.transpose(0, 4, 1, 2, 5, 3).reshape(l, np_ // 16, kp // 32, 16, 32)
 
 
-def gemm_bf16(x_TK: jax.Array, w_LJIRC: jax.Array, layer: jax.Array, n: int) -> jax.Array:
+def gemm_bf16(x_TK: jax.Array, w_LJIRC: jax.Array, layer: jax.Array, n: int, isa: str | None = None) -> jax.Array:
     """y_TN (float32) = x rounded to bfloat16 times layer `layer` of the packed weights
-    (pack_bf16 of an (L, K, N) stack), accumulated in float32, read in place."""
+    (pack_bf16 of an (L, K, N) stack), accumulated in float32, read in place; on `isa` (one of
+    bf16_gemm_isas(); default the best)."""
+    isa = bf16_gemm_isa() if isa is None else isa
+    if isa not in BF16_GEMM_ISAS[1:]:
+        raise ValueError(f"gemm_bf16 runs on {' or '.join(BF16_GEMM_ISAS[1:])}, not {isa!r}")
     return jax.ffi.ffi_call("multilora_gemm_bf16", jax.ShapeDtypeStruct((x_TK.shape[0], n), jnp.float32))(
-        x_TK.astype(jnp.float32), w_LJIRC, jnp.asarray(layer, jnp.int32))
+        x_TK.astype(jnp.float32), w_LJIRC, jnp.asarray(layer, jnp.int32), amx=np.int64(isa == "amx"))

@@ -1,23 +1,28 @@
-// The base model's projections in bfloat16 on Intel AMX, reading one layer of the stacked,
-// pre-packed weights in place.
+// The base model's projections in bfloat16, reading one layer of the stacked, pre-packed weights
+// in place: on Intel AMX where the CPU has it, else with AVX512-BF16 dot products (AMD Zen 4 and
+// later, Intel Cooper Lake).
 //
 // y_TN = x_TK @ W[layer]  (x float32, rounded to bfloat16 to nearest even; W bfloat16; the
 // products accumulated in float32: the same numbers as XLA's bf16 x bf16 -> f32 dot, summed in
 // another order).
 //
 // XLA's CPU backend slices each layer's weights out of the (L, K, N) stack by copying them
-// before every GEMM of the layer scan, and its GEMMs use AVX-512 FMAs at best. This kernel takes
-// the whole stack and the layer index as operands (the scan copies nothing) and multiplies
-// with the AMX tile unit (TDPBF16PS: a 16 x 16 f32 tile += a 16 x 32 bf16 tile times a 32 x 16
-// one, per instruction).
+// before every GEMM of the layer scan, and its GEMMs use float32 FMAs at best. This kernel takes
+// the whole stack and the layer index as operands (the scan copies nothing) and multiplies pairs
+// of bfloat16 products per lane: with the AMX tile unit (TDPBF16PS: a 16 x 16 f32 tile += a
+// 16 x 32 bf16 tile times a 32 x 16 one, per instruction), or with VDPBF16PS (16 f32 lanes +=
+// two bf16 products each, per instruction).
 //
 // The weights are packed once, at load time (multilora.kernels.pack_bf16), into the tiles' own
 // layout, so each tile of B is one contiguous KiB:
 //   w_LJIRC[l, j, i, r, 2 c + e] = W[l][32 i + 2 r + e, 16 j + c]   (zero past K or N)
 // with J = ceil(N / 32) * 2 column blocks of 16 and I = ceil(K / 32) row blocks of 32.
+// The same layout is VDPBF16PS's: for a column block j, pair p = 16 i + r of K rows is one
+// 64-byte vector (16 columns x 2 rows), the pairs of a block one contiguous stream.
 //
-// Built only where the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere the
-// handler reports that it is unavailable and multilora.kernels.amx_available() is False.
+// Built with what the compiler targets (-march=native): AMX-BF16 and AVX512-BF16, AVX512-BF16
+// alone, or neither; where neither runs the handler reports that it is unavailable and
+// multilora.kernels.bf16_gemm_isa() is "".
 
 #include <algorithm>
 #include <cstdint>
@@ -30,9 +35,13 @@
 
 namespace ffi = xla::ffi;
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#define MULTILORA_AMX 1
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define MULTILORA_AVX512BF16 1
 #include <immintrin.h>
+#endif
+
+#if defined(MULTILORA_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define MULTILORA_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -41,6 +50,114 @@ namespace {
 
 using multilora::clamp_layer;
 using multilora::parallel_items;
+
+struct Block {
+  int64_t j0, j1;  // 16-column blocks [j0, j1), an even run
+};
+
+#ifdef MULTILORA_AVX512BF16
+
+// Rounds x_TK to bfloat16 (nearest even), T padded to Mp rows and K to Kp columns with zeros.
+void to_bf16(const float* x, int64_t T, int64_t K, int64_t Mp, int64_t Kp, uint16_t* a) {
+  std::memset(a, 0, sizeof(uint16_t) * Mp * Kp);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* src = x + t * K;
+    uint16_t* dst = a + t * Kp;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
+      _mm512_storeu_si512(dst + k, (__m512i)v);
+    }
+    for (; k < K; ++k) {  // the same rounding, one at a time
+      uint32_t bits;
+      std::memcpy(&bits, src + k, 4);
+      dst[k] = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    }
+  }
+}
+
+// What a row tile prefetches of the next panel's B (into L2, while it computes): lines
+// [first, first + count) of the panel's NB streams of `pairs` 64-byte lines each.
+struct Ahead {
+  const uint16_t* w = nullptr;  // the next panel's first block; nullptr: nothing to fetch
+  int64_t first = 0, count = 0;
+};
+
+// A panel of NB column blocks (16 columns each) for M rows, all of K: M x NB accumulators
+// (M x NB <= 24 registers, 4 more for the B vectors), one VDPBF16PS per (row, block) per pair of K
+// rows, x's pair broadcast from memory. ldk2: the pairs in a row of a (Kp / 2).
+template <int M, int NB>
+inline void dp_tile(const uint32_t* a, int64_t ldk2, const uint16_t* w, int64_t jstride, int64_t pairs,
+                    float* y, int64_t ldy, int64_t cols, const Ahead& ahead) {
+  __m512 acc[M][NB];
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+  // The next panel streams from memory while this one computes: `per` lines an iteration.
+  int64_t left = ahead.w ? ahead.count : 0, stream = ahead.first / pairs, line = ahead.first % pairs;
+  const int64_t per = (left + pairs - 1) / pairs;
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int64_t f = 0; f < per && left > 0; ++f, --left) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead.w + stream * jstride + line * 32), _MM_HINT_T1);
+      if (++line == pairs) line = 0, ++stream;
+    }
+    __m512bh b[NB];
+    for (int n = 0; n < NB; ++n) b[n] = (__m512bh)_mm512_loadu_si512(w + n * jstride + p * 32);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[m * ldk2 + p]));
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], av, b[n]);
+    }
+  }
+  for (int n = 0; n < NB; ++n) {
+    const int64_t c = std::min<int64_t>(16, cols - 16 * n);
+    if (c <= 0) break;
+    const __mmask16 mask = c >= 16 ? __mmask16(0xffff) : __mmask16((1u << c) - 1);
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * ldy + 16 * n, mask, acc[m][n]);
+  }
+}
+
+constexpr int kRows = 6;  // rows per tile: 6 x 4 accumulators
+
+template <int NB>
+void dp_panel_rows(int64_t rows, const uint32_t* a, int64_t ldk2, const uint16_t* w, int64_t jstride,
+                   int64_t pairs, float* y, int64_t ldy, int64_t cols, const Ahead& ahead) {
+  switch (rows) {
+    case 1: return dp_tile<1, NB>(a, ldk2, w, jstride, pairs, y, ldy, cols, ahead);
+    case 2: return dp_tile<2, NB>(a, ldk2, w, jstride, pairs, y, ldy, cols, ahead);
+    case 3: return dp_tile<3, NB>(a, ldk2, w, jstride, pairs, y, ldy, cols, ahead);
+    case 4: return dp_tile<4, NB>(a, ldk2, w, jstride, pairs, y, ldy, cols, ahead);
+    case 5: return dp_tile<5, NB>(a, ldk2, w, jstride, pairs, y, ldy, cols, ahead);
+    default: return dp_tile<kRows, NB>(a, ldk2, w, jstride, pairs, y, ldy, cols, ahead);
+  }
+}
+
+inline int64_t panel_blocks(int64_t j, int64_t j1) { return j + 4 <= j1 ? 4 : 2; }
+
+// Column blocks [j0, j1) (an even run), all T rows: panels of 4 blocks (2 at the end); a panel's
+// B (Kp x 64 columns, bf16) stays in L2 while its rows go by 6 at a time, and its row tiles
+// share the prefetch of the next panel's B (decode: few rows per panel, W streams from memory).
+void dp_blocks(int64_t j0, int64_t j1, const uint16_t* a, const uint16_t* w, int64_t T, int64_t Kp,
+               int64_t I, int64_t N, float* y) {
+  const int64_t jstride = I * 512, pairs = Kp / 2, tiles = (T + kRows - 1) / kRows;
+  const uint32_t* a32 = reinterpret_cast<const uint32_t*>(a);
+  for (int64_t j = j0; j < j1;) {
+    const int64_t nb = panel_blocks(j, j1);
+    const int64_t col = 16 * j, cols = std::min<int64_t>(16 * nb, N - col);
+    const uint16_t* wj = w + j * jstride;
+    const int64_t next = j + nb, lines = next < j1 ? panel_blocks(next, j1) * pairs : 0;
+    for (int64_t m = 0, tile = 0; m < T && cols > 0; m += kRows, ++tile) {
+      const int64_t rows = std::min<int64_t>(kRows, T - m);
+      const int64_t first = lines * tile / tiles, count = lines * (tile + 1) / tiles - first;
+      const Ahead ahead{lines ? w + next * jstride : nullptr, first, count};
+      if (nb == 4)
+        dp_panel_rows<4>(rows, a32 + m * pairs, pairs, wj, jstride, pairs, y + m * N + col, N, cols, ahead);
+      else
+        dp_panel_rows<2>(rows, a32 + m * pairs, pairs, wj, jstride, pairs, y + m * N + col, N, cols, ahead);
+    }
+    j = next;
+  }
+}
+
+#endif  // MULTILORA_AVX512BF16
 
 #ifdef MULTILORA_AMX
 
@@ -72,30 +189,7 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// Rounds x_TK to bfloat16 (nearest even), T padded to Mp rows and K to Kp columns with zeros.
-void to_bf16(const float* x, int64_t T, int64_t K, int64_t Mp, int64_t Kp, uint16_t* a) {
-  std::memset(a, 0, sizeof(uint16_t) * Mp * Kp);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* src = x + t * K;
-    uint16_t* dst = a + t * Kp;
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
-      _mm512_storeu_si512(dst + k, (__m512i)v);
-    }
-    for (; k < K; ++k) {  // the same rounding, one at a time
-      uint32_t bits;
-      std::memcpy(&bits, src + k, 4);
-      dst[k] = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-    }
-  }
-}
-
 constexpr int64_t kAhead = 4;  // K steps of W prefetched ahead
-
-struct Block {
-  int64_t j0, j1;  // 16-column blocks [j0, j1), taken two at a time
-};
 
 // Pairs of 16-column blocks, for all rows: 32 rows at a time, two A and two B tiles per step of
 // 32 along K into four C tiles; a pair's B panel stays in cache across row blocks.
@@ -158,43 +252,63 @@ void gemm_block(const Block& blk, const uint16_t* a, const uint16_t* w, int64_t 
 
 #endif  // MULTILORA_AMX
 
+// Contiguous, even runs of column blocks, one per thread (the pool's and this one, at most one
+// per core): each streams its part of W in order (and, on AMX, configures the tiles once).
+std::vector<Block> column_runs(ffi::ThreadPool& pool, int64_t J) {
+  const int64_t pairs = J / 2;
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>({pairs, cores, pool.num_threads() + 1}));
+  std::vector<Block> blocks;
+  for (int64_t p = 0; p < parts; ++p) blocks.push_back({2 * (pairs * p / parts), 2 * (pairs * (p + 1) / parts)});
+  return blocks;
+}
+
+// amx: 1 runs the AMX tiles, 0 VDPBF16PS (multilora.kernels.bf16_gemm_isa says which this build
+// and CPU can run).
 ffi::Error GemmBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_TK, ffi::Buffer<ffi::BF16> w_LJIRC,
-                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y_TN) {
-#ifdef MULTILORA_AMX
+                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y_TN, int64_t amx) {
   auto xd = x_TK.dimensions();
   auto wd = w_LJIRC.dimensions();
   auto yd = y_TN->dimensions();
   if (xd.size() != 2 || wd.size() != 5 || yd.size() != 2 || yd[0] != xd[0] || wd[3] != 16 || wd[4] != 32 ||
       wd[1] % 2 != 0 || wd[2] * 32 < xd[1] || wd[1] * 16 < yd[1])
     return ffi::Error::InvalidArgument("multilora gemm bf16: operand shapes disagree");
-  if (!amx_permitted()) return ffi::Error::Internal("multilora gemm bf16: Linux refused the AMX tile state");
-  const int64_t T = xd[0], K = xd[1], N = yd[1], L = wd[0], J = wd[1], I = wd[2];
-  const int64_t Mp = (T + 31) / 32 * 32, Kp = I * 32;
-  std::vector<uint16_t> a(Mp * Kp);
-  to_bf16(x_TK.typed_data(), T, K, Mp, Kp, a.data());
+  const int64_t T = xd[0], K = xd[1], N = yd[1], L = wd[0], J = wd[1], I = wd[2], Kp = I * 32;
   const uint16_t* w = reinterpret_cast<const uint16_t*>(w_LJIRC.typed_data()) +
                       clamp_layer(layer.typed_data()[0], L) * J * I * 512;
   float* y = y_TN->typed_data();
-  // One contiguous run of column pairs per thread (the pool's and this one, at most one per
-  // core): each configures the tiles once and streams its part of W in order.
-  const int64_t pairs = J / 2;
-  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>({pairs, cores, pool.num_threads() + 1}));
-  std::vector<Block> blocks;
-  for (int64_t p = 0; p < parts; ++p) blocks.push_back({2 * (pairs * p / parts), 2 * (pairs * (p + 1) / parts)});
-  parallel_items(pool, blocks, [&](const Block& b) { gemm_block(b, a.data(), w, Mp, Kp, I, T, N, y); });
+  const std::vector<Block> runs = column_runs(pool, J);
+  if (amx) {
+#ifdef MULTILORA_AMX
+    if (!amx_permitted()) return ffi::Error::Internal("multilora gemm bf16: Linux refused the AMX tile state");
+    const int64_t Mp = (T + 31) / 32 * 32;
+    std::vector<uint16_t> a(Mp * Kp);
+    to_bf16(x_TK.typed_data(), T, K, Mp, Kp, a.data());
+    parallel_items(pool, runs, [&](const Block& b) { gemm_block(b, a.data(), w, Mp, Kp, I, T, N, y); });
+    return ffi::Error::Success();
+#else
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, "multilora gemm bf16: built without AMX-BF16");
+#endif
+  }
+#ifdef MULTILORA_AVX512BF16
+  std::vector<uint16_t> a(T * Kp);
+  to_bf16(x_TK.typed_data(), T, K, T, Kp, a.data());
+  parallel_items(pool, runs, [&](const Block& b) { dp_blocks(b.j0, b.j1, a.data(), w, T, Kp, I, N, y); });
   return ffi::Error::Success();
 #else
-  return ffi::Error::Unimplemented("multilora gemm bf16: built without AMX-BF16");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "multilora gemm bf16: built without AVX512-BF16");
 #endif
 }
 
 }  // namespace
 
-// 1 where this build has the AMX kernel and Linux grants the tile state; 0 elsewhere.
-extern "C" int MultiloraAmxAvailable() {
+// What gemm_bf16 can run on this build and CPU: 2 AMX (and VDPBF16PS), 1 VDPBF16PS only, 0 neither.
+extern "C" int MultiloraBf16GemmIsa() {
 #ifdef MULTILORA_AMX
-  return amx_permitted() ? 1 : 0;
+  if (amx_permitted()) return 2;
+#endif
+#ifdef MULTILORA_AVX512BF16
+  return 1;
 #else
   return 0;
 #endif
@@ -206,4 +320,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraGemmBf16, GemmBf16,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("amx"));

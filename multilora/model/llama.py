@@ -142,7 +142,7 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV
 def _proj(x, w, b=None, layer=None):
     """x @ w: the product in w's dtype, accumulated in float32, returned in x's dtype (so bfloat16
     weights under float32 activations run XLA's bfloat16 GEMM; all float32 is a plain f32 dot).
-    A PackedBf16 w is the whole stack, read in place at `layer` by the AMX kernel."""
+    A PackedBf16 w is the whole stack, read in place at `layer` by multilora's bf16 GEMM."""
     if isinstance(w, PackedBf16):
         y = w.matmul(x, layer)
     else:

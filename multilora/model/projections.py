@@ -4,10 +4,11 @@ head), apart from the activations' and the KV cache's.
     projection_dtype="float32":  the matrices in float32: the exact path (parity with PEFT).
     projection_dtype="bfloat16": the matrices in bfloat16, the activations rounded to bfloat16
         at each product and the sums kept in float32, the results back in the activations' dtype.
-        Where multilora's AMX kernel runs (an Intel CPU with AMX-BF16, one CPU device), the
-        matrices are packed for it (PackedBf16) and each layer's are read in place inside the
-        layer scan; elsewhere they stay in their (L, K, N) layout and XLA's bf16 dot runs them.
-    projection_dtype="auto" (the default): bfloat16 where the AMX kernel runs (there it is 3-4x
+        Where multilora's bf16 GEMM runs (one CPU device whose CPU has AMX-BF16 or AVX512-BF16),
+        the matrices are packed for it (PackedBf16, mode "bfloat16-packed") and each layer's are
+        read in place inside the layer scan; elsewhere they stay in their (L, K, N) layout and
+        XLA's bf16 dot runs them.
+    projection_dtype="auto" (the default): bfloat16 where the packed kernel runs (there it is
         faster than float32: BENCHMARKS.md), else the engine's dtype. The environment variable
         MULTILORA_PROJECTION_DTYPE, when set, says what auto means.
 
@@ -34,7 +35,7 @@ PROJECTIONS = ("wq_LDO", "wk_LDO", "wv_LDO", "wo_LOD", "w_gate_LDF", "w_up_LDF",
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PackedBf16:
-    """A stack of (L, K, N) matrices in the AMX kernel's tile layout (kernels.pack_bf16), with
+    """A stack of (L, K, N) matrices in the bf16 GEMM's tile layout (kernels.pack_bf16), with
     the number of output columns N; read in place at a layer index."""
 
     w_LJIRC: jax.Array
@@ -49,14 +50,15 @@ def pack(w_LKN: jax.Array) -> PackedBf16:
     return PackedBf16(kernels.pack_bf16(w_LKN), int(w_LKN.shape[-1]))
 
 
-def amx_usable(w: jax.Array) -> bool:
-    """Whether the AMX kernel can serve this array: on one CPU device, the kernel built with AMX."""
+def packed_usable(w: jax.Array) -> bool:
+    """Whether the packed bf16 GEMM can serve this array: on one CPU device, the kernel built
+    with AMX-BF16 or AVX512-BF16 (kernels.bf16_gemm_isa)."""
     devices = w.sharding.device_set
-    return len(devices) == 1 and next(iter(devices)).platform == "cpu" and kernels.amx_available()
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu" and bool(kernels.bf16_gemm_isa())
 
 
 def resolve(projection_dtype: str, dtype, like: jax.Array) -> str:
-    """What the engine runs: "float32", "bfloat16" (XLA's layout) or "bfloat16-amx" (packed),
+    """What the engine runs: "float32", "bfloat16" (XLA's layout) or "bfloat16-packed",
     for arrays placed like `like`. Raises ValueError on an unknown projection_dtype."""
     if projection_dtype not in PROJECTION_DTYPES:
         raise ValueError(f"unknown projection_dtype {projection_dtype!r}; choose one of {', '.join(PROJECTION_DTYPES)}")
@@ -66,20 +68,20 @@ def resolve(projection_dtype: str, dtype, like: jax.Array) -> str:
             if env not in PROJECTION_DTYPES[1:]:
                 raise ValueError(f"{AUTO_ENV}={env!r}: choose one of {', '.join(PROJECTION_DTYPES[1:])}")
             projection_dtype = env
-        elif amx_usable(like):
+        elif packed_usable(like):
             projection_dtype = "bfloat16"
         else:
             projection_dtype = jnp.dtype(dtype).name
             if projection_dtype not in PROJECTION_DTYPES[1:]:  # float16 models keep their dtype
                 return projection_dtype
-    if projection_dtype == "bfloat16" and amx_usable(like):
-        return "bfloat16-amx"
+    if projection_dtype == "bfloat16" and packed_usable(like):
+        return "bfloat16-packed"
     return projection_dtype
 
 
 def lora_pool_dtype(lora_dtype: str, dtype, projection_mode: str = "", lora_backend: str = "auto"):
-    """The adapter pool's dtype: lora_dtype when given; auto: bfloat16 beside AMX bfloat16
-    projections (projection_mode "bfloat16-amx": one CPU device with multilora's kernels, which
+    """The adapter pool's dtype: lora_dtype when given; auto: bfloat16 beside packed bfloat16
+    projections (projection_mode "bfloat16-packed": one CPU device with multilora's kernels, which
     read bf16 rows exactly widened and write them in place) when the LoRA backend is auto or
     native, else the engine's dtype. A bf16 pool halves the bytes each adapter costs a decode
     step and in memory (twice the adapters per GB); the float32 path stays the exact one."""
@@ -87,7 +89,7 @@ def lora_pool_dtype(lora_dtype: str, dtype, projection_mode: str = "", lora_back
         raise ValueError(f"unknown lora_dtype {lora_dtype!r}; choose one of {', '.join(PROJECTION_DTYPES)}")
     if lora_dtype != "auto":
         return jnp.dtype(lora_dtype)
-    if projection_mode == "bfloat16-amx" and lora_backend in ("auto", "native"):
+    if projection_mode == "bfloat16-packed" and lora_backend in ("auto", "native"):
         return jnp.dtype(jnp.bfloat16)
     return jnp.dtype(dtype)
 
@@ -104,7 +106,7 @@ def convert(weights, mode: str):
         change = {n: getattr(layers, n).astype(jnp.bfloat16) for n in PROJECTIONS}
         head = weights.lm_head_DV.astype(jnp.bfloat16) if weights.lm_head_DV is not None else None
         return dataclasses.replace(weights, layers=dataclasses.replace(layers, **change), lm_head_DV=head)
-    if mode != "bfloat16-amx":
+    if mode != "bfloat16-packed":
         raise ValueError(f"unknown projection mode {mode!r}")
     change = {n: pack(getattr(layers, n)) for n in PROJECTIONS}
     head_DV = weights.lm_head_DV if weights.lm_head_DV is not None else weights.embed_VD.T
