@@ -80,3 +80,25 @@ def test_background_reads_wait_while_held_and_urgent_ones_do_not():
     while len(order) < 5 and time.time() < deadline:
         time.sleep(0.01)
     assert order == ["now", "asked", "bg1", "bg0", "bg2"]
+
+
+def test_reads_run_on_a_thread_below_the_engines():
+    """The worker runs at SCHED_IDLE where Linux allows it (else nice 19): a read only takes
+    what the engine's threads leave of the cores."""
+    import os
+    seen = {}
+
+    def read(name, path):
+        tid = threading.get_native_id()
+        seen["policy"] = os.sched_getscheduler(tid) if hasattr(os, "sched_getscheduler") else None
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+        return _Adapter()
+
+    class _Adapter:
+        content_hash = b""
+
+    loader = AdapterLoader(read)
+    loader.submit("x", "/x").result(timeout=10)
+    assert seen["policy"] == getattr(os, "SCHED_IDLE", None) or seen["nice"] == 19, seen
+    if hasattr(os, "sched_getscheduler"):  # the engine's own thread is untouched
+        assert os.sched_getscheduler(threading.get_native_id()) != getattr(os, "SCHED_IDLE", -1)

@@ -41,11 +41,19 @@ def read_with_hash(read: Callable[[str, str], LoRAAdapter], name: str, path: str
 
 
 def _lower_priority() -> None:
-    """Run this worker thread at the lowest CPU priority (Linux: nice is per thread): a read uses
-    what the engine's step leaves of the cores instead of taking its turn from the streams. A
-    read then takes longer on a busy machine; a step does not."""
+    """Run this worker thread at the lowest CPU priority Linux has (scheduling is per thread):
+    SCHED_IDLE, which runs only on what the engine's threads leave of the cores and yields to
+    them as soon as they wake; nice 19 where SCHED_IDLE is refused. A read then takes longer on
+    a busy machine; a step does not (for the kernels' side of it, multilora/kernels/parallel.h:
+    a thread that yields while it waits hands its core to this one until the next tick)."""
+    tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
     except (AttributeError, OSError):  # not on this platform: reads run at normal priority
         pass
 
