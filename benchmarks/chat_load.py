@@ -8,8 +8,9 @@ Workload (all fixed-seed, the same for every system):
   * `model` names one of K random rank-16 PEFT adapters (all seven projections, made once by
     benchmarks/common.py make_random_adapters and reused from ~/.cache/multilora/bench), drawn
     Zipf(s=1.0)-skewed (adapter i with weight 1/(i+1)); K=0 sends every request to the base model;
-  * body: max_tokens 64, temperature 0, ignore_eos true (both servers accept this extra field),
-    stream true, stream_options {include_usage: true};
+  * body: max_tokens 64, temperature 0 (--temperature / --top-p: sampled, as chat clients send by
+    default, each request with its own seed), ignore_eos true (both servers accept this extra
+    field), stream true, stream_options {include_usage: true};
   * arrivals are a Poisson process at each rate R (requests/s): exponential gaps of mean 1/R, the
     first request at t=0, N requests per rate; open loop: each request is sent at its arrival time
     whatever the server has finished (asyncio + one httpx.AsyncClient with N+8 connections).
@@ -149,15 +150,19 @@ def workload(n: int, rate: float, k: int, names: list[str], base: str, seed: int
     arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
     questions = np.random.default_rng(seed + 1).integers(0, len(QUESTIONS), size=n)
     idx = assign_adapters(n, k, "zipf", seed=seed, zipf_s=1.0)
-    return [dict(at=float(a), q=int(q), model=base if i is None else names[i])
-            for a, q, i in zip(arrivals, questions, idx)]
+    return [dict(at=float(a), q=int(q), model=base if i is None else names[i], seed=seed * 100003 + j)
+            for j, (a, q, i) in enumerate(zip(arrivals, questions, idx))]
 
 
-def body(model: str, question: str, max_tokens: int) -> dict:
+def sampling_of(args) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+
+
+def body(model: str, question: str, sampling: dict) -> dict:
+    """sampling: max_tokens, temperature, top_p, seed."""
     return dict(model=model, messages=[dict(role="system", content=SYSTEM_PROMPT),
                                        dict(role="user", content=question)],
-                max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stream=True,
-                stream_options=dict(include_usage=True))
+                **sampling, ignore_eos=True, stream=True, stream_options=dict(include_usage=True))
 
 
 def load_tokenizer(path):
@@ -170,7 +175,7 @@ def load_tokenizer(path):
 
 
 # ---- the client ----------------------------------------------------------------------------------
-async def one_request(client, api: str, req: dict, t_start: float, out: dict, max_tokens: int, count):
+async def one_request(client, api: str, req: dict, t_start: float, out: dict, sampling: dict, count):
     """Stream one chat completion at its arrival time; fill `out` with its timings."""
     await asyncio.sleep(max(0.0, t_start + req["at"] - time.perf_counter()))
     t_send = time.perf_counter()
@@ -178,7 +183,7 @@ async def one_request(client, api: str, req: dict, t_start: float, out: dict, ma
                t_send=t_send - t_start, chunks=[], error=None, usage=None)
     try:
         async with client.stream("POST", api + "/chat/completions",
-                                 json=body(req["model"], QUESTIONS[req["q"]], max_tokens)) as r:
+                                 json=body(req["model"], QUESTIONS[req["q"]], dict(sampling, seed=req["seed"]))) as r:
             if r.status_code != 200:
                 out["error"] = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
                 return
@@ -205,13 +210,13 @@ async def one_request(client, api: str, req: dict, t_start: float, out: dict, ma
         out["t_end"] = time.perf_counter() - t_start
 
 
-async def run_load(api: str, reqs: list[dict], max_tokens: int, timeout: float, count) -> list[dict]:
+async def run_load(api: str, reqs: list[dict], sampling: dict, timeout: float, count) -> list[dict]:
     import httpx
     outs = [dict() for _ in reqs]
     limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=60.0), limits=limits) as client:
         t_start = time.perf_counter()
-        await asyncio.gather(*(one_request(client, api, r, t_start, o, max_tokens, count)
+        await asyncio.gather(*(one_request(client, api, r, t_start, o, sampling, count)
                                for r, o in zip(reqs, outs)))
     return outs
 
@@ -308,17 +313,17 @@ def measure(label: str, root: str, names: list[str], base: str, args, record) ->
     k = len(names)
     # warm-up: the most-used adapters first (Zipf), all at once; not counted
     order = [names[i] for i in range(min(k, args.warmup))] or [base]
-    warm = [dict(at=0.0, q=i % len(QUESTIONS), model=order[i % len(order)]) for i in range(args.warmup)]
+    warm = [dict(at=0.0, q=i % len(QUESTIONS), model=order[i % len(order)], seed=i) for i in range(args.warmup)]
     if warm:
         t0 = time.time()
-        w = asyncio.run(run_load(api, warm, args.max_tokens, args.timeout, count))
+        w = asyncio.run(run_load(api, warm, sampling_of(args), args.timeout, count))
         bad = [o["error"] or "no tokens" for o in w if o.get("error") or not o["chunks"]]
         print(f"[{label}] warm-up: {len(warm)} requests in {time.time() - t0:.1f}s"
               + (f", {len(bad)} failed: {bad[0]}" if bad else ""), flush=True)
     for rate, n in zip(args.rates, args.requests):
         reqs = workload(n, rate, k, names, base, args.seed)
         before = read_prefix_counters(root)
-        outs = asyncio.run(run_load(api, reqs, args.max_tokens, args.timeout, count))
+        outs = asyncio.run(run_load(api, reqs, sampling_of(args), args.timeout, count))
         after = read_prefix_counters(root)
         s = summarize(outs, reqs)
         hit, src = None, None
@@ -528,6 +533,9 @@ def main(argv=None):
                     help="requests per rate: one count per rate, or one for all")
     ap.add_argument("--adapters", type=int, default=8, help="K adapters (0: the base model only)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; above: sampled (OpenAI's default is 1.0), with --top-p and a seed per request")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--warmup", type=int, default=4, help="requests sent before measuring (not counted)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
@@ -573,7 +581,7 @@ def main(argv=None):
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     data = dict(machine=machine_info(), args=vars(args), model=str(model) if model else None,
                 workload=dict(system_prompt=SYSTEM_PROMPT, questions=QUESTIONS, adapter_draw="zipf s=1.0",
-                              max_tokens=args.max_tokens),
+                              max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p),
                 results=[], skipped=[])
     tok = load_tokenizer(model / "tokenizer.json") if model else None
     if tok is not None:

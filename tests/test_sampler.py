@@ -139,3 +139,92 @@ def test_logprobs_match_log_softmax(logits, mode):
     np.testing.assert_array_equal(top_ids, want_ids)
     np.testing.assert_allclose(top_vals, np.take_along_axis(logp, want_ids, -1), rtol=1e-5, atol=1e-5)
     assert (np.diff(top_vals, axis=-1) <= 0).all()
+
+
+# ---- a real vocabulary's width: the candidate path, its fallback to the sorted rows, the draw ----
+
+from multilora.engine import sampler as S  # noqa: E402
+
+
+def thresholds_sorted(scaled_BV, top_k_B, top_p_B):
+    """The plain-jnp reference: each row sorted whole, top-k then top-p over the survivors."""
+    import jax.numpy as jnp
+    v = scaled_BV.shape[-1]
+    sorted_desc = -jnp.sort(-scaled_BV, axis=-1)
+    k_B = jnp.where((top_k_B > 0) & (top_k_B < v), top_k_B, v)
+    kth_B = jnp.take_along_axis(sorted_desc, (k_B - 1)[:, None], axis=-1)[:, 0]
+    in_top_k = jnp.arange(v)[None, :] < k_B[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
+    keep = (jnp.cumsum(probs, axis=-1) - probs < top_p_B[:, None]) & in_top_k
+    cutoff_B = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1)
+    return jnp.where(top_p_B < 1.0, jnp.maximum(kth_B, cutoff_B), kth_B)
+
+
+def test_argmax_rows_is_the_first_largest():
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 5, size=(16, 3000)).astype(np.float32)  # many ties for the max
+    x[3, :] = -np.inf
+    x[3, 17] = 0.0
+    np.testing.assert_array_equal(np.asarray(jax.jit(S.argmax_rows)(x)), x.argmax(-1))
+
+
+@pytest.mark.parametrize("v", [1000, 4096])
+def test_candidate_thresholds_equal_the_sorted_ones_where_they_decide(v):
+    rng = np.random.default_rng(v)
+    b = 48
+    scaled = (rng.standard_normal((b, v)) * rng.uniform(0.5, 6, (b, 1))).astype(np.float32)
+    top_k = rng.choice([-1, 0, 1, 5, 50, S.CANDIDATES, S.CANDIDATES + 1, 700, v, v + 3], b).astype(np.int32)
+    top_p = rng.choice([1.0, 0.99, 0.9, 0.5, 0.1], b).astype(np.float32)
+    got, decided = jax.jit(S._thresholds_from_candidates)(scaled, top_k, top_p)
+    want = np.asarray(jax.jit(thresholds_sorted)(scaled, top_k, top_p))
+    got, decided = np.asarray(got), np.asarray(decided)
+    assert decided.any() and not decided.all()  # both kinds of rows in this batch
+
+    def kept(thr):  # what a threshold keeps (-inf and the row's minimum both keep every token)
+        return scaled >= thr[:, None]
+    np.testing.assert_array_equal(kept(got)[decided], kept(want)[decided])
+    # top-k past the candidates is never decided by them; no cut at all always is
+    k = np.where((top_k > 0) & (top_k < v), top_k, v)
+    assert not decided[(k > S.CANDIDATES) & (k < v)].any()
+    assert decided[(k == v) & (top_p >= 1.0)].all()
+    # the search over whole rows keeps what the sorted rows keep, for every row; so do the
+    # step's thresholds, whichever path ran
+    searched = np.asarray(jax.jit(S._thresholds_searched)(scaled, top_k, top_p))
+    np.testing.assert_array_equal(kept(searched), kept(want))
+    np.testing.assert_array_equal(kept(np.asarray(jax.jit(S.thresholds)(scaled, top_k, top_p))), kept(want))
+    # no row cuts: nothing is computed, nothing is cut
+    none = np.asarray(jax.jit(S.thresholds)(scaled, np.full(b, -1, np.int32), np.ones(b, np.float32)))
+    assert np.isneginf(none).all()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 0.9), (1.0, 400, 1.0), (0.8, 20, 0.7),
+                                                     (1.0, -1, 1.0)])
+def test_draws_lie_in_the_kept_set_of_a_wide_vocabulary(temperature, top_k, top_p):
+    """A nearly flat row: top-p 0.9 keeps far more tokens than the candidates hold (the sorted
+    fallback), top-k 400 too; top-k 20 with top-p 0.7 is decided by the candidates."""
+    rng = np.random.default_rng(5)
+    v = 3000
+    row = (rng.standard_normal(v) * 0.3).astype(np.float32)
+    n = 2048
+    tokens, _ = run(np.tile(row, (n, 1)), temperature=temperature, top_k=top_k, top_p=top_p,
+                    seed=np.arange(n), step=1)
+    kept = np_kept(row, temperature, top_k, top_p)
+    assert set(tokens.tolist()) <= kept
+    assert len(set(tokens.tolist())) > min(len(kept), n) // 4  # spread over the kept set
+
+
+def test_draw_rows_matches_the_weights():
+    rng = np.random.default_rng(6)
+    v = 700  # not a multiple of BLOCK: the last block is padded
+    w = rng.uniform(0, 1, v).astype(np.float32) ** 4
+    w[rng.choice(v, 300, replace=False)] = 0.0
+    w[[0, 255, 256, 699]] = [0.0, 0.5, 0.0, 0.7]   # block edges
+    n = 40000
+    u = rng.uniform(0, 1, n).astype(np.float32)
+    got = np.asarray(jax.jit(S.draw_rows)(np.tile(w, (n, 1)), u))
+    assert (w[got] > 0).all(), "drew a token of weight zero"
+    counts = np.bincount(got, minlength=v) / n
+    np.testing.assert_allclose(counts, w / w.sum(), atol=4 * np.sqrt(w.max() / w.sum() / n))
+    # u just below 1 and at 0: the last and the first token with weight
+    edge = np.asarray(jax.jit(S.draw_rows)(np.tile(w, (2, 1)), np.array([0.0, np.nextafter(1, 0)], np.float32)))
+    assert edge.tolist() == [int(np.flatnonzero(w)[0]), int(np.flatnonzero(w)[-1])]
