@@ -30,24 +30,30 @@ def test_urgent_reads_go_ahead_of_background_ones():
 
     loader = AdapterLoader(read)
     assert loader.prefetch("first", "/p/first")
-    time.sleep(0.05)  # the worker is inside "first"
+    time.sleep(0.05)  # the background worker is inside "first"
     for i in range(5):
         assert loader.prefetch(f"bg{i}", f"/p/bg{i}")
     assert not loader.prefetch("bg3", "/p/bg3")          # queued already: not twice
     assert not loader.prefetch("bg3", "/p/bg3", urgent=True)  # ...but moved ahead
     assert loader.prefetch("bad", "/p/bad", urgent=True)
     assert loader.in_flight() == 7
-    t0 = time.time()
-    loader.wait(0.2)  # nothing finishes while the gate is shut
-    assert time.time() - t0 >= 0.15
-    gate.set()
     got = {}
+    deadline = time.time() + 10
+    while len(got) < 2 and time.time() < deadline:  # the urgent ones do not wait for "first"
+        loader.wait(0.5)
+        for name, path, adapter, error in loader.poll():
+            got[name] = (adapter, error)
+    assert order == ["bg3", "bad"] and set(got) == {"bg3", "bad"}
+    t0 = time.time()
+    loader.wait(0.2)  # nothing else finishes while the gate is shut
+    assert time.time() - t0 >= 0.15 and not list(loader.poll())
+    gate.set()
     deadline = time.time() + 10
     while len(got) < 7 and time.time() < deadline:
         loader.wait(0.5)
         for name, path, adapter, error in loader.poll():
             got[name] = (adapter, error)
-    assert order == ["first", "bg3", "bad", "bg0", "bg1", "bg2", "bg4"]
+    assert order == ["bg3", "bad", "first", "bg0", "bg1", "bg2", "bg4"]
     assert isinstance(got["bad"][1], ValueError) and got["bad"][0] is None
     assert got["bg3"][0].name == "bg3" and loader.in_flight() == 0
     assert loader.submit("late", "/p/late").result(5).name == "late"
@@ -82,23 +88,29 @@ def test_background_reads_wait_while_held_and_urgent_ones_do_not():
     assert order == ["now", "asked", "bg1", "bg0", "bg2"]
 
 
-def test_reads_run_on_a_thread_below_the_engines():
-    """The worker runs at SCHED_IDLE where Linux allows it (else nice 19): a read only takes
-    what the engine's threads leave of the cores."""
+def test_reads_run_on_threads_below_the_engines():
+    """Reads a request waits for run at nice 19; run-time loads and speculative reads at
+    SCHED_IDLE where Linux allows it (else nice 19): all below the engine's threads, which stay
+    as they were."""
     import os
     seen = {}
 
     def read(name, path):
         tid = threading.get_native_id()
-        seen["policy"] = os.sched_getscheduler(tid) if hasattr(os, "sched_getscheduler") else None
-        seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
-        return _Adapter()
-
-    class _Adapter:
-        content_hash = b""
+        seen[name] = (os.sched_getscheduler(tid) if hasattr(os, "sched_getscheduler") else None,
+                      os.getpriority(os.PRIO_PROCESS, tid))
+        return _Adapter(name)
 
     loader = AdapterLoader(read)
-    loader.submit("x", "/x").result(timeout=10)
-    assert seen["policy"] == getattr(os, "SCHED_IDLE", None) or seen["nice"] == 19, seen
+    loader.submit("load", "/x").result(timeout=10)
+    assert loader.prefetch("urgent", "/u", urgent=True) and loader.prefetch("speculative", "/y")
+    deadline = time.time() + 10
+    while not {"urgent", "speculative"} <= set(seen) and time.time() < deadline:
+        loader.wait(0.2)
+    idle = getattr(os, "SCHED_IDLE", None)
+    assert seen["urgent"][1] == 19 and seen["urgent"][0] != idle, seen
+    for name in ("load", "speculative"):
+        assert seen[name][0] == idle or seen[name][1] == 19, seen
     if hasattr(os, "sched_getscheduler"):  # the engine's own thread is untouched
-        assert os.sched_getscheduler(threading.get_native_id()) != getattr(os, "SCHED_IDLE", -1)
+        assert os.sched_getscheduler(threading.get_native_id()) != idle
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 19

@@ -1,22 +1,24 @@
 """Reading adapters off the engine thread: disk read, validation, the host copy and its content
-hash run on one background worker, so that no engine step ever waits on a disk.
+hash run on background workers, so that no engine step ever waits on a disk.
 
     loader = AdapterLoader(read)            # read(name, path) -> LoRAAdapter (may raise AdapterError)
     loader.prefetch("x", "/adapters/x")     # starts a read unless one for (x, path) is in flight
-    loader.prefetch("x", "/adapters/x", urgent=True)   # a request waits for it: ahead of the rest
-    fut = loader.submit("y", "/adapters/y")  # a read whose caller waits on the future itself
+    loader.prefetch("x", "/adapters/x", urgent=True)   # a request waits for it: its own worker
+    fut = loader.submit("y", "/adapters/y")  # a run-time load; its caller waits on the future
     for name, path, adapter, error in loader.poll():   # finished reads, on the caller's thread
         ...
     loader.wait(0.05)                       # until some read finishes (or the timeout)
 
-Urgent reads (a waiting request's adapter, a run-time load) go before background ones (the
-adapters given at start, read ahead up to the host tier's size): with thousands registered, a
-request never queues behind the speculative reads. Background reads also wait while the engine
+Urgent reads (a waiting request's adapter) run on their own worker at nice 19: with thousands
+registered, a request never queues behind other reads. Run-time loads (`submit`) and background
+reads (the adapters given at start, read ahead up to the host tier's size) share a SCHED_IDLE
+worker, loads first: they take only what the engine's threads leave of the cores (measured in
+BENCHMARKS.md: load_during_decode.py, serving.py 512 Zipf). Background reads also wait while the engine
 has work (`hold_background(True)`, set by the engine around its steps): a speculative read takes
 CPU from the running streams (on a 2-core machine, 512 adapters registered and read ahead during
 traffic cost their steps ~2x), so they fill the host tier while the engine is idle instead.
 
-Plain Python (a thread pool), no jax: device writes stay with the engine, between steps.
+Plain Python (two threads), no jax: device writes stay with the engine, between steps.
 """
 
 from __future__ import annotations
@@ -40,61 +42,71 @@ def read_with_hash(read: Callable[[str, str], LoRAAdapter], name: str, path: str
     return adapter
 
 
-def _lower_priority() -> None:
-    """Run this worker thread at the lowest CPU priority Linux has (scheduling is per thread):
-    SCHED_IDLE, which runs only on what the engine's threads leave of the cores and yields to
-    them as soon as they wake; nice 19 where SCHED_IDLE is refused. A read then takes longer on
-    a busy machine; a step does not (for the kernels' side of it, multilora/kernels/parallel.h:
-    a thread that yields while it waits hands its core to this one until the next tick)."""
+def _lower_priority(idle: bool) -> None:
+    """Run this worker thread below the engine's threads (Linux schedules threads one by one).
+    idle: SCHED_IDLE, which runs only on what the engine's threads leave of the cores and yields
+    to them as soon as they wake: for speculative reads, which no request waits for. Otherwise
+    nice 19: a read a request waits for still gets its small share of a busy machine (at
+    SCHED_IDLE, 512 adapters drawn Zipf ran at 0.43x of 8 adapters instead of 0.68x: the waiting
+    requests started late). Where a policy is refused, the next lower one is tried."""
     tid = threading.get_native_id()
-    try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        return
-    except (AttributeError, OSError):
-        pass
+    if idle:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except (AttributeError, OSError):
+            pass
     try:
         os.setpriority(os.PRIO_PROCESS, tid, 19)
     except (AttributeError, OSError):  # not on this platform: reads run at normal priority
         pass
 
 
-def _work(ref: "weakref.ref[AdapterLoader]") -> None:
-    """A worker: runs reads while its loader lives (an engine dropped takes its loader, and so
-    this thread, with it: nothing here keeps either alive between reads)."""
-    _lower_priority()
+def _work(ref: "weakref.ref[AdapterLoader]", worker: int) -> None:
+    """One of the loader's two workers (URGENT: the reads requests wait for; BACKGROUND: run-time
+    loads and speculative reads): runs reads while its loader lives (an engine dropped takes its
+    loader, and so this thread, with it: nothing here keeps either alive between reads)."""
+    _lower_priority(idle=worker == AdapterLoader.BACKGROUND)
     while True:
         loader = ref()
         if loader is None:
             return
-        job = loader._next(timeout=1.0)
+        job = loader._next(worker, timeout=1.0)
         if job is not None:
             loader._run(*job)
         del loader, job
 
 
 class AdapterLoader:
-    URGENT, BACKGROUND = 0, 1
+    # URGENT: a request waits for it (nice-19 worker). LOAD: a run-time load, whose caller waits
+    # on the future (the idle worker, never held). BACKGROUND: speculative (the idle worker, held
+    # while the engine has work).
+    URGENT, LOAD, BACKGROUND = 0, 1, 2
 
-    def __init__(self, read: Callable[[str, str], LoRAAdapter], workers: int = 1):
+    def __init__(self, read: Callable[[str, str], LoRAAdapter]):
         self._read = read
         self._cv = threading.Condition()
-        self._queue: list = []      # heap of (priority, order, future, name, path)
+        # per worker, a heap of (priority, order, future, name, path)
+        self._queues: dict[int, list] = {self.URGENT: [], self.BACKGROUND: []}
         self._order = itertools.count()
         self._inflight: dict[tuple[str, str], Future] = {}
         self._hold = False          # background reads wait while the engine has work
-        for i in range(workers):  # the thread holds the loader weakly: it ends with its loader
-            threading.Thread(target=_work, args=(weakref.ref(self),), name=f"multilora-lora-load_{i}",
-                             daemon=True).start()
+        # Two workers, so that no other read delays one a request waits for; each holds the
+        # loader weakly and ends with it.
+        for worker, kind in ((self.URGENT, "urgent"), (self.BACKGROUND, "background")):
+            threading.Thread(target=_work, args=(weakref.ref(self), worker),
+                             name=f"multilora-lora-load-{kind}", daemon=True).start()
 
-    def _next(self, timeout: float):
-        """The next read to run, marked running (None after `timeout` with nothing to do)."""
+    def _next(self, worker: int, timeout: float):
+        """The worker's next read, marked running (None after `timeout` with nothing to do).
+        Speculative reads wait while held."""
+        queue = self._queues[worker]
         with self._cv:
             while True:
-                while not self._queue or (self._hold and self._queue[0][0] == self.BACKGROUND):
-                    # the heap's top is urgent whenever any urgent read is queued
+                while not queue or (queue[0][0] == self.BACKGROUND and self._hold):
                     if not self._cv.wait(timeout):
                         return None
-                _, _, fut, name, path = heapq.heappop(self._queue)
+                _, _, fut, name, path = heapq.heappop(queue)
                 # queued twice (moved ahead) and taken already, or cancelled: skip
                 if not (fut.running() or fut.done()) and fut.set_running_or_notify_cancel():
                     return fut, name, path
@@ -108,8 +120,9 @@ class AdapterLoader:
             self._cv.notify_all()
 
     def _enqueue(self, fut: Future, name: str, path: str, priority: int) -> None:
+        worker = self.URGENT if priority == self.URGENT else self.BACKGROUND
         with self._cv:
-            heapq.heappush(self._queue, (priority, next(self._order), fut, name, path))
+            heapq.heappush(self._queues[worker], (priority, next(self._order), fut, name, path))
             self._cv.notify_all()
 
     def hold_background(self, hold: bool) -> None:
@@ -121,10 +134,12 @@ class AdapterLoader:
                 self._cv.notify_all()
 
     def submit(self, name: str, path: str) -> Future:
-        """An urgent read on the loader's (low-priority) worker; the future holds the adapter or
-        the error. For callers that wait for it themselves (the server's /v1/load_lora_adapter)."""
+        """A run-time load on the idle worker, ahead of speculative reads and never held: it
+        takes only what the engine leaves of the cores, so the running streams do not pay for
+        it; the future holds the adapter or the error. For callers that wait for it themselves
+        (the server's /v1/load_lora_adapter)."""
         fut: Future = Future()
-        self._enqueue(fut, name, str(path), self.URGENT)
+        self._enqueue(fut, name, str(path), self.LOAD)
         return fut
 
     def prefetch(self, name: str, path: str, urgent: bool = False) -> bool:
