@@ -62,19 +62,51 @@ def _lower_priority(idle: bool) -> None:
         pass
 
 
-def _work(ref: "weakref.ref[AdapterLoader]", worker: int) -> None:
+class _Queues:
+    """What the workers share with their loader, without the loader: a worker waits on this, so
+    that while it waits it keeps no loader alive (two workers each holding it between their
+    waits would keep it alive for ever)."""
+
+    def __init__(self, read: Callable[[str, str], LoRAAdapter]):
+        self.read = read
+        self.cv = threading.Condition()
+        # per worker, a heap of (priority, order, future, name, path)
+        self.heaps: dict[int, list] = {AdapterLoader.URGENT: [], AdapterLoader.BACKGROUND: []}
+        self.hold = False          # background reads wait while the engine has work
+
+    def next(self, worker: int, timeout: float):
+        """The worker's next read, marked running (None after `timeout` with nothing to do).
+        Speculative reads wait while held."""
+        heap = self.heaps[worker]
+        with self.cv:
+            while True:
+                while not heap or (heap[0][0] == AdapterLoader.BACKGROUND and self.hold):
+                    if not self.cv.wait(timeout):
+                        return None
+                _, _, fut, name, path = heapq.heappop(heap)
+                # queued twice (moved ahead) and taken already, or cancelled: skip
+                if not (fut.running() or fut.done()) and fut.set_running_or_notify_cancel():
+                    return fut, name, path
+
+    def run(self, fut: Future, name: str, path: str) -> None:
+        try:
+            fut.set_result(read_with_hash(self.read, name, path))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever polls
+            fut.set_exception(e)
+        with self.cv:
+            self.cv.notify_all()
+
+
+def _work(queues: _Queues, ref: "weakref.ref[AdapterLoader]", worker: int) -> None:
     """One of the loader's two workers (URGENT: the reads requests wait for; BACKGROUND: run-time
     loads and speculative reads): runs reads while its loader lives (an engine dropped takes its
-    loader, and so this thread, with it: nothing here keeps either alive between reads)."""
+    loader, and so this thread, with it: the worker holds the loader only weakly)."""
     _lower_priority(idle=worker == AdapterLoader.BACKGROUND)
-    while True:
-        loader = ref()
-        if loader is None:
-            return
-        job = loader._next(worker, timeout=1.0)
+    while ref() is not None:
+        job = queues.next(worker, timeout=1.0)
         if job is not None:
-            loader._run(*job)
-        del loader, job
+            queues.run(*job)
+        del job
 
 
 class AdapterLoader:
@@ -84,53 +116,27 @@ class AdapterLoader:
     URGENT, LOAD, BACKGROUND = 0, 1, 2
 
     def __init__(self, read: Callable[[str, str], LoRAAdapter]):
-        self._read = read
-        self._cv = threading.Condition()
-        # per worker, a heap of (priority, order, future, name, path)
-        self._queues: dict[int, list] = {self.URGENT: [], self.BACKGROUND: []}
+        self._q = _Queues(read)
+        self._cv = self._q.cv
         self._order = itertools.count()
         self._inflight: dict[tuple[str, str], Future] = {}
-        self._hold = False          # background reads wait while the engine has work
-        # Two workers, so that no other read delays one a request waits for; each holds the
-        # loader weakly and ends with it.
+        # Two workers, so that no other read delays one a request waits for.
         for worker, kind in ((self.URGENT, "urgent"), (self.BACKGROUND, "background")):
-            threading.Thread(target=_work, args=(weakref.ref(self), worker),
+            threading.Thread(target=_work, args=(self._q, weakref.ref(self), worker),
                              name=f"multilora-lora-load-{kind}", daemon=True).start()
-
-    def _next(self, worker: int, timeout: float):
-        """The worker's next read, marked running (None after `timeout` with nothing to do).
-        Speculative reads wait while held."""
-        queue = self._queues[worker]
-        with self._cv:
-            while True:
-                while not queue or (queue[0][0] == self.BACKGROUND and self._hold):
-                    if not self._cv.wait(timeout):
-                        return None
-                _, _, fut, name, path = heapq.heappop(queue)
-                # queued twice (moved ahead) and taken already, or cancelled: skip
-                if not (fut.running() or fut.done()) and fut.set_running_or_notify_cancel():
-                    return fut, name, path
-
-    def _run(self, fut: Future, name: str, path: str) -> None:
-        try:
-            fut.set_result(read_with_hash(self._read, name, path))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever polls
-            fut.set_exception(e)
-        with self._cv:
-            self._cv.notify_all()
 
     def _enqueue(self, fut: Future, name: str, path: str, priority: int) -> None:
         worker = self.URGENT if priority == self.URGENT else self.BACKGROUND
         with self._cv:
-            heapq.heappush(self._queues[worker], (priority, next(self._order), fut, name, path))
+            heapq.heappush(self._q.heaps[worker], (priority, next(self._order), fut, name, path))
             self._cv.notify_all()
 
     def hold_background(self, hold: bool) -> None:
         """Hold (True) or release background reads; urgent ones always run. A read already
         started finishes."""
         with self._cv:
-            if hold != self._hold:
-                self._hold = hold
+            if hold != self._q.hold:
+                self._q.hold = hold
                 self._cv.notify_all()
 
     def submit(self, name: str, path: str) -> Future:
