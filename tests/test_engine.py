@@ -608,7 +608,7 @@ def test_a_slow_adapter_read_delays_only_its_own_requests(engine, model_dir, sho
     read that fails fails only its own requests."""
     import threading
     gate = threading.Event()
-    real_read = engine.loader._read
+    real_read = engine.loader._q.read
 
     def slow_read(name, path):
         assert gate.wait(timeout=120), "the test never released the read"
@@ -616,7 +616,7 @@ def test_a_slow_adapter_read_delays_only_its_own_requests(engine, model_dir, sho
 
     engine.load_lora_adapter("slow", str(short_dirs["d"]))
     engine.registry._pop_host("slow")  # as if evicted from the host tier: the next use reads the folder
-    engine.loader._read = slow_read
+    engine.loader._q.read = slow_read
     try:
         prompts = prompts_of(71, [9, 14, 6])
         loras = [None, "slow", "a"]
@@ -644,7 +644,7 @@ def test_a_slow_adapter_read_delays_only_its_own_requests(engine, model_dir, sho
         def failing_read(name, path):
             raise AdapterError(name, "the folder went bad")
 
-        engine.loader._read = failing_read
+        engine.loader._q.read = failing_read
         outs = engine.generate(prompts[:2], GREEDY, lora=[None, "slow"])
         assert outs[1].finish_reason == "error" and "went bad" in outs[1].error
         assert outs[0].finish_reason == "length"
@@ -652,7 +652,7 @@ def test_a_slow_adapter_read_delays_only_its_own_requests(engine, model_dir, sho
         assert_clean(engine)
     finally:
         gate.set()
-        engine.loader._read = real_read
+        engine.loader._q.read = real_read
         engine.unload_lora_adapter("slow")
 
 
