@@ -211,11 +211,6 @@ def bf16_gemm_isas() -> tuple[str, ...]:
     return BF16_GEMM_ISAS[1:BF16_GEMM_ISAS.index(best) + 1] if best else ()
 
 
-def amx_available() -> bool:
-    """True where gemm_bf16 runs on AMX tiles."""
-    return bf16_gemm_isa() == "amx"
-
-
 def pack_bf16(w_LKN) -> jax.Array:
     """Stacked (L, K, N) weights in gemm_bf16's tile layout, bfloat16 (L, J, I, 16, 32):
     w[l, j, i, r, 2c + e] = W[l, 32i + 2r + e, 16j + c], zero past K and N (J = 2 ceil(N / 32),

@@ -225,10 +225,7 @@ def probe_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_
     """Validate an adapter folder from its config and its safetensors header only (names,
     dtypes, shapes, ranks against the base model and max_lora_rank), reading none of its
     weights; what only the weights can tell (NaN or Inf) is checked when load_adapter reads them."""
-    folder = Path(path)
-    cfg = _read_config(name, folder)
-    _check_config(name, cfg)
-    weights_file = _weights_file(name, folder)
+    folder, cfg, weights_file = _checked_folder(name, path)
     try:
         shapes = {k: shape for k, (_, shape) in read_header(weights_file).items()}
         st = weights_file.stat()
@@ -250,10 +247,20 @@ def _read_weights(name: str, weights_file: Path) -> dict[str, np.ndarray]:
         raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
 
 
-def _first_not_finite(name: str, keys, tensors) -> None:
+def _checked_folder(name: str, path: str | Path) -> tuple[Path, dict, Path]:
+    """The folder, its checked adapter_config.json and its weights file: what both reads share."""
+    folder = Path(path)
+    cfg = _read_config(name, folder)
+    _check_config(name, cfg)
+    return folder, cfg, _weights_file(name, folder)
+
+
+def _not_finite(name: str, keys, tensors) -> AdapterError:
+    """The error for a module whose float32 copy holds NaN or Inf, naming the first such tensor."""
     for key in keys:
         if not np.isfinite(tensors[key].astype(np.float32)).all():
-            raise AdapterError(name, f"tensor {key!r} holds NaN or Inf values")
+            return AdapterError(name, f"tensor {key!r} holds NaN or Inf values")
+    return AdapterError(name, f"tensors {sorted(keys)} hold NaN or Inf values")
 
 
 def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
@@ -261,10 +268,8 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_r
     Runs beside decoding streams (on the loader's thread), so its work is a few large numpy
     operations, which release the GIL, rather than many small ones: one read of the file,
     views into it (safetensors_views), one copy per tensor and one finite check per module."""
-    folder = Path(path)
-    cfg = _read_config(name, folder)
-    _check_config(name, cfg)
-    tensors = _read_weights(name, _weights_file(name, folder))
+    folder, cfg, weights_file = _checked_folder(name, path)
+    tensors = _read_weights(name, weights_file)
     plan, max_rank, default_scaling = _plan(name, cfg, {k: v.shape for k, v in tensors.items()},
                                             model_cfg, max_lora_rank)
     modules = {}
@@ -278,7 +283,7 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_r
             a_LRI[layer, :r] = tensors[ka]
             b_LOR[layer, :, :r] = tensors[kb]
         if not (np.isfinite(a_LRI).all() and np.isfinite(b_LOR).all()):
-            _first_not_finite(name, [k for ka, kb, _ in layers.values() for k in (ka, kb)], tensors)
+            raise _not_finite(name, [k for ka, kb, _ in layers.values() for k in (ka, kb)], tensors)
         for layer, (_, _, ratio) in layers.items():
             if ratio != 1.0:
                 b_LOR[layer] *= ratio
