@@ -8,7 +8,8 @@ layers copies nothing either), take a slot's tokens together so its rows are rea
 and stop at each slot's true rank. A group (q/k/v, gate/up, or one projection) is one call:
 shrink and expand per work item, the item's h kept local (each call and each spread over the
 threads costs tens of microseconds, which at decode shapes was more than the arithmetic).
-Float32 or bfloat16 pools on the CPU, on one device (under tensor parallelism the XLA backends
+Float32 or bfloat16 pools on the CPU (on a bf16 pool where the CPU has AVX512-BF16, the group
+calls multiply bf16 pairs: x and h rounded to bf16, sums float32), on one device (under tensor parallelism the XLA backends
 keep their shardings); `auto` picks it for every shape when it is available.
 """
 
