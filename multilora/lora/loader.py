@@ -9,8 +9,11 @@ hash run on background workers, so that no engine step ever waits on a disk.
         ...
     loader.wait(0.05)                       # until some read finishes (or the timeout)
 
-Urgent reads (a waiting request's adapter) run on their own worker at nice 19: with thousands
-registered, a request never queues behind other reads. Run-time loads (`submit`) and background
+Urgent reads (a waiting request's adapter) run on their own workers (two) at nice 19: with
+thousands registered, a request never queues behind other reads, and a burst of first uses (a
+deployment's first minute: every request names an adapter not read yet) is read on both cores
+while the engine has nothing else to run (40 adapters of 19.6 MB: 1.1-1.7 s against 2.0-2.1 s
+on one worker, an idle 2-core machine). Run-time loads (`submit`) and background
 reads (the adapters given at start, read ahead up to the host tier's size) share a SCHED_IDLE
 worker, loads first: they take only what the engine's threads leave of the cores (measured in
 BENCHMARKS.md: load_during_decode.py, serving.py 512 Zipf). Background reads also wait while the engine
@@ -64,7 +67,7 @@ def _lower_priority(idle: bool) -> None:
 
 class _Queues:
     """What the workers share with their loader, without the loader: a worker waits on this, so
-    that while it waits it keeps no loader alive (two workers each holding it between their
+    that while it waits it keeps no loader alive (workers each holding it between their
     waits would keep it alive for ever)."""
 
     def __init__(self, read: Callable[[str, str], LoRAAdapter]):
@@ -98,8 +101,8 @@ class _Queues:
 
 
 def _work(queues: _Queues, ref: "weakref.ref[AdapterLoader]", worker: int) -> None:
-    """One of the loader's two workers (URGENT: the reads requests wait for; BACKGROUND: run-time
-    loads and speculative reads): runs reads while its loader lives (an engine dropped takes its
+    """One of the loader's workers (URGENT, two of them: the reads requests wait for; BACKGROUND:
+    run-time loads and speculative reads): runs reads while its loader lives (an engine dropped takes its
     loader, and so this thread, with it: the worker holds the loader only weakly)."""
     _lower_priority(idle=worker == AdapterLoader.BACKGROUND)
     while ref() is not None:
@@ -110,7 +113,7 @@ def _work(queues: _Queues, ref: "weakref.ref[AdapterLoader]", worker: int) -> No
 
 
 class AdapterLoader:
-    # URGENT: a request waits for it (nice-19 worker). LOAD: a run-time load, whose caller waits
+    # URGENT: a request waits for it (two nice-19 workers). LOAD: a run-time load, whose caller waits
     # on the future (the idle worker, never held). BACKGROUND: speculative (the idle worker, held
     # while the engine has work).
     URGENT, LOAD, BACKGROUND = 0, 1, 2
@@ -120,8 +123,9 @@ class AdapterLoader:
         self._cv = self._q.cv
         self._order = itertools.count()
         self._inflight: dict[tuple[str, str], Future] = {}
-        # Two workers, so that no other read delays one a request waits for.
-        for worker, kind in ((self.URGENT, "urgent"), (self.BACKGROUND, "background")):
+        # Separate workers, so that no other read delays one a request waits for; two of those,
+        # so that a burst of first uses is read on two cores while the engine waits for it.
+        for worker, kind in ((self.URGENT, "urgent"), (self.URGENT, "urgent-2"), (self.BACKGROUND, "background")):
             threading.Thread(target=_work, args=(self._q, weakref.ref(self), worker),
                              name=f"multilora-lora-load-{kind}", daemon=True).start()
 
