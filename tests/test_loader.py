@@ -88,10 +88,10 @@ def test_background_reads_wait_while_held_and_urgent_ones_do_not():
     assert order == ["now", "asked", "bg1", "bg0", "bg2"]
 
 
-def test_reads_run_on_threads_below_the_engines():
-    """Reads a request waits for run at nice 19; run-time loads and speculative reads at
-    SCHED_IDLE where Linux allows it (else nice 19): all below the engine's threads, which stay
-    as they were."""
+def test_reads_run_at_their_priorities():
+    """Reads a request waits for run at the engine's priority (normal, nice 0); run-time loads
+    and speculative reads below it, at SCHED_IDLE where Linux allows it (else nice 19); the
+    engine's own thread stays as it was."""
     import os
     seen = {}
 
@@ -108,7 +108,8 @@ def test_reads_run_on_threads_below_the_engines():
     while not {"urgent", "speculative"} <= set(seen) and time.time() < deadline:
         loader.wait(0.2)
     idle = getattr(os, "SCHED_IDLE", None)
-    assert seen["urgent"][1] == 19 and seen["urgent"][0] != idle, seen
+    assert seen["urgent"][1] == os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), seen
+    assert seen["urgent"][0] != idle, seen
     for name in ("load", "speculative"):
         assert seen[name][0] == idle or seen[name][1] == 19, seen
     if hasattr(os, "sched_getscheduler"):  # the engine's own thread is untouched

@@ -3,25 +3,26 @@ hash run on background workers, so that no engine step ever waits on a disk.
 
     loader = AdapterLoader(read)            # read(name, path) -> LoRAAdapter (may raise AdapterError)
     loader.prefetch("x", "/adapters/x")     # starts a read unless one for (x, path) is in flight
-    loader.prefetch("x", "/adapters/x", urgent=True)   # a request waits for it: its own worker
+    loader.prefetch("x", "/adapters/x", urgent=True)   # a request waits for it: its own workers
     fut = loader.submit("y", "/adapters/y")  # a run-time load; its caller waits on the future
     for name, path, adapter, error in loader.poll():   # finished reads, on the caller's thread
         ...
     loader.wait(0.05)                       # until some read finishes (or the timeout)
 
-Urgent reads (a waiting request's adapter) run on their own workers (two) at nice 19: with
-thousands registered, a request never queues behind other reads, and a burst of first uses (a
-deployment's first minute: every request names an adapter not read yet) is read on both cores
-while the engine has nothing else to run (40 adapters of 19.6 MB: 1.1-1.7 s against 2.0-2.1 s
-on one worker, an idle 2-core machine). Run-time loads (`submit`) and background
-reads (the adapters given at start, read ahead up to the host tier's size) share a SCHED_IDLE
-worker, loads first: they take only what the engine's threads leave of the cores (measured in
-BENCHMARKS.md: load_during_decode.py, serving.py 512 Zipf). Background reads also wait while the engine
-has work (`hold_background(True)`, set by the engine around its steps): a speculative read takes
-CPU from the running streams (on a 2-core machine, 512 adapters registered and read ahead during
-traffic cost their steps ~2x), so they fill the host tier while the engine is idle instead.
+Urgent reads (a waiting request's adapter) run on their own workers (two) at normal priority (a
+waiting request is as urgent as the running streams' next tokens): with thousands registered, a
+request never queues behind other reads, and a burst of first uses (a deployment's first minute:
+every request names an adapter not read yet) is read on both cores while the engine has nothing
+else to run (40 adapters of 19.6 MB: 1.1-1.7 s against 2.0-2.1 s on one worker, an idle 2-core
+machine). Run-time loads (`submit`) and background reads (the adapters given at start, read
+ahead up to the host tier's size) share a SCHED_IDLE worker, loads first: they take only what
+the engine's threads leave of the cores (measured in BENCHMARKS.md: load_during_decode.py,
+serving.py 512 Zipf). Background reads also wait while the engine has work
+(`hold_background(True)`, set by the engine around its steps): a speculative read takes CPU from
+the running streams (on a 2-core machine, 512 adapters registered and read ahead during traffic
+cost their steps ~2x), so they fill the host tier while the engine is idle instead.
 
-Plain Python (two threads), no jax: device writes stay with the engine, between steps.
+Plain Python (three threads), no jax: device writes stay with the engine, between steps.
 """
 
 from __future__ import annotations
@@ -45,20 +46,20 @@ def read_with_hash(read: Callable[[str, str], LoRAAdapter], name: str, path: str
     return adapter
 
 
-def _lower_priority(idle: bool) -> None:
-    """Run this worker thread below the engine's threads (Linux schedules threads one by one).
-    idle: SCHED_IDLE, which runs only on what the engine's threads leave of the cores and yields
-    to them as soon as they wake: for speculative reads, which no request waits for. Otherwise
-    nice 19: a read a request waits for still gets its small share of a busy machine (at
-    SCHED_IDLE, 512 adapters drawn Zipf ran at 0.43x of 8 adapters instead of 0.68x: the waiting
-    requests started late). Where a policy is refused, the next lower one is tried."""
+def _lower_priority() -> None:
+    """Run this worker thread below the engine's threads (Linux schedules threads one by one):
+    SCHED_IDLE, which runs only on what the engine's threads leave of the cores and yields to them
+    as soon as they wake, for reads no request waits for (run-time loads, read-ahead); nice 19
+    where SCHED_IDLE is refused. Reads a request waits for stay at normal priority: starved, they
+    start their requests late and the steps run small (serving.py, 512 adapters drawn Zipf, 42
+    used: 0.43x of 8 adapters with those reads at SCHED_IDLE, 0.68x at nice 19, 0.79x at normal
+    priority, where every adapter was read before the first decode step; BENCHMARKS.md)."""
     tid = threading.get_native_id()
-    if idle:
-        try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            return
-        except (AttributeError, OSError):
-            pass
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
     try:
         os.setpriority(os.PRIO_PROCESS, tid, 19)
     except (AttributeError, OSError):  # not on this platform: reads run at normal priority
@@ -104,7 +105,8 @@ def _work(queues: _Queues, ref: "weakref.ref[AdapterLoader]", worker: int) -> No
     """One of the loader's workers (URGENT, two of them: the reads requests wait for; BACKGROUND:
     run-time loads and speculative reads): runs reads while its loader lives (an engine dropped takes its
     loader, and so this thread, with it: the worker holds the loader only weakly)."""
-    _lower_priority(idle=worker == AdapterLoader.BACKGROUND)
+    if worker == AdapterLoader.BACKGROUND:
+        _lower_priority()
     while ref() is not None:
         job = queues.next(worker, timeout=1.0)
         if job is not None:
@@ -113,7 +115,7 @@ def _work(queues: _Queues, ref: "weakref.ref[AdapterLoader]", worker: int) -> No
 
 
 class AdapterLoader:
-    # URGENT: a request waits for it (two nice-19 workers). LOAD: a run-time load, whose caller waits
+    # URGENT: a request waits for it (two workers, normal priority). LOAD: a run-time load, whose caller waits
     # on the future (the idle worker, never held). BACKGROUND: speculative (the idle worker, held
     # while the engine has work).
     URGENT, LOAD, BACKGROUND = 0, 1, 2
