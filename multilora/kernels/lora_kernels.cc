@@ -19,10 +19,17 @@
 // expand, as a bf16 PEFT layer rounds them; products exact, sums float32), half the instructions
 // and no widening: 0.75x the time of the widened path with one adapter on 64 tokens (compute
 // bound), the same with 40 (memory bound); BENCHMARKS.md. The float32 pool stays the exact path.
+//
+// In a step with tens of adapters an item is one adapter's rows for one or two tokens: it ends
+// before the hardware prefetchers have learnt its streams, and the reads ran at about half the
+// machine's streaming rate. The group call therefore splits its items into contiguous runs, one
+// per core, and each item fetches the next one's rows while it computes (as many lines as it has
+// just read): 0.74-0.80x the time with 40 adapters, float32 or bf16 pools (BENCHMARKS.md).
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -112,12 +119,66 @@ inline float hsum(f16v v) {
   return s;
 }
 
+// The next item's rows (its A rows of every block, then its B rows), fetched into cache a few lines
+// at a time while the current item computes, as many lines as the current one has just read: an
+// item is one adapter's rows for one or two tokens in a step with tens of adapters, so it ends
+// before the hardware prefetchers have learnt its streams.
+struct NextRows {
+  struct Run {
+    const char* p;  // 64-byte aligned
+    int64_t lines;
+  };
+  std::vector<Run> runs;
+  size_t run = 0;
+  int64_t line = 0;
+
+  template <typename W>
+  void add(const W* p, int64_t n) {
+    const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63);
+    const uintptr_t last = (reinterpret_cast<uintptr_t>(p + n) - 1) & ~uintptr_t(63);
+    runs.push_back({reinterpret_cast<const char*>(first), static_cast<int64_t>((last - first) / 64 + 1)});
+  }
+  void fetch(int64_t n) {
+    for (; n > 0 && run < runs.size(); --n) {
+      __builtin_prefetch(runs[run].p + 64 * line, 0, 2);
+      if (++line == runs[run].lines) ++run, line = 0;
+    }
+  }
+};
+
+// Runs fn(item, next) for every item, next the item's successor's rows being fetched (nullptr for
+// the last of a run): the items split into contiguous runs balanced by weight (a token's
+// arithmetic plus an item's rows, two tokens' worth), one per core.
+template <typename RowsOf, typename Fn>
+void items_fetching_ahead(ffi::ThreadPool& pool, const std::vector<Item>& items, const RowsOf& rows_of,
+                          const Fn& fn) {
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>({n_items, cores, pool.num_threads() + 1}));
+  int64_t total = 0;
+  for (const Item& it : items) total += it.n + 2;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int64_t i = 0, acc = 0, p = 0; p < parts; ++p) {
+    const int64_t begin = i;
+    while (i < n_items && (p == parts - 1 || (acc + items[i].n + 2) * parts <= total * (p + 1))) acc += items[i++].n + 2;
+    if (i == begin && i < n_items) acc += items[i++].n + 2;  // every run takes at least one item
+    ranges.push_back({begin, i});
+  }
+  parallel_items(pool, ranges, [&](const std::pair<int64_t, int64_t>& r) {
+    for (int64_t i = r.first; i < r.second; ++i) {
+      NextRows next;
+      if (i + 1 < r.second) rows_of(items[i + 1], next);
+      fn(items[i], next.runs.empty() ? nullptr : &next);
+    }
+  });
+}
+
 // hout[k][col] = scale * dot(x[tok k], row) for the N tokens of an item, the row read once: the
 // N dots advance together (independent FMA chains hide the FMA latency; fewer tokens take two
 // each).
 template <int N, typename W>
 void shrink_row(const Item& it, const float* __restrict x, int64_t D, const W* __restrict row,
-                float scale, float* const* hout, int64_t col) {
+                float scale, float* const* hout, int64_t col, NextRows* next = nullptr) {
   constexpr int C = N >= 4 ? 1 : 2;  // accumulators per token
   const float* xs[N];
   for (int k = 0; k < N; ++k) xs[k] = x + it.tok[k] * D;
@@ -141,15 +202,17 @@ void shrink_row(const Item& it, const float* __restrict x, int64_t D, const W* _
     for (int64_t e = d; e < D; ++e) a += xs[k][e] * widen(row[e]);
     hout[k][col] = scale * a;
   }
+  if (next) next->fetch((D * int64_t(sizeof(W)) + 63) / 64);
 }
 
 // yout[k][:] = sum_r hin[k][r] * B[r, :] for the N tokens of an item: each block of outputs is
 // accumulated in registers while the rank's rows stream by (B read once per item).
 template <int N, typename W>
 void expand_item(const float* const* hin, int64_t rank, const W* const* b_rows, int64_t O,
-                 float* const* yout) {
+                 float* const* yout, NextRows* next = nullptr) {
   int64_t o0 = 0;
   for (; o0 + 32 <= O; o0 += 32) {
+    if (next) next->fetch(rank * int64_t(sizeof(W)) / 2);  // the lines this block reads
     f16v acc[N][2] = {};
     for (int64_t r = 0; r < rank; ++r) {
       // Each rank row is a separate stream, each read 32 outputs at a time: fetched ahead here
@@ -225,13 +288,25 @@ struct Slots {
 // h_k[j * R + r] for the item's tokens: its slot's rows of every block of the A pool layer.
 template <int N, typename W>
 void shrink_item(const Item& it, const float* x, int64_t D, const W* a, int64_t U, int64_t blocks,
-                 const Slots& sl, float* const* hout) {
+                 const Slots& sl, float* const* hout, NextRows* next = nullptr) {
   const int64_t rank = sl.rank(it.slot);
   for (int64_t j = 0; j < blocks; ++j) {
     const SlotRows<W> rows(a + j * U * D, D, sl.rows, it.slot, sl.R, rank, U);
     for (int64_t r = 0; r < rank; ++r)
-      shrink_row<N>(it, x, D, rows.rows[r], sl.scalings[it.slot], hout, j * sl.R + r);
+      shrink_row<N>(it, x, D, rows.rows[r], sl.scalings[it.slot], hout, j * sl.R + r, next);
   }
+}
+
+// An item's rows of a group: A's of every block, then B's of every block (in the order they are
+// read), for NextRows.
+template <typename W>
+void group_rows(const Item& it, const W* a, int64_t D, int64_t U, int64_t blocks, const W* const* b,
+                const int64_t* O, const Slots& sl, NextRows& out) {
+  const int64_t rank = sl.rank(it.slot);
+  for (int64_t j = 0; j < blocks; ++j)
+    for (int64_t r = 0; r < rank; ++r) out.add(a + (j * U + pool_row(sl.rows, it.slot, sl.R, r, U)) * D, D);
+  for (int64_t j = 0; j < blocks; ++j)
+    for (int64_t r = 0; r < rank; ++r) out.add(b[j] + pool_row(sl.rows, it.slot, sl.R, r, U) * O[j], O[j]);
 }
 
 template <typename W>
@@ -266,20 +341,21 @@ void apply_items(ffi::ThreadPool& pool, const std::vector<Item>& items, const fl
                  const W* a, int64_t U, int64_t blocks, const W* const* b, const int64_t* O,
                  const Slots& sl, float* const* y) {
   const int64_t RT = blocks * sl.R;
-  parallel_items(pool, items, [&](const Item& it) {
+  auto rows_of = [&](const Item& it, NextRows& out) { group_rows(it, a, D, U, blocks, b, O, sl, out); };
+  items_fetching_ahead(pool, items, rows_of, [&](const Item& it, NextRows* next) {
     std::vector<float> h(it.n * RT);
     float* hout[kRows];
     for (int64_t k = 0; k < it.n; ++k) hout[k] = h.data() + k * RT;
     with_count(it.n, [&](auto n) {
       constexpr int N = decltype(n)::value;
-      shrink_item<N>(it, x, D, a, U, blocks, sl, hout);
+      shrink_item<N>(it, x, D, a, U, blocks, sl, hout, next);
       for (int64_t j = 0; j < blocks; ++j) {
         const SlotRows<W> rows(b[j], O[j], sl.rows, it.slot, sl.R, sl.rank(it.slot), U);
         const float* hin[kRows];
         float* yout[kRows];
         for (int k = 0; k < N; ++k) hin[k] = hout[k] + j * sl.R;
         token_rows(it, y[j], O[j], yout);
-        expand_item<N>(hin, sl.rank(it.slot), rows.rows, O[j], yout);
+        expand_item<N>(hin, sl.rank(it.slot), rows.rows, O[j], yout, next);
       }
     });
   });
@@ -312,7 +388,8 @@ void round_rows(const float* x, int64_t T, int64_t D, int64_t Dp, bf16* out) {
 // row's tail is read masked (it ends at D), x's rows are padded with zeros to a multiple of 32.
 template <int N>
 void shrink_row_dp(const Item& it, const bf16* __restrict xb, int64_t Dp, int64_t D,
-                   const bf16* __restrict row, float scale, float* const* hout, int64_t col) {
+                   const bf16* __restrict row, float scale, float* const* hout, int64_t col,
+                   NextRows* next) {
   constexpr int C = N >= 4 ? 1 : 2;
   const bf16* xs[N];
   for (int k = 0; k < N; ++k) xs[k] = xb + it.tok[k] * Dp;
@@ -337,6 +414,7 @@ void shrink_row_dp(const Item& it, const bf16* __restrict xb, int64_t Dp, int64_
     for (int c = 1; c < C; ++c) v = _mm512_add_ps(v, acc[k][c]);
     hout[k][col] = scale * _mm512_reduce_add_ps(v);
   }
+  if (next) next->fetch((D * 2 + 63) / 64);
 }
 
 // yout[k][:] = sum_r h[k][r] * B[r, :] with h as bf16 pairs (hpair[k][i] = h[2i], h[2i+1]): two
@@ -345,7 +423,7 @@ void shrink_row_dp(const Item& it, const bf16* __restrict xb, int64_t Dp, int64_
 // them back in order.
 template <int N>
 void expand_item_dp(const uint32_t* const* hpair, int64_t rank, const bf16* const* b_rows, int64_t O,
-                    float* const* yout) {
+                    float* const* yout, NextRows* next) {
   static const __m512i kUnLo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   static const __m512i kUnHi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   const int64_t pairs = (rank + 1) / 2;
@@ -371,6 +449,7 @@ void expand_item_dp(const uint32_t* const* hpair, int64_t rank, const bf16* cons
         acc[k][1] = _mm512_dpbf16_ps(acc[k][1], hv, p1);
       }
     }
+    if (next) next->fetch(rank);
     const __mmask16 m0 = __mmask16(m), m1 = __mmask16(m >> 16);
     for (int k = 0; k < N; ++k) {
       _mm512_mask_storeu_ps(yout[k] + o0, m0, _mm512_permutex2var_ps(acc[k][0], kUnLo, acc[k][1]));
@@ -395,7 +474,8 @@ void apply_items_dp(ffi::ThreadPool& pool, const std::vector<Item>& items, const
                     int64_t D, const bf16* a, int64_t U, int64_t blocks, const bf16* const* b,
                     const int64_t* O, const Slots& sl, float* const* y) {
   const int64_t RT = blocks * sl.R;
-  parallel_items(pool, items, [&](const Item& it) {
+  auto rows_of = [&](const Item& it, NextRows& out) { group_rows(it, a, D, U, blocks, b, O, sl, out); };
+  items_fetching_ahead(pool, items, rows_of, [&](const Item& it, NextRows* next) {
     const int64_t rank = sl.rank(it.slot);
     std::vector<float> h(it.n * RT);
     std::vector<uint32_t> hp(it.n * ((rank + 1) / 2));
@@ -407,14 +487,14 @@ void apply_items_dp(ffi::ThreadPool& pool, const std::vector<Item>& items, const
       for (int64_t j = 0; j < blocks; ++j) {
         const SlotRows<bf16> rows(a + j * U * D, D, sl.rows, it.slot, sl.R, rank, U);
         for (int64_t r = 0; r < rank; ++r)
-          shrink_row_dp<N>(it, xb, Dp, D, rows.rows[r], sl.scalings[it.slot], hout, j * sl.R + r);
+          shrink_row_dp<N>(it, xb, Dp, D, rows.rows[r], sl.scalings[it.slot], hout, j * sl.R + r, next);
       }
       for (int64_t j = 0; j < blocks; ++j) {
         const SlotRows<bf16> rows(b[j], O[j], sl.rows, it.slot, sl.R, rank, U);
         for (int k = 0; k < N; ++k) pair_bf16(hout[k] + j * sl.R, rank, hpair[k]);
         float* yout[kRows];
         token_rows(it, y[j], O[j], yout);
-        expand_item_dp<N>(hpair, rank, rows.rows, O[j], yout);
+        expand_item_dp<N>(hpair, rank, rows.rows, O[j], yout, next);
       }
     });
   });
