@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 from safetensors.torch import load_file as torch_load_file
 from safetensors.torch import save_file as torch_save_file
 
-from multilora.lora.safetensors_views import read_header, read_views
+from multilora.lora.safetensors_views import Scratch, read_header, read_views
 
 
 def _tensors():
@@ -23,6 +23,39 @@ def _tensors():
             "b.weight": rng.standard_normal((3,)).astype(np.float64),
             "empty": np.zeros((0, 5), np.float32),
             "scalar": np.full((), 2.5, np.float32)}
+
+
+def test_a_reused_scratch_reads_the_same_and_never_overwrites_live_views(tmp_path):
+    """Reads into a reused buffer equal plain reads; while the last read's views are alive the
+    next read takes a new buffer (those views keep their values), and once they are dropped the
+    buffer is reused. A larger file grows it; a truncated one is still refused."""
+    scratch = Scratch()
+    first, second = tmp_path / "1.safetensors", tmp_path / "2.safetensors"
+    want = _tensors()
+    save_file(want, first)
+    other = {k: np.asarray(v + 1, v.dtype) for k, v in want.items()}
+    other["big"] = np.arange(10_000, dtype=np.float32)
+    save_file(other, second)
+    got = read_views(second, scratch)        # the larger file first: the buffer fits both
+    for k, v in other.items():
+        np.testing.assert_array_equal(got[k], v)
+        assert not got[k].flags.writeable
+    got2 = read_views(first, scratch)        # `got` is alive: a new buffer, `got` unchanged
+    for k, v in other.items():
+        np.testing.assert_array_equal(got[k], v)
+    for k, v in want.items():
+        np.testing.assert_array_equal(got2[k], v)
+    del got, got2
+    buf = scratch.take(1)
+    reused = buf.obj
+    del buf
+    got3 = read_views(first, scratch)        # nothing alive: the same buffer again
+    assert np.shares_memory(got3["a.lora_A.weight"], np.frombuffer(reused, np.uint8))
+    del got3
+    path = tmp_path / "cut.safetensors"
+    path.write_bytes(first.read_bytes()[:-4])
+    with pytest.raises(ValueError):
+        read_views(path, scratch)
 
 
 def test_views_equal_the_library_read(tmp_path):

@@ -13,13 +13,14 @@ import json
 import math
 import re
 import struct
+import threading
 from pathlib import Path
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for bf16 adapters)
 import numpy as np
 
 from multilora.config import LORA_MODULES, LoRAType, ModelConfig
-from multilora.lora.safetensors_views import read_header, read_views
+from multilora.lora.safetensors_views import Scratch, read_header, read_views
 
 _KEY_RE = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.(?:[\w-]+\.)?weight$")
 _ALL_LINEAR = "all-linear"
@@ -240,9 +241,16 @@ def probe_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_
                         fingerprint=h.digest())
 
 
+_scratch = threading.local()  # each reading thread's reused read buffer
+
+
 def _read_weights(name: str, weights_file: Path) -> dict[str, np.ndarray]:
+    """The file's tensors as views into this thread's read buffer: load_adapter copies them out
+    (into the host copy's arrays) before the thread reads again."""
+    if not hasattr(_scratch, "buf"):
+        _scratch.buf = Scratch()
     try:
-        return read_views(weights_file)
+        return read_views(weights_file, _scratch.buf)
     except (OSError, ValueError) as e:
         raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
 

@@ -7,6 +7,7 @@ with one call (the GIL is released during it), the header is parsed and checked,
 is a view: no per-tensor copy.
 
     tensors = read_views(path)      # {name: read-only np.ndarray}; ValueError or OSError if bad
+    tensors = read_views(path, scratch)  # the same, read into a reused buffer (Scratch)
     header = read_header(path)      # {name: (dtype name, shape)}, reading the header alone
 
 Format (https://github.com/huggingface/safetensors): 8 bytes little-endian header length N, N
@@ -21,6 +22,7 @@ import math
 import os
 import struct
 from pathlib import Path
+from typing import Optional
 
 import ml_dtypes
 import numpy as np
@@ -81,12 +83,40 @@ def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {k: (str(dtype), shape) for k, (dtype, shape, _) in entries.items()}
 
 
-def read_views(path: str | Path) -> dict[str, np.ndarray]:
+class Scratch:
+    """A read buffer reused across reads (keep one per thread): a fresh buffer of an adapter's
+    size costs more in page faults than reading the file. A buffer still viewed (arrays of the
+    last read alive) is never written again: a new one is taken."""
+
+    def __init__(self):
+        self._buf = bytearray()
+
+    def take(self, size: int) -> memoryview:
+        buf = self._buf
+        try:
+            buf.append(0)  # raises BufferError while any view of it is alive
+            buf.pop()
+        except BufferError:
+            buf = bytearray()
+        if len(buf) < size:
+            buf = bytearray(size)
+        self._buf = buf
+        return memoryview(buf)[:size]
+
+
+def read_views(path: str | Path, scratch: Optional[Scratch] = None) -> dict[str, np.ndarray]:
     """The tensors of a safetensors file, read with one call, as read-only views into that one
     buffer. Raises ValueError naming what is wrong (a truncated file, a bad header, a tensor
-    whose bytes do not match its shape, a dtype other than the floating ones in DTYPES)."""
-    data = Path(path).read_bytes()
+    whose bytes do not match its shape, a dtype other than the floating ones in DTYPES).
+    scratch: read into its buffer (the views then alias it until they are dropped)."""
+    if scratch is None:
+        data = memoryview(Path(path).read_bytes())
+    else:
+        with open(path, "rb") as f:
+            buf = scratch.take(os.fstat(f.fileno()).st_size)
+            got = f.readinto(buf)
+        data = buf[:got].toreadonly()
     n = _header_length(data, len(data))
     base = 8 + n
     return {k: np.frombuffer(data, dtype, count=math.prod(shape), offset=base + start).reshape(shape)
-            for k, (dtype, shape, start) in _entries(data[8:base], len(data) - base).items()}
+            for k, (dtype, shape, start) in _entries(bytes(data[8:base]), len(data) - base).items()}
