@@ -727,6 +727,42 @@ def test_weighted_mix_equals_peft_cat_in_a_mixed_batch(model_dir, spec_dirs, pef
     assert set(eng.registry.entries) == before
 
 
+def test_a_load_read_while_streams_decode_pauses_inside_steps_and_serves_peft(engine, model_dir, short_dirs,
+                                                                               peft_greedy_cache):
+    """A run-time load (read_adapter_async, the server's path) read while requests run: the
+    engine's gate is closed during every step and open between them, the read finishes while
+    the streams go on, and the adapter then serves PEFT's tokens."""
+    eng = engine
+    execute, gate_open = eng.runner.execute, []
+
+    def watched(*a, **kw):
+        gate_open.append(eng.loader.gate.is_open)
+        return execute(*a, **kw)
+    eng.runner.execute = watched
+    try:
+        prompts = prompts_of(4, [11, 7, 19, 5])
+        for p, lora in zip(prompts, ["a", None, "b", "a"]):
+            eng.add_request(p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), lora)
+        fut = eng.read_adapter_async("paced", short_dirs["d"])
+        steps = 0
+        while eng.has_unfinished() and steps < 500:
+            eng.step()
+            steps += 1
+            assert eng.loader.gate.is_open
+        adapter = fut.result(timeout=60)
+    finally:
+        eng.runner.execute = execute
+    assert gate_open and not any(gate_open)
+    eng.load_lora_adapter("paced", short_dirs["d"], adapter=adapter)
+    try:
+        prompts = prompts_of(3, [9, 21, 4])
+        loras = ["paced", None, "a"]
+        dirs = {**short_dirs, "paced": short_dirs["d"]}
+        check_vs_peft(peft_greedy_cache, model_dir, dirs, prompts, loras, gen(eng, prompts, GREEDY, loras))
+    finally:
+        eng.unload_lora_adapter("paced")
+
+
 def test_a_dropped_engine_is_freed_with_its_loader_thread(model_dir, spec_dirs):
     """Nothing the engine starts keeps it alive: once dropped (after serving a request on an
     adapter) it is collected, device arrays and host copies with it, and its adapter loader's

@@ -459,10 +459,12 @@ class Engine:
                           matcher=c.request.matcher if c.completes_prefill else None)
                 for c in plan.chunks]
         prompt_next = [self._prompt_next(c) for c in plan.chunks]
-        if any(p is not None for p in prompt_next):  # echo: these chunks' token logprobs too
-            result = self.runner.execute(chunks, rows, prompt_next=prompt_next)
-        else:
-            result = self.runner.execute(chunks, rows)
+        # Reads no request waits for pause while the step runs (multilora.lora.pacing).
+        with self.loader.gate.closed():
+            if any(p is not None for p in prompt_next):  # echo: these chunks' token logprobs too
+                result = self.runner.execute(chunks, rows, prompt_next=prompt_next)
+            else:
+                result = self.runner.execute(chunks, rows)
         if result.prompt_logprobs is not None:
             for c, scored in zip(plan.chunks, result.prompt_logprobs):
                 if scored is not None:

@@ -20,10 +20,12 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for bf16 adapter
 import numpy as np
 
 from multilora.config import LORA_MODULES, LoRAType, ModelConfig
+from multilora.lora.pacing import checkpoint
 from multilora.lora.safetensors_views import Scratch, read_header, read_views
 
 _KEY_RE = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.(?:[\w-]+\.)?weight$")
 _ALL_LINEAR = "all-linear"
+_HASH_CHUNK = 1 << 20  # bytes hashed between two checkpoints (multilora.lora.pacing)
 
 
 class AdapterError(ValueError):
@@ -64,7 +66,10 @@ class LoRAAdapter:
                 for arr in (a, b):
                     arr = np.ascontiguousarray(arr)
                     h.update(str((arr.dtype.str, arr.shape)).encode())
-                    h.update(arr.reshape(-1).view(np.uint8))
+                    flat = arr.reshape(-1).view(np.uint8)
+                    for i in range(0, flat.size, _HASH_CHUNK):  # a paced read pauses between chunks
+                        checkpoint()
+                        h.update(flat[i:i + _HASH_CHUNK])
             cached = self.__dict__["_content_hash"] = h.digest()
         return cached
 
@@ -282,6 +287,7 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_r
                                             model_cfg, max_lora_rank)
     modules = {}
     for module, layers in plan.items():
+        checkpoint()  # a paced read pauses here while the engine runs a step
         d_in, d_out = model_cfg.module_dims(module)
         r_mod = max(tensors[ka].shape[0] for ka, _, _ in layers.values())
         a_LRI = np.zeros((model_cfg.num_layers, r_mod, d_in), np.float32)

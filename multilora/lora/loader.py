@@ -15,8 +15,10 @@ request never queues behind other reads, and a burst of first uses (a deployment
 every request names an adapter not read yet) is read on both cores while the engine has nothing
 else to run (40 adapters of 19.6 MB: 1.1-1.7 s against 2.0-2.1 s on one worker, an idle 2-core
 machine). Run-time loads (`submit`) and background reads (the adapters given at start, read
-ahead up to the host tier's size) share a SCHED_IDLE worker, loads first: they take only what
-the engine's threads leave of the cores (measured in BENCHMARKS.md: load_during_decode.py,
+ahead up to the host tier's size) share a SCHED_IDLE worker, loads first, and pause at their
+checkpoints while the engine runs a step (its StepGate, multilora.lora.pacing): SCHED_IDLE alone
+still cost the decoding streams 20-35 % (the worker takes the core in every gap between a step's
+ops); paced, they run between steps (measured in BENCHMARKS.md: load_during_decode.py,
 serving.py 512 Zipf). Background reads also wait while the engine has work
 (`hold_background(True)`, set by the engine around its steps): a speculative read takes CPU from
 the running streams (on a 2-core machine, 512 adapters registered and read ahead during traffic
@@ -36,6 +38,7 @@ from concurrent.futures import Future
 from typing import Callable, Iterator, Optional
 
 from multilora.lora.adapter import LoRAAdapter
+from multilora.lora.pacing import StepGate, paced, start_chunk
 
 
 def read_with_hash(read: Callable[[str, str], LoRAAdapter], name: str, path: str) -> LoRAAdapter:
@@ -77,6 +80,7 @@ class _Queues:
         # per worker, a heap of (priority, order, future, name, path)
         self.heaps: dict[int, list] = {AdapterLoader.URGENT: [], AdapterLoader.BACKGROUND: []}
         self.hold = False          # background reads wait while the engine has work
+        self.gate = StepGate()     # closed by the engine during a step: the idle worker's reads pause
 
     def next(self, worker: int, timeout: float):
         """The worker's next read, marked running (None after `timeout` with nothing to do).
@@ -105,13 +109,16 @@ def _work(queues: _Queues, ref: "weakref.ref[AdapterLoader]", worker: int) -> No
     """One of the loader's workers (URGENT, two of them: the reads requests wait for; BACKGROUND:
     run-time loads and speculative reads): runs reads while its loader lives (an engine dropped takes its
     loader, and so this thread, with it: the worker holds the loader only weakly)."""
-    if worker == AdapterLoader.BACKGROUND:
+    background = worker == AdapterLoader.BACKGROUND
+    if background:
         _lower_priority()
-    while ref() is not None:
-        job = queues.next(worker, timeout=1.0)
-        if job is not None:
-            queues.run(*job)
-        del job
+    with paced(queues.gate if background else None):  # its reads pause while a step runs
+        while ref() is not None:
+            job = queues.next(worker, timeout=1.0)
+            if job is not None:
+                start_chunk()  # the wait for the job is not work
+                queues.run(*job)
+            del job
 
 
 class AdapterLoader:
@@ -136,6 +143,12 @@ class AdapterLoader:
         with self._cv:
             heapq.heappush(self._q.heaps[worker], (priority, next(self._order), fut, name, path))
             self._cv.notify_all()
+
+    @property
+    def gate(self) -> StepGate:
+        """The engine closes it around each step: run-time loads and read-ahead (the idle
+        worker's reads) wait at their checkpoints while it is closed (multilora.lora.pacing)."""
+        return self._q.gate
 
     def hold_background(self, hold: bool) -> None:
         """Hold (True) or release background reads; urgent ones always run. A read already

@@ -27,9 +27,12 @@ from typing import Optional
 import ml_dtypes
 import numpy as np
 
+from multilora.lora.pacing import checkpoint
+
 DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
           "BF16": np.dtype(ml_dtypes.bfloat16)}
 _MAX_HEADER = 100 << 20   # safetensors' own bound on the header
+_CHUNK = 4 << 20          # bytes read between two checkpoints (multilora.lora.pacing)
 
 
 def _entries(header_bytes: bytes, data_size: int) -> dict[str, tuple[np.dtype, tuple[int, ...], int]]:
@@ -114,7 +117,13 @@ def read_views(path: str | Path, scratch: Optional[Scratch] = None) -> dict[str,
     else:
         with open(path, "rb") as f:
             buf = scratch.take(os.fstat(f.fileno()).st_size)
-            got = f.readinto(buf)
+            got = 0
+            while got < len(buf):  # in chunks: a paced read pauses between them
+                checkpoint()
+                n = f.readinto(buf[got:got + _CHUNK])
+                if not n:
+                    break
+                got += n
         data = buf[:got].toreadonly()
     n = _header_length(data, len(data))
     base = 8 + n
