@@ -108,3 +108,24 @@ def test_the_loader_paces_its_idle_worker_and_not_the_urgent_ones():
         blocker.__exit__(None, None, None)
     assert load.result(5).name == "load"
 
+
+def test_freezing_the_start_up_heap_leaves_it_out_of_full_collections():
+    """What a server holds at start-up is frozen (multilora.server.heap): a full collection then
+    walks only what came after, and garbage made after the freeze is still collected."""
+    import gc
+
+    from multilora.server.heap import freeze_startup_heap
+
+    class Node:
+        pass
+    kept = [Node() for _ in range(1000)]
+    try:
+        n = freeze_startup_heap()
+        assert n >= len(kept) and gc.get_freeze_count() == n
+        a, b = Node(), Node()
+        a.other, b.other = b, a   # a cycle made after the freeze
+        del a, b
+        assert gc.collect() >= 2
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0

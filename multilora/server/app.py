@@ -35,6 +35,7 @@ from multilora.server import openapi
 from multilora.server import protocol as P
 from multilora.server.async_engine import AsyncEngine
 from multilora.server.errors import APIError, call_engine, err_text, error_response, parse_body
+from multilora.server.heap import freeze_startup_heap
 from multilora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from multilora.server.service import MAX_ADAPTER_NAME, Server
 from multilora.server.streaming import SSEResponse, chat_stream, completion_stream
@@ -422,6 +423,7 @@ def run_serve(args) -> int:
     aengine = AsyncEngine(engine, max_queue=args.max_queue)
     app = build_app(aengine, api_key=api_key, lora_root=args.lora_root, max_body_bytes=args.max_body_bytes,
                     allow_any_lora_path=args.allow_any_lora_path, drain_timeout=args.drain_timeout)
+    freeze_startup_heap()  # full collections then skip the start-up heap (multilora.server.heap)
     if engine.num_processes > 1:  # a process gone: stop serving (with one, a dead engine thread is a 503)
         def _stop(message: str) -> None:
             log.error("the engine stopped (%s): the server shuts down", message)

@@ -347,6 +347,7 @@ class EngineReplica:
         from multilora.engine.engine import Engine
         from multilora.server.app import build_app
         from multilora.server.async_engine import AsyncEngine
+        from multilora.server.heap import freeze_startup_heap
 
         self.cfg = cfg
         ctx = serve.get_replica_context()
@@ -359,6 +360,7 @@ class EngineReplica:
         self.app = build_app(self.aengine, api_key=None, lora_root=cfg.lora_root,
                              max_body_bytes=cfg.max_body_bytes, allow_any_lora_path=cfg.allow_any_lora_path,
                              drain_timeout=cfg.drain_timeout)
+        freeze_startup_heap()  # full collections then skip the start-up heap (multilora.server.heap)
         self.server = self.app.state.server
         # adapters registered here from the directory, name -> path (--lora-modules at start)
         self._applied: dict[str, str] = {a["name"]: a["path"] for a in engine.list_lora_adapters()}
