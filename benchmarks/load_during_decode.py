@@ -4,7 +4,8 @@
 rank-16 adapters registered at start, drawn round-robin). Every inter-token time is timed (a step and the work the loop does before it). After a quiet
 phase, adapters are loaded (8 folders, under new names) one after another the way the server loads them
 (`Engine.read_adapter_async`: disk read, validation and hash on the engine's low-priority loader
-thread; then `load_lora_adapter(..., adapter=)` between two steps), while the streams keep
+thread, paced by the steps; then `load_lora_adapter(..., adapter=)` between two steps; the
+start-up heap frozen as the server freezes it), while the streams keep
 decoding. Reports the step time (= the streams' inter-token time) p50 / p99 in the quiet phase
 and in the loading phase, in alternating blocks of one run.
 
@@ -41,6 +42,8 @@ def main(argv=None):
     ap.add_argument("--phase-steps", type=int, default=60, help="steps in each phase, all blocks together")
     ap.add_argument("--blocks", type=int, default=6, help="quiet and loading blocks, alternating")
     ap.add_argument("--adapter-dir", default=str(CACHE / "serving-adapters-r16"))
+    ap.add_argument("--no-freeze", action="store_true",
+                    help="leave the start-up heap in full garbage collections (the server freezes it)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -50,6 +53,9 @@ def main(argv=None):
     pool = make_random_adapters(model, Path(args.adapter_dir), args.adapters + 8)
     running, extra = pool[:args.adapters], pool[args.adapters:]
     eng = Engine(str(model), {f"a{i}": str(p) for i, p in enumerate(running)})
+    if not args.no_freeze:  # as the server does once it is up (multilora.server.heap)
+        from multilora.server.heap import freeze_startup_heap
+        freeze_startup_heap()
     prompts = fixed_prompts(args.streams, 48, eng.cfg.vocab_size)
     steps_needed = 2 * args.phase_steps + 40
     params = SamplingParams(max_tokens=steps_needed, temperature=0.0, ignore_eos=True)
