@@ -11,7 +11,7 @@ import time
 import pytest
 
 from multilora.lora.loader import AdapterLoader
-from multilora.lora.pacing import StepGate, checkpoint, paced, start_chunk
+from multilora.lora.pacing import StepGate, checkpoint, paced
 
 
 def _spin(seconds: float) -> None:
@@ -38,7 +38,6 @@ def test_a_paced_thread_waits_its_duty_cycle_while_closed_and_goes_on_when_opene
 
     def worker(key):
         with paced(gate):
-            start_chunk()
             _spin(0.02)          # a chunk of 20 ms: the rest of the cycle is 80 ms
             t0 = time.monotonic()
             checkpoint()
@@ -107,6 +106,35 @@ def test_the_loader_paces_its_idle_worker_and_not_the_urgent_ones():
     finally:
         blocker.__exit__(None, None, None)
     assert load.result(5).name == "load"
+
+
+def test_a_paced_read_a_request_comes_to_wait_for_runs_unpaced():
+    """A read-ahead running paced on the idle worker is rushed when a request comes to wait for
+    that adapter (prefetch(urgent=True) of the same folder): it stops pausing."""
+    chunks, cpu = 20, 0.01
+    started = threading.Event()
+
+    def read(name, path):
+        started.set()
+        for _ in range(chunks):
+            _spin(cpu)
+            checkpoint()
+        return type("A", (), {"content_hash": b"x", "name": name})()
+
+    loader = AdapterLoader(read)
+    with loader.gate.closed():
+        assert loader.prefetch("ahead", "/a")          # speculative: the idle worker, paced
+        assert started.wait(5)
+        time.sleep(0.1)
+        assert loader.in_flight("ahead") == 1 and not list(loader.poll())  # still pausing
+        t0 = time.monotonic()
+        assert not loader.prefetch("ahead", "/a", urgent=True)  # running already: rushed instead
+        done = []
+        while not done and time.monotonic() - t0 < 10:
+            loader.wait(0.05)
+            done = [n for n, *_ in loader.poll()]
+        # paced, the rest (>= 0.1 s of CPU) would take >= 0.3 s more; rushed it runs straight on
+        assert done == ["ahead"] and time.monotonic() - t0 < 0.3 + chunks * cpu / 2, time.monotonic() - t0
 
 
 def test_freezing_the_start_up_heap_leaves_it_out_of_full_collections():

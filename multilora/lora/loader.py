@@ -38,7 +38,7 @@ from concurrent.futures import Future
 from typing import Callable, Iterator, Optional
 
 from multilora.lora.adapter import LoRAAdapter
-from multilora.lora.pacing import StepGate, paced, start_chunk
+from multilora.lora.pacing import StepGate, paced
 
 
 def read_with_hash(read: Callable[[str, str], LoRAAdapter], name: str, path: str) -> LoRAAdapter:
@@ -112,13 +112,15 @@ def _work(queues: _Queues, ref: "weakref.ref[AdapterLoader]", worker: int) -> No
     background = worker == AdapterLoader.BACKGROUND
     if background:
         _lower_priority()
-    with paced(queues.gate if background else None):  # its reads pause while a step runs
-        while ref() is not None:
-            job = queues.next(worker, timeout=1.0)
-            if job is not None:
-                start_chunk()  # the wait for the job is not work
+    while ref() is not None:
+        job = queues.next(worker, timeout=1.0)
+        if job is not None:
+            fut = job[0]
+            # its reads pause while a step runs, until a request waits for one (prefetch, urgent)
+            with paced(queues.gate if background else None, rushed=lambda: getattr(fut, "rushed", False)):
                 queues.run(*job)
-            del job
+            del fut
+        del job
 
 
 class AdapterLoader:
@@ -177,6 +179,8 @@ class AdapterLoader:
             if fut is not None:
                 if urgent and not fut.running() and not fut.done():
                     self._enqueue(fut, name, str(path), priority)  # the worker skips the older entry
+                elif urgent:
+                    fut.rushed = True  # running paced on the idle worker: no more pauses
                 return False
             fut = self._inflight[key] = Future()
             self._enqueue(fut, name, str(path), priority)

@@ -22,7 +22,8 @@ seconds of its CPU time it waits w * (1 - duty) / duty (or until the gate opens)
 most `duty` of a core from the steps (0.25: a rank-16 adapter of SmolLM2-135M, ~28 ms of reading
 and hashing, is registered 0.65-0.85 s after its load was asked for while 32 streams decode).
 Waiting for the gate alone starved it: between two steps the engine's thread runs Python,
-holding the GIL, and the next step closes the gate before a woken reader gets to run.
+holding the GIL, and the next step closes the gate before a woken reader gets to run. A paced read that a request comes to wait for is rushed: it runs unpaced from its
+next checkpoint on.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from typing import Callable
 
 _local = threading.local()
 
@@ -79,26 +81,22 @@ class StepGate:
 
 
 @contextlib.contextmanager
-def paced(gate: "StepGate | None"):
-    """checkpoint() on this thread paces it by `gate` inside the block (None: never waits)."""
-    before = getattr(_local, "gate", None), getattr(_local, "since", None)
-    _local.gate, _local.since = gate, time.thread_time()
+def paced(gate: "StepGate | None", rushed: "Callable[[], bool] | None" = None):
+    """checkpoint() on this thread paces it by `gate` inside the block (None: never waits), until
+    `rushed()` turns True (a request has come to wait for this work: it then runs unpaced)."""
+    before = getattr(_local, "gate", None), getattr(_local, "since", None), getattr(_local, "rushed", None)
+    _local.gate, _local.since, _local.rushed = gate, time.thread_time(), rushed
     try:
         yield
     finally:
-        _local.gate, _local.since = before
-
-
-def start_chunk() -> None:
-    """A paced thread starts new work (after waiting for it): its first chunk counts from now."""
-    _local.since = time.thread_time()
+        _local.gate, _local.since, _local.rushed = before
 
 
 def checkpoint() -> None:
     """Between two chunks of background work: if this thread is paced and the engine is inside a
     step, wait (the duty cycle's rest, or until the step ends); else return at once."""
     gate = getattr(_local, "gate", None)
-    if gate is None:
+    if gate is None or (_local.rushed is not None and _local.rushed()):
         return
     gate.wait(time.thread_time() - _local.since)  # the chunk's CPU time: not time preempted
     _local.since = time.thread_time()
