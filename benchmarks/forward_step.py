@@ -208,7 +208,8 @@ def main(argv=None):
             lora = jax.tree.map(lambda a: a.astype(lora_dtype), random_lora(cfg, s, args.rank))
             # As the runner: a step of at most max_num_seqs tokens counts as a decode shape.
             backend = choose_backend(be, t, t <= args.max_num_seqs, s,
-                                     be == "auto" and native_usable(jnp.dtype(lora_dtype), jax.devices()[:1]))
+                                     be == "auto" and native_usable(jnp.dtype(lora_dtype), jax.devices()[:1]),
+                                     jax.devices()[0].platform)
             lora_be = get_backend(backend.split(SWITCH)[0])
             cap = grouped_cap(t) if SWITCH in backend else None
             table = slot_major_rows(s, args.rank)

@@ -213,7 +213,8 @@ def run(args) -> list[dict]:
                     # A shape of <= 64 tokens stands for a decode batch (one token per sequence).
                     try:
                         row["auto"] = backends.choose_backend("auto", num_tokens, num_tokens <= 64,
-                                                             num_slots=num_adapters + 1)
+                                                             num_slots=num_adapters + 1,
+                                                             platform=jax.devices()[0].platform)
                     except TypeError:  # the signature moved on; the column is then left out
                         has_auto = False
                 scale = max(float(np.abs(o).max()) for o in outs.values()) if outs else 1.0

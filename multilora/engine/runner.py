@@ -156,6 +156,7 @@ class ModelRunner:
         a = lora.weights.qkv_a_LUD if lora is not None else None
         self._native = (lora_backend == "auto" and a is not None
                         and native_usable(a.dtype, a.sharding.device_set))
+        self._platform = next(iter(a.sharding.device_set)).platform if a is not None else "cpu"
         # decode attention through multilora's CPU kernel, where it can read this cache
         self.native_attention = native_attention_usable(kv.k_LPpKH)
         self.page_size = kv.page_size
@@ -190,7 +191,8 @@ class ModelRunner:
     # ---- compilation -----------------------------------------------------------------------
     def backend_for(self, num_tokens: int) -> str:
         return choose_backend(self.lora_backend, num_tokens, num_tokens <= self.buckets.max_num_seqs,
-                              self.lora.num_slots if self.lora is not None else None, self._native)
+                              self.lora.num_slots if self.lora is not None else None, self._native,
+                              self._platform)
 
     def _prepare_lora(self, num_tokens: int):
         if self.lora is None:

@@ -50,8 +50,15 @@ def native_usable(dtype, devices) -> bool:
             and next(iter(devices)).platform == "cpu" and kernels.available())
 
 
+# On a TPU the backends' gathers are slow and a dense product over a small pool is not: `dense`
+# (the pool read once) up to this many adapters, measured (BENCHMARKS.md, TPU v5e: forward_step,
+# 64-row decode with 8 adapters 65.6 ms against sgmv's 71.1, with 64 level with bgmv at 102.3;
+# 512-token prefill 14.8 against 26.3, and 53.3 against 92.3). Larger pools were not measured.
+DENSE_TPU_MAX_ADAPTERS = 64
+
+
 def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int | None = None,
-                   native: bool = False) -> str:
+                   native: bool = False, platform: str = "cpu") -> str:
     """Resolve "auto" for one compiled shape (tokens and slots are both static there).
     Where multilora's CPU kernels serve (`native`), every shape with adapter slots takes them:
     they read each adapter's rows in place, where the tile backends copy every tile's weights
@@ -62,13 +69,16 @@ def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int |
     than that (a pool sized by memory), the shape carries both `sgmv` (tiles sized for the few
     adapters a step may use) and `bgmv`, and each step's distinct adapters pick one at run time;
     below one tile of rows it gathers per token (`bgmv`). Measured in BENCHMARKS.md (forward_step: 64 rows with 8
-    adapters sgmv 6 % ahead of dense; 32 rows dense 6 % ahead; 64 rows with 64 slots bgmv)."""
+    adapters sgmv 6 % ahead of dense; 32 rows dense 6 % ahead; 64 rows with 64 slots bgmv).
+    On a TPU (`platform`), `dense` for pools of up to DENSE_TPU_MAX_ADAPTERS adapters."""
     if name != "auto":
         get_backends(name)
         return name
     adapters = 0 if num_slots is None else num_slots - 1
     if native and adapters:
         return "native"
+    if platform == "tpu" and 0 < adapters <= DENSE_TPU_MAX_ADAPTERS:
+        return "dense"
     if is_decode or num_tokens <= 64:
         if adapters and num_tokens >= sgmv_tile_rows(num_tokens, num_slots) * adapters:
             return "sgmv"
