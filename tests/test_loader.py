@@ -115,3 +115,23 @@ def test_reads_run_at_their_priorities():
     if hasattr(os, "sched_getscheduler"):  # the engine's own thread is untouched
         assert os.sched_getscheduler(threading.get_native_id()) != idle
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 19
+
+
+def test_prepare_runs_after_urgent_reads_only():
+    """The engine's prepare (the slot write's layout) runs on the urgent workers, after the read
+    and before the future completes; run-time loads and read-ahead (kept in the host tier, maybe
+    never written) are not prepared."""
+    prepared = []
+
+    def read(name, path):
+        return _Adapter(name)
+
+    loader = AdapterLoader(read, prepare=lambda a: prepared.append(a.name))
+    assert loader.submit("load", "/l").result(5).name == "load"
+    assert loader.prefetch("ahead", "/a") and loader.prefetch("waited", "/w", urgent=True)
+    got = set()
+    deadline = time.time() + 5
+    while got != {"ahead", "waited"} and time.time() < deadline:
+        loader.wait(0.1)
+        got |= {name for name, *_ in loader.poll()}
+    assert got == {"ahead", "waited"} and prepared == ["waited"]

@@ -499,3 +499,30 @@ def test_bf16_projections_close_to_peft(kind, mode, served, peft_refs, peft_bf16
             assert ours_err <= BF16_RTOL * np.abs(want).max(), f"{what}: max |err| {ours_err:.4f}"
             assert ours_err <= BF16_VS_PEFT * their_err, (
                 f"{what}: max |err| {ours_err:.4f} against PEFT-bf16's {their_err:.4f}")
+
+
+def test_a_slot_layout_prepared_off_the_engine_thread_writes_the_same_pool(tiny_models, tiny_adapters):
+    """prepare_slot_layout (the loader's urgent workers) lays out what LoRASlots.load would: the
+    pools come out the same, bit for bit, and the prepared layout is taken once (a second write
+    of the same host copy lays it out again; a layout for another table width is not used)."""
+    from multilora.lora.pool import adapter_slot_arrays, prepare_slot_layout, take_slot_layout
+    kind = REWRITE_KIND
+    cfg, _ = load_weights(tiny_models[kind], mesh=MESH)
+    lcfg = LoRAConfig(max_loras_per_batch=2, max_lora_rank=32)
+    made = [LoRASlots(cfg, lcfg, jnp.float32, MESH, jit_writer=jit_slot_writer) for _ in range(2)]
+    for slot, name, pages in ((1, "c_mlp_r16", [7, 3]), (2, "a_all_r8", [5])):
+        plain = load_adapter(name, tiny_adapters[(kind, name)], cfg, 32)
+        ready = load_adapter(name, tiny_adapters[(kind, name)], cfg, 32)
+        prepare_slot_layout(ready, cfg, lcfg.table_width)
+        made[0].load(slot, page_rows(pages), plain)
+        made[1].load(slot, page_rows(pages), ready)
+        assert "_slot_layout" not in ready.__dict__
+    for field in vars(made[0].weights):
+        np.testing.assert_array_equal(np.asarray(getattr(made[0].weights, field)),
+                                      np.asarray(getattr(made[1].weights, field)), err_msg=field)
+    adapter = load_adapter("a_all_r8", tiny_adapters[(kind, "a_all_r8")], cfg, 32)
+    prepare_slot_layout(adapter, cfg, 16)
+    want = adapter_slot_arrays(adapter, cfg, 32)
+    got = take_slot_layout(adapter, cfg, 32)   # prepared for width 16: laid out again for 32
+    for field in vars(want):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)

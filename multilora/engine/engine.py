@@ -101,7 +101,7 @@ class Engine:
 
         from multilora.engine.runner import jit_slot_writer
         from multilora.lora.backend import BACKEND_CHOICES
-        from multilora.lora.pool import LoRASlots, rank_row_bytes
+        from multilora.lora.pool import LoRASlots, prepare_slot_layout, rank_row_bytes
         from multilora.model import projections
         from multilora.model.llama import init_kv_cache
         from multilora.model.loader import load_weights, resolve_dtype
@@ -187,7 +187,13 @@ class Engine:
         self.registry = AdapterRegistry(max(max_loras_per_batch, 1), c.max_loaded_loras, read,
                                         max_host_bytes=int(c.lora_host_memory_gb * 2**30),
                                         num_rows=pool_rows, max_rank=max_lora_rank)
-        self.loader = AdapterLoader(read)  # host copies read off the engine thread
+        table_width = self.lora_cfg.table_width
+
+        def prepare(adapter):  # a waiting request's adapter, laid out for its slot write
+            prepare_slot_layout(adapter, cfg, table_width)
+
+        # host copies read off the engine thread
+        self.loader = AdapterLoader(read, prepare if self.slots is not None else None)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_prefill_seqs=max_prefill_seqs),

@@ -74,8 +74,10 @@ class _Queues:
     that while it waits it keeps no loader alive (workers each holding it between their
     waits would keep it alive for ever)."""
 
-    def __init__(self, read: Callable[[str, str], LoRAAdapter]):
+    def __init__(self, read: Callable[[str, str], LoRAAdapter],
+                 prepare: Optional[Callable[[LoRAAdapter], None]] = None):
         self.read = read
+        self.prepare = prepare
         self.cv = threading.Condition()
         # per worker, a heap of (priority, order, future, name, path)
         self.heaps: dict[int, list] = {AdapterLoader.URGENT: [], AdapterLoader.BACKGROUND: []}
@@ -96,9 +98,12 @@ class _Queues:
                 if not (fut.running() or fut.done()) and fut.set_running_or_notify_cancel():
                     return fut, name, path
 
-    def run(self, fut: Future, name: str, path: str) -> None:
+    def run(self, fut: Future, name: str, path: str, urgent: bool = False) -> None:
         try:
-            fut.set_result(read_with_hash(self.read, name, path))
+            adapter = read_with_hash(self.read, name, path)
+            if urgent and self.prepare is not None:  # a request waits: it is written next
+                self.prepare(adapter)
+            fut.set_result(adapter)
         except BaseException as e:  # noqa: BLE001 - handed to whoever polls
             fut.set_exception(e)
         with self.cv:
@@ -118,7 +123,7 @@ def _work(queues: _Queues, ref: "weakref.ref[AdapterLoader]", worker: int) -> No
             fut = job[0]
             # its reads pause while a step runs, until a request waits for one (prefetch, urgent)
             with paced(queues.gate if background else None, rushed=lambda: getattr(fut, "rushed", False)):
-                queues.run(*job)
+                queues.run(*job, urgent=worker == AdapterLoader.URGENT)
             del fut
         del job
 
@@ -129,8 +134,11 @@ class AdapterLoader:
     # while the engine has work).
     URGENT, LOAD, BACKGROUND = 0, 1, 2
 
-    def __init__(self, read: Callable[[str, str], LoRAAdapter]):
-        self._q = _Queues(read)
+    def __init__(self, read: Callable[[str, str], LoRAAdapter],
+                 prepare: Optional[Callable[[LoRAAdapter], None]] = None):
+        """prepare(adapter): run on the urgent workers after a read (the engine lays out the
+        slot write there: multilora.lora.pool.prepare_slot_layout)."""
+        self._q = _Queues(read, prepare)
         self._cv = self._q.cv
         self._order = itertools.count()
         self._inflight: dict[tuple[str, str], Future] = {}
