@@ -194,6 +194,7 @@ class Engine:
 
         # host copies read off the engine thread
         self.loader = AdapterLoader(read, prepare if self.slots is not None else None)
+        self._waited_reads: set[str] = set()  # adapters whose read a request waits for (host misses)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_prefill_seqs=max_prefill_seqs),
@@ -535,6 +536,7 @@ class Engine:
         neither in a slot nor in host memory. The scheduler admits a request only once its
         adapter is ready, so a step never waits on a disk."""
         for name, path, adapter, error in self.loader.poll():
+            self._waited_reads.discard(name)
             if adapter is not None:
                 self.registry.stats.loads += 1
                 self.registry.put_host(name, path, adapter)
@@ -553,8 +555,12 @@ class Engine:
         for req in self.scheduler.waiting:
             if req.adapter is not None and not self.registry.ready(req.adapter):
                 entry = self.registry.entries.get(req.adapter)
-                if entry is not None and self.loader.prefetch(req.adapter, entry.path, urgent=True):
-                    self.registry.stats.host_misses += 1  # a request waits for this read
+                if entry is None:
+                    continue
+                self.loader.prefetch(req.adapter, entry.path, urgent=True)  # started, moved ahead or rushed
+                if req.adapter not in self._waited_reads:  # a request waits for this read (counted once,
+                    self._waited_reads.add(req.adapter)     # a read-ahead already under way included)
+                    self.registry.stats.host_misses += 1
 
     def _make_resident(self, plan: StepPlan) -> None:
         """Every adapter of the plan in a device slot. An adapter that cannot be read again (an

@@ -204,7 +204,7 @@ class Metrics:
                                ("slot_misses", "Adapter uses that had to be written to a device slot."),
                                ("slot_evictions", "Adapters evicted from a device slot."),
                                ("host_hits", "Slot writes served from the host copy."),
-                               ("host_misses", "Adapter uses that had to read its folder (again): no host copy."),
+                               ("host_misses", "Adapter reads a request waited for: no host copy yet, or no more."),
                                ("host_evictions", "Host copies evicted (max_loaded_loras, lora_host_memory_gb)."),
                                ("loads", "Adapter folders read in the background (first use, or after a host eviction)."),
                                ("load_failures", "Background adapter reads that failed (their requests got an error).")):
