@@ -19,8 +19,8 @@ waiting request never waits.
 
 While the gate is closed a paced thread still runs, at a duty cycle: after a chunk that took w
 seconds of its CPU time it waits w * (1 - duty) / duty (or until the gate opens), so it takes at
-most `duty` of a core from the steps (0.25: a rank-16 adapter of SmolLM2-135M, ~28 ms of reading
-and hashing, is registered 0.65-0.85 s after its load was asked for while 32 streams decode).
+most `duty` of a core from the steps (0.25: a rank-16 adapter of SmolLM2-135M, ~30 ms of reading
+and hashing, is registered 0.6-0.8 s after its load was asked for while 32 streams decode).
 Waiting for the gate alone starved it: between two steps the engine's thread runs Python,
 holding the GIL, and the next step closes the gate before a woken reader gets to run. A paced
 read that a request comes to wait for is rushed: it runs unpaced from its next checkpoint on.
