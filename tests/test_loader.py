@@ -135,3 +135,25 @@ def test_prepare_runs_after_urgent_reads_only():
         loader.wait(0.1)
         got |= {name for name, *_ in loader.poll()}
     assert got == {"ahead", "waited"} and prepared == ["waited"]
+
+
+def test_a_failed_prepare_leaves_the_read_whole(caplog):
+    """prepare is only a head start for the slot write (which lays the adapter out itself when
+    nothing was prepared): an exception in it is logged and the read still succeeds."""
+    def read(name, path):
+        return _Adapter(name)
+
+    def prepare(adapter):
+        raise MemoryError("no room for the layout")
+
+    loader = AdapterLoader(read, prepare=prepare)
+    assert loader.prefetch("waited", "/w", urgent=True)
+    got = {}
+    deadline = time.time() + 5
+    while "waited" not in got and time.time() < deadline:
+        loader.wait(0.1)
+        got.update({name: rest for name, *rest in loader.poll()})
+    assert "waited" in got, "the read did not arrive"
+    _, adapter, err = got["waited"]
+    assert err is None and adapter.name == "waited", got
+    assert "laying out adapter 'waited'" in caplog.text

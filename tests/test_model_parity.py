@@ -526,3 +526,30 @@ def test_a_slot_layout_prepared_off_the_engine_thread_writes_the_same_pool(tiny_
     got = take_slot_layout(adapter, cfg, 32)   # prepared for width 16: laid out again for 32
     for field in vars(want):
         np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+
+
+def test_a_prepared_layout_counts_in_the_host_tier_until_its_write_takes_it(tiny_models, tiny_adapters):
+    """The host tier's byte budget counts what a copy holds: its modules and, while it waits for
+    its slot write, the layout prepared for it; the write takes the layout and the engine counts
+    the copy again (registry.recount_host), so the bytes go back to the modules'."""
+    from multilora.lora.pool import adapter_slot_arrays, prepare_slot_layout, take_slot_layout
+    from multilora.lora.registry import AdapterRegistry
+    kind = REWRITE_KIND
+    cfg, _ = load_weights(tiny_models[kind], mesh=MESH)
+    path = tiny_adapters[(kind, "c_mlp_r16")]
+    adapter = load_adapter("c", path, cfg, 32)
+    modules = sum(a.nbytes + b.nbytes for a, b in adapter.modules.values())
+    assert adapter.nbytes == modules
+    prepare_slot_layout(adapter, cfg, 32)
+    layout = adapter_slot_arrays(adapter, cfg, 32)
+    layout_bytes = sum(getattr(layout, f).nbytes for f in vars(layout) if getattr(layout, f) is not None)
+    assert layout_bytes > 0 and adapter.nbytes == modules + layout_bytes
+    reg = AdapterRegistry(2, None, lambda name, p: load_adapter(name, p, cfg, 32))
+    reg.register("c", path, adapter=adapter)
+    assert reg.host_bytes == modules + layout_bytes
+    take_slot_layout(adapter, cfg, 32)
+    assert reg.host_bytes == modules + layout_bytes  # counted as put, until recounted
+    reg.recount_host("c")
+    assert reg.host_bytes == modules
+    reg.unregister("c")
+    assert reg.host_bytes == 0

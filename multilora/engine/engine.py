@@ -331,6 +331,7 @@ class Engine:
         for i, (slot, entry) in enumerate(writes):
             try:
                 self.runner.write_slot(slot, entry.rows, adapters[entry.name])
+                self.registry.recount_host(entry.name)  # the write took its prepared layout
             except BaseException:
                 # The registry already counts these as resident, but their rows were never
                 # written: forget them, or a later batch would run on the rows' old contents.

@@ -75,7 +75,14 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.modules.values())
+        """Host memory the copy holds: its modules, and a slot layout prepared for its write
+        (multilora.lora.pool.prepare_slot_layout) while it waits to be taken."""
+        held = sum(a.nbytes + b.nbytes for a, b in self.modules.values())
+        layout = self.__dict__.get("_slot_layout")
+        if layout is not None:
+            arrays = (getattr(layout[1], f.name) for f in dataclasses.fields(layout[1]))
+            held += sum(int(x.nbytes) for x in arrays if x is not None)
+        return held
 
 
 def _pattern_value(patterns: dict, key: str, default):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import os
 import threading
 import weakref
@@ -39,6 +40,8 @@ from typing import Callable, Iterator, Optional
 
 from multilora.lora.adapter import LoRAAdapter
 from multilora.lora.pacing import StepGate, paced
+
+logger = logging.getLogger(__name__)
 
 
 def read_with_hash(read: Callable[[str, str], LoRAAdapter], name: str, path: str) -> LoRAAdapter:
@@ -102,7 +105,11 @@ class _Queues:
         try:
             adapter = read_with_hash(self.read, name, path)
             if urgent and self.prepare is not None:  # a request waits: it is written next
-                self.prepare(adapter)
+                try:
+                    self.prepare(adapter)
+                except Exception:  # noqa: BLE001 - only a head start: the write lays it out itself
+                    logger.warning("laying out adapter %r for its slot write failed; the write will "
+                                   "lay it out", name, exc_info=True)
             fut.set_result(adapter)
         except BaseException as e:  # noqa: BLE001 - handed to whoever polls
             fut.set_exception(e)

@@ -86,6 +86,7 @@ class AdapterRegistry:
         self.max_loaded_loras = max_loaded_loras
         self.max_host_bytes = max_host_bytes
         self.host_bytes = 0
+        self._host_nbytes: dict[str, int] = {}  # what each host copy was counted at
         self._read = read_adapter
         self._ids = itertools.count(1)
         self.entries: dict[str, AdapterEntry] = {}
@@ -171,7 +172,8 @@ class AdapterRegistry:
     def _put_host(self, name: str, adapter: LoRAAdapter) -> None:
         self._pop_host(name)
         self._host[name] = adapter
-        self.host_bytes += adapter.nbytes
+        self._host_nbytes[name] = adapter.nbytes
+        self.host_bytes += self._host_nbytes[name]
         while len(self._host) > 1 and (
                 (self.max_loaded_loras is not None and len(self._host) > self.max_loaded_loras)
                 or (self.max_host_bytes is not None and self.host_bytes > self.max_host_bytes)):
@@ -179,9 +181,15 @@ class AdapterRegistry:
             self.stats.host_evictions += 1
 
     def _pop_host(self, name: str) -> None:
-        old = self._host.pop(name, None)
-        if old is not None:
-            self.host_bytes -= old.nbytes
+        if self._host.pop(name, None) is not None:
+            self.host_bytes -= self._host_nbytes.pop(name)
+
+    def recount_host(self, name: str) -> None:
+        """Count a host copy's bytes again (a slot write took the layout prepared for it)."""
+        adapter = self._host.get(name)
+        if adapter is not None:
+            self.host_bytes += adapter.nbytes - self._host_nbytes[name]
+            self._host_nbytes[name] = adapter.nbytes
 
     def host_copy(self, entry: AdapterEntry) -> LoRAAdapter:
         adapter = self._host.get(entry.name)
