@@ -175,9 +175,10 @@ def test_twelve_adapters_through_four_slots(max_loaded_loras, model_dir, extra_d
         assert st.host_misses > 0 and st.host_evictions > 0 and eng.registry.num_host_copies <= 3
     # the host tier's bytes are what its copies hold now: a layout prepared for a slot write was
     # counted while it waited and is no longer once the write took it
-    held = eng.registry._host.values()
+    held = eng.registry.host_copies
+    assert len(held) == eng.registry.num_host_copies
     assert eng.registry.host_bytes == sum(a.nbytes for a in held)
-    assert not any("_slot_layout" in a.__dict__ for a in held)
+    assert all(a.slot_layout is None for a in held)
     # again, in another order: the resident mix differs, the tokens do not
     order = np.random.default_rng(4).permutation(len(prompts))
     outs2 = gen(eng, [prompts[i] for i in order], GREEDY, [loras[i] for i in order])

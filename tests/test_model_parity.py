@@ -516,12 +516,13 @@ def test_a_slot_layout_prepared_off_the_engine_thread_writes_the_same_pool(tiny_
         prepare_slot_layout(ready, cfg, lcfg.table_width)
         made[0].load(slot, page_rows(pages), plain)
         made[1].load(slot, page_rows(pages), ready)
-        assert "_slot_layout" not in ready.__dict__
+        assert ready.slot_layout is None  # taken by the write
     for field in vars(made[0].weights):
         np.testing.assert_array_equal(np.asarray(getattr(made[0].weights, field)),
                                       np.asarray(getattr(made[1].weights, field)), err_msg=field)
     adapter = load_adapter("a_all_r8", tiny_adapters[(kind, "a_all_r8")], cfg, 32)
     prepare_slot_layout(adapter, cfg, 16)
+    assert adapter.slot_layout is not None and adapter.slot_layout[0] == 16
     want = adapter_slot_arrays(adapter, cfg, 32)
     got = take_slot_layout(adapter, cfg, 32)   # prepared for width 16: laid out again for 32
     for field in vars(want):

@@ -15,6 +15,7 @@ import re
 import struct
 import threading
 from pathlib import Path
+from typing import Any, Optional
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for bf16 adapters)
 import numpy as np
@@ -46,6 +47,9 @@ class LoRAAdapter:
     rank: int                      # the largest rank over its modules
     scaling: float                 # default scaling, applied per slot
     modules: dict[str, tuple[np.ndarray, np.ndarray]]  # module -> (a_LRI, b_LOR)
+    # (table width, LoRAWeights of host arrays): the rows laid out for a slot write ahead of it,
+    # by a loader thread (multilora.lora.pool.prepare_slot_layout), until the write takes them
+    slot_layout: Optional[tuple[int, Any]] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def target_modules(self) -> tuple[str, ...]:
@@ -78,9 +82,9 @@ class LoRAAdapter:
         """Host memory the copy holds: its modules, and a slot layout prepared for its write
         (multilora.lora.pool.prepare_slot_layout) while it waits to be taken."""
         held = sum(a.nbytes + b.nbytes for a, b in self.modules.values())
-        layout = self.__dict__.get("_slot_layout")
-        if layout is not None:
-            arrays = (getattr(layout[1], f.name) for f in dataclasses.fields(layout[1]))
+        if self.slot_layout is not None:
+            rows = self.slot_layout[1]
+            arrays = (getattr(rows, f.name) for f in dataclasses.fields(rows))
             held += sum(int(x.nbytes) for x in arrays if x is not None)
         return held
 

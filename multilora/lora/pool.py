@@ -109,13 +109,13 @@ def prepare_slot_layout(adapter: LoRAAdapter, cfg: ModelConfig, max_rank: int) -
     (4-7 ms of the 7-12 ms a rank-16 SmolLM2 adapter's write took there). Taken once: a later
     write of the same host copy lays it out again, so that copies kept in the host tier hold
     their modules only."""
-    adapter.__dict__["_slot_layout"] = (max_rank, adapter_slot_arrays(adapter, cfg, max_rank))
+    adapter.slot_layout = (max_rank, adapter_slot_arrays(adapter, cfg, max_rank))
 
 
 def take_slot_layout(adapter: LoRAAdapter, cfg: ModelConfig, max_rank: int) -> LoRAWeights:
     """The adapter's slot layout: the one prepare_slot_layout left (dropped from the adapter), or
     laid out now."""
-    ready = adapter.__dict__.pop("_slot_layout", None)
+    ready, adapter.slot_layout = adapter.slot_layout, None
     if ready is not None and ready[0] == max_rank:
         return ready[1]
     return adapter_slot_arrays(adapter, cfg, max_rank)

@@ -223,6 +223,11 @@ class AdapterRegistry:
     def num_host_copies(self) -> int:
         return len(self._host)
 
+    @property
+    def host_copies(self) -> list[LoRAAdapter]:
+        """The adapters the host tier holds now (least recently used first)."""
+        return list(self._host.values())
+
     # ---- device slots and pool rows -------------------------------------------------------
     def fits(self, names: set[str]) -> bool:
         """Can these adapters be resident at once, beside the pinned ones (slots and rows)?"""
