@@ -180,7 +180,7 @@ def main(argv=None):
                     if k == 0 and args.slots:
                         cases.append((mode, 0, "auto", on, lay))  # LoRA on (a pool of --slots), no row uses it
     cases = list(dict.fromkeys(cases))
-    state = {}
+    state, pools = {}, {}
     for mode, k, be, nat, lay in cases:
         weights, dtype, lora_dtype = layouts[lay]
         s = max(k, args.slots or 0) + 1
@@ -205,13 +205,15 @@ def main(argv=None):
         backend = "bgmv"
         prepare = None
         if be != "-":
-            lora = jax.tree.map(lambda a: a.astype(lora_dtype), random_lora(cfg, s, args.rank))
+            if (s, lora_dtype) not in pools:  # one pool per size and dtype, shared by the cases
+                pools[(s, lora_dtype)] = jax.tree.map(lambda a: a.astype(lora_dtype), random_lora(cfg, s, args.rank))
+            lora = pools[(s, lora_dtype)]
             # As the runner: a step of at most max_num_seqs tokens counts as a decode shape.
             backend = choose_backend(be, t, t <= args.max_num_seqs, s,
                                      be == "auto" and native_usable(jnp.dtype(lora_dtype), jax.devices()[:1]),
                                      jax.devices()[0].platform)
             lora_be = get_backend(backend.split(SWITCH)[0])
-            cap = grouped_cap(t) if SWITCH in backend else None
+            cap = grouped_cap(t) if SWITCH in backend else args.max_num_seqs  # as the runner
             table = slot_major_rows(s, args.rank)
             prepare = lambda slot_T: lora_be.prepare_lora_batch(slot_T, scal, ranks, table, cap)  # noqa: E731
         batch = build_batch(chunks, num_tokens=t, num_pages=x, num_logits=min(t, args.max_num_seqs),

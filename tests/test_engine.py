@@ -125,6 +125,24 @@ def test_mixed_batch_equals_peft(backend, engine, model_dir, spec_dirs, short_di
     check_vs_peft(peft_greedy_cache, model_dir, short_dirs, prompts, loras, outs)
 
 
+def test_sgmv_tiles_are_sized_for_a_steps_sequences_not_the_pool(model_dir, spec_dirs, short_dirs, peft_greedy_cache):
+    """With more slots than a step has sequences (a pool sized by memory), sgmv's tiles are sized
+    for max_num_seqs adapters (a step never has more), not for every slot; PEFT's greedy tokens
+    still come out with steps of up to max_num_seqs distinct adapters."""
+    from multilora.lora.batch import GROUPED, sgmv_num_tiles
+    eng = make_engine(model_dir, {"a": spec_dirs[SPEC[0]], "b": spec_dirs[SPEC[1]], "c": spec_dirs[SPEC[2]]},
+                      lora_backend="sgmv", max_loras_per_batch=12, max_num_seqs=4)
+    assert eng.runner.lora.num_slots == 13
+    for t in eng.runner.buckets.tokens:
+        slot_T = np.arange(t, dtype=np.int32) % 4 + 1  # four distinct adapters, as many as sequences
+        info = eng.runner._prepare_lora(t)(slot_T)
+        assert info.tile_slot_G.shape[0] == sgmv_num_tiles(t, 5) and int(info.mode) == GROUPED, t
+    prompts = prompts_of(1, MIXED_LENGTHS)
+    loras = [[None, "a", "b", "c"][i % 4] for i in range(len(prompts))]
+    outs = gen(eng, prompts, GREEDY, loras)
+    check_vs_peft(peft_greedy_cache, model_dir, short_dirs, prompts, loras, outs)
+
+
 def test_bf16_projections_greedy_within_tolerance(model_dir, spec_dirs, peft_refs):
     """projection_dtype="bfloat16" (the default where the CPU has AMX-BF16 or AVX512-BF16): each greedy token is
     PEFT's float32 argmax given the same prefix, or within bfloat16's tolerance of it (its

@@ -199,8 +199,11 @@ class ModelRunner:
             return None
         name = self.backend_for(num_tokens)
         be = get_backend(name.split(SWITCH)[0])
-        # a run-time switch: tiles sized for the step's few adapters, whatever the pool holds
-        cap = grouped_cap(num_tokens) if SWITCH in name else None
+        # A run-time switch: tiles sized for the step's few adapters, whatever the pool holds.
+        # Otherwise tiles for as many adapters as a step can have: one per sequence, at most
+        # max_num_seqs (a pool sized by memory holds hundreds of slots: tiles for all of them made
+        # a 512-token prefill on a TPU 2.2x as long as tiles for 64; BENCHMARKS.md).
+        cap = grouped_cap(num_tokens) if SWITCH in name else self.buckets.max_num_seqs
         s, r, rows = self.lora.scalings_S, self.lora.ranks_S, self.lora.rows_SR
         return lambda slot_T: be.prepare_lora_batch(slot_T, s, r, rows, cap)
 
