@@ -27,21 +27,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import SMOLLM2_135M  # noqa: E402
+from benchmarks.forward_step import random_lora  # noqa: E402
 from multilora import kernels  # noqa: E402
 from multilora.config import ModelConfig  # noqa: E402
-from multilora.lora.pool import slot_major_pool, slot_major_rows  # noqa: E402
-
-
-def pools(cfg: ModelConfig, slots: int, rank: int) -> dict:
-    d, q, kv, f = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
-    shapes = dict(qkv_a=(3, d), q_b=(1, q), k_b=(1, kv), v_b=(1, kv), o_a=(1, q), o_b=(1, d),
-                  gu_a=(2, d), g_b=(1, f), u_b=(1, f), d_a=(1, f), d_b=(1, d))
-    keys = iter(jax.random.split(jax.random.PRNGKey(0), len(shapes)))
-    out = {}
-    for name, (blocks, width) in shapes.items():
-        w = 0.02 * jax.random.normal(next(keys), (cfg.num_layers, slots, blocks * rank, width), jnp.float32)
-        out[name] = jax.vmap(lambda w, b=blocks: slot_major_pool(w, b))(w).astype(jnp.bfloat16)
-    return out
+from multilora.lora.pool import slot_major_rows  # noqa: E402
 
 
 def make_step(twice: bool):
@@ -50,18 +39,18 @@ def make_step(twice: bool):
         meta = (slot_T, scal_S, ranks_S, rows_SR)
 
         def group(x, a, bs, layer):
-            ys = kernels.lora_apply(x, p[a], tuple(p[b] for b in bs), layer, *meta)
+            ys = kernels.lora_apply(x, a, bs, layer, *meta)
             if twice:  # the same rows again, now in cache (the input depends on the first call)
-                ys = kernels.lora_apply(x + 1e-9 * ys[0].sum(), p[a], tuple(p[b] for b in bs), layer, *meta)
+                ys = kernels.lora_apply(x + 1e-9 * ys[0].sum(), a, bs, layer, *meta)
             return ys
 
         def layer(x, l):
-            q, k, v = group(x, "qkv_a", ("q_b", "k_b", "v_b"), l)
-            (o,) = kernels.lora_apply(q, p["o_a"], (p["o_b"],), l, *meta)
-            g, u = group(x + o, "gu_a", ("g_b", "u_b"), l)
-            (d,) = kernels.lora_apply(g * u, p["d_a"], (p["d_b"],), l, *meta)
+            q, k, v = group(x, p.qkv_a_LUD, (p.q_b_LUO, p.k_b_LUO, p.v_b_LUO), l)
+            (o,) = kernels.lora_apply(q, p.o_a_LUO, (p.o_b_LUD,), l, *meta)
+            g, u = group(x + o, p.gate_up_a_LUD, (p.gate_b_LUF, p.up_b_LUF), l)
+            (d,) = kernels.lora_apply(g * u, p.down_a_LUF, (p.down_b_LUD,), l, *meta)
             return x + 1e-3 * (d + k.sum() + v.sum()), None
-        return jax.lax.scan(layer, x_TD, jnp.arange(p["qkv_a"].shape[0]))[0]
+        return jax.lax.scan(layer, x_TD, jnp.arange(p.qkv_a_LUD.shape[0]))[0]
     return step
 
 
@@ -85,7 +74,7 @@ def main(argv=None):
         slot_T = (1 + rng.integers(k, size=args.tokens)) if k else np.zeros(args.tokens)
         meta = (jnp.asarray(slot_T, jnp.int32), jnp.full((s,), 2.0, jnp.float32),
                 jnp.full((s,), args.rank, jnp.int32), jnp.asarray(slot_major_rows(s, args.rank)))
-        p = pools(cfg, s, args.rank)
+        p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), random_lora(cfg, s, args.rank))
         step(p, x, *meta).block_until_ready()
         cases[k] = (p, meta, [])
     for _ in range(args.repeats):
