@@ -287,3 +287,47 @@ def test_odd_config_values_give_adapter_error(case, tmp_path, tiny_adapters, lla
     with pytest.raises(AdapterError, match=re.escape(named)) as info:
         load_adapter(f"odd-{case}", folder, llama_cfg, MAX_RANK)
     assert info.value.adapter_name == f"odd-{case}"
+
+
+def test_a_bfloat16_host_copy_is_the_float32_one_rounded_once(tiny_adapters, llama_cfg):
+    """Host copies for a bfloat16 pool are read in bfloat16: each value the float32 copy's
+    rounded to nearest even, as the pool's write would round it (pattern scalings folded in
+    float32 first); half the bytes, which the probe counts too."""
+    import ml_dtypes
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    for key in (GOOD, ("llama", "d_regex_patterns"), ("llama", "b_attn_r4_rslora")):
+        f32 = load_adapter("x", tiny_adapters[key], llama_cfg, MAX_RANK)
+        half = load_adapter("x", tiny_adapters[key], llama_cfg, MAX_RANK, bf16)
+        assert (half.rank, half.scaling, sorted(half.modules)) == (f32.rank, f32.scaling, sorted(f32.modules))
+        for m, (a, b) in half.modules.items():
+            assert a.dtype == bf16 and b.dtype == bf16
+            np.testing.assert_array_equal(a.view(np.uint16), f32.modules[m][0].astype(bf16).view(np.uint16))
+            np.testing.assert_array_equal(b.view(np.uint16), f32.modules[m][1].astype(bf16).view(np.uint16))
+        assert half.nbytes * 2 == f32.nbytes
+        assert probe_adapter("x", tiny_adapters[key], llama_cfg, MAX_RANK, bf16).nbytes == half.nbytes
+        assert half.content_hash != f32.content_hash  # what each pool computes with differs
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        load_adapter("x", tiny_adapters[GOOD], llama_cfg, MAX_RANK, np.int8)
+
+
+def test_a_value_beyond_a_bfloat16_pool_is_refused_for_that_pool_only(tmp_path, tiny_adapters, llama_cfg):
+    """3.4e38 is a finite float32 that bfloat16 rounds to Inf: a float32 pool serves the
+    adapter, a bfloat16 pool refuses it by name and reason (never an Inf in the pool); the
+    largest value that rounds to a finite bfloat16 passes."""
+    import ml_dtypes
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    edge = np.frombuffer(np.uint32(0x7F7F7FFF).tobytes(), np.float32)[0]  # just below the rounding to Inf
+    folder = _copy(tiny_adapters[GOOD], tmp_path / "big")
+    _edit_weights(folder, _poison(np.float32(3.4e38)))
+    load_adapter("big", folder, llama_cfg, MAX_RANK)  # float32: served as it is
+    with pytest.raises(AdapterError, match=r"v_proj: values beyond what the adapter pool's bfloat16 holds") as e:
+        load_adapter("big", folder, llama_cfg, MAX_RANK, bf16)
+    assert e.value.adapter_name == "big"
+    ok = _copy(tiny_adapters[GOOD], tmp_path / "edge")
+    _edit_weights(ok, _poison(edge))
+    ad = load_adapter("edge", ok, llama_cfg, MAX_RANK, bf16)
+    assert np.isfinite(ad.modules["v_proj"][1].astype(np.float32)).all()
+    nan = _copy(tiny_adapters[GOOD], tmp_path / "nan")
+    _edit_weights(nan, _poison(np.nan))
+    with pytest.raises(AdapterError, match="layers.1.self_attn.v_proj.lora_B.*NaN or Inf"):
+        load_adapter("nan", nan, llama_cfg, MAX_RANK, bf16)

@@ -178,11 +178,13 @@ class Engine:
         self.slots = (LoRASlots(self.cfg, self.lora_cfg, self.lora_dtype, self.mesh, jit_writer=jit_slot_writer)
                       if max_loras_per_batch > 0 else None)
         cfg = self.cfg  # not self: the loader's thread must not keep the engine alive
+        # host copies in the pool's dtype: a bf16 pool's adapters are read, hashed, kept and written at half the bytes
+        self.lora_host_dtype = host_dtype = np.dtype(self.lora_dtype)
 
         def read(name, path):
             if str(path).startswith(MIX_PREFIX):  # a weighted mix: rebuilt from its parts
                 return read_mix(name, path, read)
-            return load_adapter(name, path, cfg, max_lora_rank)
+            return load_adapter(name, path, cfg, max_lora_rank, host_dtype)
 
         self.registry = AdapterRegistry(max(max_loras_per_batch, 1), c.max_loaded_loras, read,
                                         max_host_bytes=int(c.lora_host_memory_gb * 2**30),
@@ -248,7 +250,7 @@ class Engine:
         room = self.registry.max_host_bytes
         count = self.registry.max_loaded_loras
         for i, (name, path) in enumerate(lora_modules.items()):
-            probe = probe_adapter(name, path, self.cfg, self.lora_cfg.max_lora_rank)
+            probe = probe_adapter(name, path, self.cfg, self.lora_cfg.max_lora_rank, self.lora_host_dtype)
             self.registry.register(name, str(path), probe=probe)
             if (room is None or probe.nbytes <= room) and (count is None or i < count):
                 self.loader.prefetch(name, str(path))

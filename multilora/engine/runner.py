@@ -408,12 +408,13 @@ def jit_slot_writer(write_rows, buffers, buffer_shardings, rows_shardings, repli
     (so that the first adapter written after warm-up compiles nothing): donated, so rows are
     rewritten in place, and pinned to the pools' shardings in and out (the new rows arrive split
     like the pools, the row ids replicated). One compile serves every adapter: its max_rank row
-    ids are traced (entries past its rank name the zero row)."""
+    ids are traced (entries past its rank name the zero row); the rows come in the pools' dtype
+    (host copies are read in it: multilora.lora.adapter.load_adapter)."""
     from multilora.lora.pool import blocks_of
     fn = jax.jit(write_rows, donate_argnums=0, in_shardings=(buffer_shardings, replicated, rows_shardings),
                  out_shardings=buffer_shardings)
     rows_abstract = type(buffers)(**{
-        k: jax.ShapeDtypeStruct((b.shape[0], blocks_of(k) * max_rank, b.shape[2]), np.float32)
+        k: jax.ShapeDtypeStruct((b.shape[0], blocks_of(k) * max_rank, b.shape[2]), b.dtype)
         for k, b in vars(buffers).items()})
     return fn.lower(buffers, jax.ShapeDtypeStruct((max_rank,), np.int32), rows_abstract).compile()
 

@@ -160,12 +160,14 @@ def lora_apply(x_TD: jax.Array, a_LUD: jax.Array, b_LUOs: "tuple[jax.Array, ...]
 
 
 def pool_write(pool_LUX: jax.Array, rows_R: jax.Array, new_LRX: jax.Array) -> jax.Array:
-    """pool_LUX with pool[:, rows_R[j]] = new_LRX[:, j] (rounded to the pool's float32 or
-    bfloat16), written in place where the pool is donated (the result aliases it): XLA's CPU
-    backend would run a bfloat16 scatter in float32 over the whole pool."""
+    """pool_LUX with pool[:, rows_R[j]] = new_LRX[:, j] (rows of the pool's dtype copied, others
+    rounded to the pool's float32 or bfloat16), written in place where the pool is donated (the
+    result aliases it): XLA's CPU backend would run a bfloat16 scatter in float32 over the whole
+    pool."""
+    if new_LRX.dtype != pool_LUX.dtype:
+        new_LRX = new_LRX.astype(jnp.float32)
     return jax.ffi.ffi_call("multilora_pool_write", jax.ShapeDtypeStruct(pool_LUX.shape, pool_LUX.dtype),
-                            input_output_aliases={0: 0})(
-        pool_LUX, rows_R.astype(jnp.int32), new_LRX.astype(jnp.float32))
+                            input_output_aliases={0: 0})(pool_LUX, rows_R.astype(jnp.int32), new_LRX)
 
 
 def decode_attention(q_TNH: jax.Array, k_LPpKH: jax.Array, v_LPpKH: jax.Array, layer: jax.Array,

@@ -9,8 +9,10 @@
 //
 //   pool[l, rows[j], :] = round(new[l, j, :])   for every layer l and every j
 //
-// new is float32; a bfloat16 pool gets each value rounded to nearest, ties to even (NaN stays
-// NaN), as XLA's convert does. Row ids out of [0, U) are refused with an error, nothing written.
+// new is the pool's own dtype (rows copied as they are: host copies are read in the pool's dtype,
+// multilora/lora/adapter.py) or float32, which a bfloat16 pool gets rounded to nearest, ties to
+// even (NaN stays NaN), as XLA's convert does. Row ids out of [0, U) are refused with an error,
+// nothing written.
 
 #include <cstdint>
 #include <cstring>
@@ -30,22 +32,23 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
 }
 
-template <typename T>
+// T: the pool's element, S: new's (the same, or float32 into a bfloat16 pool: rounded).
+template <typename T, typename S>
 void write_rows(T* pool, int64_t L, int64_t U, int64_t X, const int32_t* rows, int64_t R,
-                const float* src) {
+                const S* src) {
   for (int64_t l = 0; l < L; ++l)
     for (int64_t j = 0; j < R; ++j) {
       T* dst = pool + (l * U + rows[j]) * X;
-      const float* s = src + (l * R + j) * X;
-      if constexpr (std::is_same_v<T, float>) {
-        std::memcpy(dst, s, X * sizeof(float));
+      const S* s = src + (l * R + j) * X;
+      if constexpr (std::is_same_v<T, S>) {
+        std::memcpy(dst, s, X * sizeof(T));
       } else {
         for (int64_t x = 0; x < X; ++x) dst[x] = to_bf16(s[x]);
       }
     }
 }
 
-ffi::Error PoolWrite(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> rows_R, ffi::Buffer<ffi::F32> new_LRX,
+ffi::Error PoolWrite(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> rows_R, ffi::AnyBuffer new_LRX,
                      ffi::Result<ffi::AnyBuffer> out) {
   const auto dims = pool.dimensions();
   const auto ndims = new_LRX.dimensions();
@@ -61,16 +64,20 @@ ffi::Error PoolWrite(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> rows_R, ffi::Buf
                                          std::to_string(U) + " rows");
   if (out->untyped_data() != pool.untyped_data())  // not aliased: start from a copy of the pool
     std::memcpy(out->untyped_data(), pool.untyped_data(), pool.size_bytes());
-  switch (pool.element_type()) {
-    case ffi::DataType::F32:
-      write_rows(static_cast<float*>(out->untyped_data()), L, U, X, rows, R, new_LRX.typed_data());
-      break;
-    case ffi::DataType::BF16:
-      write_rows(static_cast<uint16_t*>(out->untyped_data()), L, U, X, rows, R, new_LRX.typed_data());
-      break;
-    default:
-      return ffi::Error::InvalidArgument("pool_write: the pool must be float32 or bfloat16");
-  }
+  const auto pt = pool.element_type(), nt = new_LRX.element_type();
+  const bool f32_new = nt == ffi::DataType::F32;
+  if ((pt != ffi::DataType::F32 && pt != ffi::DataType::BF16) || (nt != pt && !f32_new))
+    return ffi::Error::InvalidArgument(
+        "pool_write: the pool must be float32 or bfloat16, and the new rows float32 or the pool's dtype");
+  if (pt == ffi::DataType::F32)
+    write_rows(static_cast<float*>(out->untyped_data()), L, U, X, rows, R,
+               static_cast<const float*>(new_LRX.untyped_data()));
+  else if (f32_new)
+    write_rows(static_cast<uint16_t*>(out->untyped_data()), L, U, X, rows, R,
+               static_cast<const float*>(new_LRX.untyped_data()));
+  else
+    write_rows(static_cast<uint16_t*>(out->untyped_data()), L, U, X, rows, R,
+               static_cast<const uint16_t*>(new_LRX.untyped_data()));
   return ffi::Error::Success();
 }
 
@@ -80,5 +87,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraPoolWrite, PoolWrite,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());

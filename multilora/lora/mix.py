@@ -53,15 +53,19 @@ def parse_mix_path(path: str) -> list[tuple[str, str, float]]:
 
 
 def mix_adapters(name: str, path: str, parts: Sequence[tuple[LoRAAdapter, float]]) -> LoRAAdapter:
-    """The weighted sum of the parts' deltas as one adapter of scaling 1 (see the module doc)."""
+    """The weighted sum of the parts' deltas as one adapter of scaling 1 (see the module doc),
+    in the parts' host dtype (the pool's): B's blocks are scaled in float32 and rounded once
+    more where that dtype is bfloat16 (exact on the float32 path)."""
     modules = {}
     for m in LORA_MODULES:
         have = [(ad, w) for ad, w in parts if m in ad.modules]
         if not have:
             continue
+        dtype = have[0][0].modules[m][0].dtype
         a_LRI = np.concatenate([ad.modules[m][0] for ad, _ in have], axis=1)
-        b_LOR = np.concatenate([ad.modules[m][1] * np.float32(w * ad.scaling) for ad, w in have], axis=2)
-        modules[m] = (a_LRI.astype(np.float32), b_LOR.astype(np.float32))
+        b_LOR = np.concatenate([ad.modules[m][1].astype(np.float32) * np.float32(w * ad.scaling)
+                                for ad, w in have], axis=2)
+        modules[m] = (a_LRI.astype(dtype), b_LOR.astype(dtype))
     rank = max(a.shape[1] for a, _ in modules.values())
     return LoRAAdapter(name=name, path=path, rank=rank, scaling=1.0, modules=modules)
 

@@ -83,9 +83,10 @@ def lora_shardings(cfg: ModelConfig, mesh, rename=None) -> LoRAWeights:
 
 
 def adapter_slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, max_rank: int) -> LoRAWeights:
-    """One adapter's rows (host float32, (L, blocks * max_rank, X)), laid out like LoRAWeights:
-    rows past a module's rank and every untargeted module stay zero."""
-    out = {k: np.zeros((cfg.num_layers, blocks_of(k) * max_rank, x), np.float32)
+    """One adapter's rows (host, (L, blocks * max_rank, X), in its host copy's dtype: the pool's),
+    laid out like LoRAWeights: rows past a module's rank and every untargeted module stay zero."""
+    dtype = next((a.dtype for a, _ in adapter.modules.values()), np.float32) if adapter is not None else np.float32
+    out = {k: np.zeros((cfg.num_layers, blocks_of(k) * max_rank, x), dtype)
            for k, x in lora_feature_dims(cfg).items()}
     if adapter is None:
         return LoRAWeights(**out)
@@ -204,6 +205,9 @@ class LoRASlots:
         rows_R = empty_table_row(R)
         rows_R[:n] = rows
         new = take_slot_layout(adapter, self.cfg, R)
+        pool_dtype = self.weights.qkv_a_LUD.dtype
+        if any(x.dtype != pool_dtype for x in jax.tree.leaves(new)):  # a host copy read for another pool dtype
+            new = jax.tree.map(lambda x: np.asarray(x, np.float32).astype(pool_dtype), new)
         self.weights = self._write(self.weights, rows_R, jax.tree.map(put, new, self._rows_shardings))
         self.rows_SR[slot] = rows_R
         self.scalings_S[slot] = adapter.scaling
