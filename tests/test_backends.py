@@ -583,3 +583,21 @@ def test_native_pool_write_refuses_rows_outside_the_pool():
     with pytest.raises(Exception, match="float32 or bfloat16"):
         kernels.pool_write(jnp.zeros((2, 8, 4), jnp.float16), jnp.array([1], jnp.int32),
                            jnp.ones((2, 1, 4))).block_until_ready()
+
+
+def test_native_bf16_rounder_rounds_as_numpy_and_xla():
+    """kernels.bf16_rounder (the loader's float32 -> bfloat16 conversion of adapter weights)
+    gives the bits ml_dtypes' cast gives: ties to even, subnormals kept, Inf, -0, NaN stays NaN."""
+    import ml_dtypes
+    _native()
+    rounder = kernels.bf16_rounder()
+    assert rounder is not None
+    rng = np.random.default_rng(11)
+    src = (rng.standard_normal(10_001) * 10.0 ** rng.integers(-40, 38, 10_001)).astype(np.float32)
+    src[:9] = [np.nan, np.inf, -np.inf, -0.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1e-40, 3.0e38, 3.4e38]
+    dst = np.empty(src.shape, ml_dtypes.bfloat16)
+    rounder(src.ctypes.data, dst.ctypes.data, src.size)
+    want = src.astype(ml_dtypes.bfloat16)
+    nan = np.isnan(src)
+    assert np.isnan(dst[nan].astype(np.float32)).all()
+    np.testing.assert_array_equal(dst[~nan].view(np.uint16), want[~nan].view(np.uint16))

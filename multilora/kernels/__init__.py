@@ -120,6 +120,22 @@ def available() -> bool:
         return _state["ok"]
 
 
+def bf16_rounder():
+    """`round(src_ptr, dst_ptr, n)`: n float32 values rounded to bfloat16 (nearest, ties to even,
+    as pool_write rounds), through ctypes (the GIL dropped), or None unless the kernels are
+    loaded already (never builds them: its callers are the loader's threads)."""
+    lib = _state.get("lib")
+    if lib is None:
+        return None
+    fn = _state.get("round_bf16")
+    if fn is None:
+        fn = lib.multilora_round_to_bf16
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+        fn.restype = None
+        _state["round_bf16"] = fn
+    return fn
+
+
 def unavailable_reason() -> str:
     available()
     return _state.get("reason", "")
