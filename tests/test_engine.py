@@ -135,7 +135,7 @@ def test_sgmv_tiles_are_sized_for_a_steps_sequences_not_the_pool(model_dir, spec
     assert eng.runner.lora.num_slots == 13
     for t in eng.runner.buckets.tokens:
         slot_T = np.arange(t, dtype=np.int32) % 4 + 1  # four distinct adapters, as many as sequences
-        info = eng.runner._prepare_lora(t)(slot_T)
+        info = eng.runner.lora_batch_preparer(t)(slot_T)
         assert info.tile_slot_G.shape[0] == sgmv_num_tiles(t, 5) and int(info.mode) == GROUPED, t
     prompts = prompts_of(1, MIXED_LENGTHS)
     loras = [[None, "a", "b", "c"][i % 4] for i in range(len(prompts))]

@@ -194,7 +194,9 @@ class ModelRunner:
                               self.lora.num_slots if self.lora is not None else None, self._native,
                               self._platform)
 
-    def _prepare_lora(self, num_tokens: int):
+    def lora_batch_preparer(self, num_tokens: int):
+        """What a step of num_tokens tokens builds its LoRABatchInfo with: slot_T -> info, through
+        the backend backend_for(num_tokens) names (None without LoRA)."""
         if self.lora is None:
             return None
         name = self.backend_for(num_tokens)
@@ -209,7 +211,7 @@ class ModelRunner:
 
     def _dummy_batch(self, t, x):
         return build_batch([], num_tokens=t, num_pages=x, num_logits=self.buckets.logits_rows(t),
-                           page_size=self.page_size, prepare_lora=self._prepare_lora(t))
+                           page_size=self.page_size, prepare_lora=self.lora_batch_preparer(t))
 
     def _abstract(self, tree):
         """Host arrays -> their shapes, replicated on the mesh: what the steps are compiled for.
@@ -371,7 +373,7 @@ class ModelRunner:
         fn = self._compiled_step(key)
         t, x = key
         batch = build_batch(chunks, num_tokens=t, num_pages=x, num_logits=self.buckets.logits_rows(t),
-                            page_size=self.page_size, prepare_lora=self._prepare_lora(t))
+                            page_size=self.page_size, prepare_lora=self.lora_batch_preparer(t))
         lora_w = self.lora.weights if self.lora is not None else None
         logits, self.kv, x_TD = fn(self.weights, lora_w, self.kv, batch)
         n = len(chunks)
