@@ -40,7 +40,8 @@ import numpy as np  # noqa: E402
 from benchmarks.common import SMOLLM2_135M, machine_info, save_json  # noqa: E402
 from multilora.config import ModelConfig  # noqa: E402
 from multilora.engine.batching import SeqChunk, build_batch, pages_needed  # noqa: E402
-from multilora.lora.pool import blocks_of, lora_feature_dims, slot_major_pool, slot_major_rows  # noqa: E402
+from multilora.lora.pool import (blocks_of, lora_feature_dims, rows_major, slot_major_pool,  # noqa: E402
+                                 slot_major_rows)
 from multilora.model.llama import LayerWeights, LoRAWeights, Weights, forward, init_kv_cache, split_layers  # noqa: E402
 
 
@@ -206,7 +207,9 @@ def main(argv=None):
         prepare = None
         if be != "-":
             if (s, lora_dtype) not in pools:  # one pool per size and dtype, shared by the cases
-                pools[(s, lora_dtype)] = jax.tree.map(lambda a: a.astype(lora_dtype), random_lora(cfg, s, args.rank))
+                # rows-major, as the engine keeps its pools (multilora.lora.pool.POOL_LAYOUT)
+                pools[(s, lora_dtype)] = rows_major(jax.tree.map(lambda a: a.astype(lora_dtype),
+                                                                 random_lora(cfg, s, args.rank)))
             lora = pools[(s, lora_dtype)]
             # As the runner: a step of at most max_num_seqs tokens counts as a decode shape.
             backend = choose_backend(be, t, t <= args.max_num_seqs, s,

@@ -324,6 +324,31 @@ def test_native_pool_writes_equal_xla_writes(dtype, tiny_models, tiny_adapters):
                                       err_msg=field)
 
 
+def test_pools_are_made_and_written_rows_major(tiny_models, tiny_adapters):
+    """Every pool is made and stays rows-major (POOL_LAYOUT), the layout the backends read it in,
+    whichever writer writes it: a TPU's default layout for a pool is another, and a step compiled
+    for that copied every pool whole before its layer loop (BENCHMARKS.md). rows_major moves a
+    pool laid out otherwise, values unchanged."""
+    from jax.experimental.layout import Format, Layout
+    from multilora.lora.pool import POOL_LAYOUT, rows_major
+    kind = REWRITE_KIND
+    cfg, _ = load_weights(tiny_models[kind], mesh=MESH)
+    adapter = load_adapter("a_all_r8", tiny_adapters[(kind, "a_all_r8")], cfg, 32)
+    for jit_writer in (jit_slot_writer, None):
+        slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=2, max_lora_rank=32), jnp.float32, MESH,
+                          jit_writer=jit_writer)
+        slots.load(1, page_rows([5]), adapter)
+        for field, a in vars(slots.weights).items():
+            assert a.format.layout.major_to_minor == POOL_LAYOUT.major_to_minor, field
+            assert a.sharding.is_equivalent_to(getattr(slots.shardings, field), a.ndim), field
+    pool = slots.weights.q_b_LUO
+    other = jax.device_put(pool, Format(Layout(major_to_minor=(0, 2, 1)), pool.sharding))
+    assert other.format.layout.major_to_minor == (0, 2, 1)
+    moved = rows_major(dataclasses.replace(slots.weights, q_b_LUO=other)).q_b_LUO
+    assert moved.format.layout.major_to_minor == POOL_LAYOUT.major_to_minor
+    np.testing.assert_array_equal(np.asarray(moved), np.asarray(pool))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_small_ranks_slot_rewrite_and_clear(backend, tiny_models, tiny_adapters, peft_refs):
     """max_lora_rank 32 with adapters of rank 2..16; an occupied slot rewritten with an adapter of

@@ -165,6 +165,8 @@ class ModelRunner:
         kv_shardings = jax.tree.map(lambda a: a.sharding, kv)
         # Replicated over the cache's devices: the batch, the logits and the sampler's rows.
         self.replicated = _replicated_like(kv.k_LPpKH.sharding)
+        # The step is compiled, like every jit here, for the layouts its committed arguments have: the LoRA
+        # pools' is rows-major (multilora.lora.pool.POOL_LAYOUT), so the step reads them in place.
         self._fwd = jax.jit(forward, static_argnames=("cfg", "backend", "hidden", "native_attention"),
                             donate_argnames=("kv",),
                             out_shardings=(self.replicated, kv_shardings, self.replicated))
@@ -405,16 +407,17 @@ class ModelRunner:
         return StepResult(tokens, lp, scored)
 
 
-def jit_slot_writer(write_rows, buffers, buffer_shardings, rows_shardings, replicated, max_rank: int):
+def jit_slot_writer(write_rows, buffers, buffer_formats, rows_shardings, replicated, max_rank: int):
     """The LoRA pool writer (multilora.lora.pool.write_rows) compiled now for one set of pools
     (so that the first adapter written after warm-up compiles nothing): donated, so rows are
-    rewritten in place, and pinned to the pools' shardings in and out (the new rows arrive split
-    like the pools, the row ids replicated). One compile serves every adapter: its max_rank row
+    rewritten in place, and pinned to the pools' shardings and layout in and out (the new rows
+    arrive split like the pools, the row ids replicated; a pool written back in the device's
+    default layout would be converted whole by every step: multilora.lora.pool.POOL_LAYOUT). One compile serves every adapter: its max_rank row
     ids are traced (entries past its rank name the zero row); the rows come in the pools' dtype
     (host copies are read in it: multilora.lora.adapter.load_adapter)."""
     from multilora.lora.pool import blocks_of
-    fn = jax.jit(write_rows, donate_argnums=0, in_shardings=(buffer_shardings, replicated, rows_shardings),
-                 out_shardings=buffer_shardings)
+    fn = jax.jit(write_rows, donate_argnums=0, in_shardings=(buffer_formats, replicated, rows_shardings),
+                 out_shardings=buffer_formats)
     rows_abstract = type(buffers)(**{
         k: jax.ShapeDtypeStruct((b.shape[0], blocks_of(k) * max_rank, b.shape[2]), b.dtype)
         for k, b in vars(buffers).items()})

@@ -22,7 +22,11 @@ in multilora.lora.registry. Under tensor parallelism the pools are sharded by th
 (LoRAWeights' fields, multilora.model.arrays: B by
 output features where its base layer is column-parallel, A by input features where it is
 row-parallel); a write takes the new rows already split the same way and keeps every pool's
-sharding (out_shardings).
+sharding and layout (out_shardings).
+
+Layout: every pool is kept rows-major (POOL_LAYOUT: a rank row's X features contiguous), the
+layout every backend reads it in. A TPU's default layout for a pool is another (see POOL_LAYOUT),
+and the compiled step then converted every pool whole, every step, before its layer loop.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout
 
 from multilora import kernels
 from multilora.config import PAGE_ROWS, LoRAConfig, ModelConfig, round_to_pages
@@ -66,13 +71,53 @@ def rank_row_bytes(cfg: ModelConfig, itemsize: int) -> int:
     return sum(blocks_of(k) * x for k, x in lora_feature_dims(cfg).items()) * cfg.num_layers * itemsize
 
 
+# A pool (L, U, X) rows-major: layer, then row, then a row's features, the minor (contiguous) axis,
+# as every backend reads it (pages of whole rows). The device's default layout is not always this:
+# a TPU v5e lays bf16[30, 12336, 576] out {1,2,0}, rows minor (apparently the axis whose 128-wide
+# tiles pad least), and each compiled step then converted every pool whole to rows-major before
+# its layer loop, whether or not a row used an adapter (BENCHMARKS.md: 1.4 GB a step at 257
+# slots; a 512-token prefill with LoRA on and unused 1.73x of no LoRA, 1.17x with the pools made
+# rows-major). Made rows-major and kept so by every write, the pools are read in place. The CPU's
+# default is rows-major already: nothing changes there.
+POOL_LAYOUT = Layout(major_to_minor=(0, 1, 2))
+
+
+def pool_formats(shardings: LoRAWeights) -> LoRAWeights:
+    """The pools' formats (POOL_LAYOUT on each pool's sharding): what they are made, written and
+    compiled in."""
+    return jax.tree.map(lambda s: Format(POOL_LAYOUT, s), shardings)
+
+
+def rows_major(weights: LoRAWeights) -> LoRAWeights:
+    """The same pools, each in POOL_LAYOUT on its own sharding (moved only where it is not)."""
+    def one(a):
+        if _is_rows_major(a):
+            return a
+        return jax.device_put(a, Format(POOL_LAYOUT, a.sharding))
+    return jax.tree.map(one, weights)
+
+
+def _is_rows_major(a: jax.Array) -> bool:
+    layout = a.format.layout
+    return layout is None or layout.major_to_minor == POOL_LAYOUT.major_to_minor  # None: no layouts here
+
+
+def _zeros(shape, dtype, fmt: Format) -> jax.Array:
+    """Zeros in fmt: made on the devices where that is their default layout, else from host zeros
+    shard by shard (never a second whole pool on a device)."""
+    a = jnp.zeros(shape, dtype, device=fmt.sharding)
+    if _is_rows_major(a):
+        return a
+    del a  # freed before the pool is made again
+    return jax.make_array_from_callback(
+        shape, fmt, lambda index: np.zeros([len(range(*i.indices(n))) for i, n in zip(index, shape)], dtype))
+
+
 def init_lora_weights(cfg: ModelConfig, lora_cfg: LoRAConfig, dtype, mesh) -> LoRAWeights:
     shapes = lora_buffer_shapes(cfg, lora_cfg.num_rows)
-    shardings = lora_shardings(cfg, mesh)
+    formats = pool_formats(lora_shardings(cfg, mesh))
     # Created in place, shard by shard: no device ever holds a whole (possibly large) buffer.
-    return LoRAWeights(**{
-        k: jnp.zeros(shape, dtype, device=getattr(shardings, k)) for k, shape in shapes.items()
-    })
+    return LoRAWeights(**{k: _zeros(shape, dtype, getattr(formats, k)) for k, shape in shapes.items()})
 
 
 def lora_shardings(cfg: ModelConfig, mesh, rename=None) -> LoRAWeights:
@@ -165,13 +210,16 @@ class LoRASlots:
         that this module does not import the runner). Without it rows are written eagerly."""
         self.cfg, self.lora_cfg = cfg, lora_cfg
         self.shardings = lora_shardings(cfg, mesh)
+        self.formats = pool_formats(self.shardings)
         self.weights = init_lora_weights(cfg, lora_cfg, dtype, mesh)
         self._rows_shardings = lora_shardings(cfg, mesh, LORA_ROWS_RENAME)
         # multilora's pool kernel where it can write these pools (one CPU device, kernels built)
         self.native_write = native_usable(dtype, self.weights.qkv_a_LUD.sharding.device_set)
         writer = functools.partial(write_rows, native=self.native_write)
-        self._write = (jit_writer(writer, self.weights, self.shardings, self._rows_shardings,
-                                  replicated(mesh), lora_cfg.table_width) if jit_writer is not None else writer)
+        # Eagerly, a write's result takes the device's default layout: put back rows-major.
+        self._write = (jit_writer(writer, self.weights, self.formats, self._rows_shardings,
+                                  replicated(mesh), lora_cfg.table_width) if jit_writer is not None
+                       else lambda *a: rows_major(writer(*a)))
         S, R = lora_cfg.num_slots, lora_cfg.table_width
         self.scalings_S = np.zeros((S,), np.float32)
         self.ranks_S = np.zeros((S,), np.int32)
