@@ -546,19 +546,35 @@ def test_a_slot_layout_prepared_off_the_engine_thread_writes_the_same_pool(tiny_
         np.testing.assert_array_equal(np.asarray(getattr(made[0].weights, field)),
                                       np.asarray(getattr(made[1].weights, field)), err_msg=field)
     adapter = load_adapter("a_all_r8", tiny_adapters[(kind, "a_all_r8")], cfg, 32)
-    prepare_slot_layout(adapter, cfg, 16)
-    assert adapter.slot_layout is not None and adapter.slot_layout[0] == 16
-    want = adapter_slot_arrays(adapter, cfg, 32)
-    got = take_slot_layout(adapter, cfg, 32)   # prepared for width 16: laid out again for 32
+    prepare_slot_layout(adapter, cfg, 32)
+    # laid out at its own rank's width (one page), not the table's 32
+    assert adapter.slot_layout is not None and adapter.slot_layout[0] == 8
+    assert adapter.slot_layout[1].qkv_a_LUD.shape[1] == 3 * 8
+    want = adapter_slot_arrays(adapter, cfg, 16)
+    got = take_slot_layout(adapter, cfg, 16)   # prepared for width 8: laid out again for 16
     for field in vars(want):
         np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+
+
+def test_write_widths_track_the_adapters_rank():
+    """An adapter is laid out and written at the least compiled width that holds its rank
+    (whole pages, doubling, then the table's width), never at the table's width by default."""
+    from multilora.lora.pool import write_width, write_widths
+    assert write_widths(8) == (8,)
+    assert write_widths(32) == (8, 16, 32)
+    assert write_widths(24) == (8, 16, 24)
+    assert write_widths(128) == (8, 16, 32, 64, 128)
+    assert [write_width(r, 32) for r in (1, 4, 8, 9, 16, 17, 32)] == [8, 8, 8, 16, 16, 32, 32]
+    assert write_width(20, 24) == 24
+    with pytest.raises(ValueError, match="rank 33 needs 40 rows, more than the table's 32"):
+        write_width(33, 32)
 
 
 def test_a_prepared_layout_counts_in_the_host_tier_until_its_write_takes_it(tiny_models, tiny_adapters):
     """The host tier's byte budget counts what a copy holds: its modules and, while it waits for
     its slot write, the layout prepared for it; the write takes the layout and the engine counts
     the copy again (registry.recount_host), so the bytes go back to the modules'."""
-    from multilora.lora.pool import adapter_slot_arrays, prepare_slot_layout, take_slot_layout
+    from multilora.lora.pool import adapter_slot_arrays, prepare_slot_layout, take_slot_layout, write_width
     from multilora.lora.registry import AdapterRegistry
     kind = REWRITE_KIND
     cfg, _ = load_weights(tiny_models[kind], mesh=MESH)
@@ -567,13 +583,15 @@ def test_a_prepared_layout_counts_in_the_host_tier_until_its_write_takes_it(tiny
     modules = sum(a.nbytes + b.nbytes for a, b in adapter.modules.values())
     assert adapter.nbytes == modules
     prepare_slot_layout(adapter, cfg, 32)
-    layout = adapter_slot_arrays(adapter, cfg, 32)
+    width = write_width(adapter.rank, 32)  # rank 16: 16 rows, not the table's 32
+    assert width == 16 and adapter.slot_layout[0] == width
+    layout = adapter_slot_arrays(adapter, cfg, width)
     layout_bytes = sum(getattr(layout, f).nbytes for f in vars(layout) if getattr(layout, f) is not None)
     assert layout_bytes > 0 and adapter.nbytes == modules + layout_bytes
     reg = AdapterRegistry(2, None, lambda name, p: load_adapter(name, p, cfg, 32))
     reg.register("c", path, adapter=adapter)
     assert reg.host_bytes == modules + layout_bytes
-    take_slot_layout(adapter, cfg, 32)
+    take_slot_layout(adapter, cfg, width)
     assert reg.host_bytes == modules + layout_bytes  # counted as put, until recounted
     reg.recount_host("c")
     assert reg.host_bytes == modules

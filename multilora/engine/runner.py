@@ -412,9 +412,11 @@ def jit_slot_writer(write_rows, buffers, buffer_formats, rows_shardings, replica
     (so that the first adapter written after warm-up compiles nothing): donated, so rows are
     rewritten in place, and pinned to the pools' shardings and layout in and out (the new rows
     arrive split like the pools, the row ids replicated; a pool written back in the device's
-    default layout would be converted whole by every step: multilora.lora.pool.POOL_LAYOUT). One compile serves every adapter: its max_rank row
-    ids are traced (entries past its rank name the zero row); the rows come in the pools' dtype
-    (host copies are read in it: multilora.lora.adapter.load_adapter)."""
+    default layout would be converted whole by every step: multilora.lora.pool.POOL_LAYOUT). One
+    compile serves every adapter written `max_rank` rows wide (LoRASlots compiles one per
+    write width, multilora.lora.pool.write_widths): its row ids are traced (entries past its rank
+    name the zero row); the rows come in the pools' dtype (host copies are read in it:
+    multilora.lora.adapter.load_adapter)."""
     from multilora.lora.pool import blocks_of
     fn = jax.jit(write_rows, donate_argnums=0, in_shardings=(buffer_formats, replicated, rows_shardings),
                  out_shardings=buffer_formats)

@@ -148,23 +148,46 @@ def adapter_slot_arrays(adapter: LoRAAdapter | None, cfg: ModelConfig, max_rank:
     return LoRAWeights(**out)
 
 
-def prepare_slot_layout(adapter: LoRAAdapter, cfg: ModelConfig, max_rank: int) -> None:
-    """Lay out the adapter's rows for a slot write now (adapter_slot_arrays), kept on the adapter
-    until LoRASlots.load takes them: for the loader's threads, so that the engine's thread,
-    which writes between steps while every stream waits, only copies them into the pool
-    (4-7 ms of the 7-12 ms a rank-16 SmolLM2 adapter's write took there). Taken once: a later
-    write of the same host copy lays it out again, so that copies kept in the host tier hold
-    their modules only."""
-    adapter.slot_layout = (max_rank, adapter_slot_arrays(adapter, cfg, max_rank))
+def write_widths(table_width: int) -> tuple[int, ...]:
+    """The row counts a slot write is compiled for: whole pages, doubling from one page, and the
+    table's width. An adapter is written at the least of them that holds its rank
+    (write_width), so that its write, and the layout a loader thread prepares for it, track its
+    true rank: written at the table's width, a rank-16 adapter beside a rank-128 one laid out and
+    scattered 128 rows a layer, 112 of them zeros (10 ms of the engine thread against 2.1-3.3 at
+    its own width; BENCHMARKS.md)."""
+    widths, w = [], PAGE_ROWS
+    while w < table_width:
+        widths.append(w)
+        w *= 2
+    return tuple(widths) + (table_width,)
 
 
-def take_slot_layout(adapter: LoRAAdapter, cfg: ModelConfig, max_rank: int) -> LoRAWeights:
-    """The adapter's slot layout: the one prepare_slot_layout left (dropped from the adapter), or
-    laid out now."""
+def write_width(rank: int, table_width: int) -> int:
+    """The rows an adapter of `rank` is laid out and written with (write_widths)."""
+    n = round_to_pages(rank)
+    if n > table_width:
+        raise ValueError(f"rank {rank} needs {n} rows, more than the table's {table_width}")
+    return next(w for w in write_widths(table_width) if w >= n)
+
+
+def prepare_slot_layout(adapter: LoRAAdapter, cfg: ModelConfig, table_width: int) -> None:
+    """Lay out the adapter's rows for a slot write now (adapter_slot_arrays, at its write_width),
+    kept on the adapter until LoRASlots.load takes them: for the loader's threads, so that the
+    engine's thread, which writes between steps while every stream waits, only copies them into
+    the pool (4-7 ms of the 7-12 ms a rank-16 SmolLM2 adapter's write took there). Taken once: a
+    later write of the same host copy lays it out again, so that copies kept in the host tier
+    hold their modules only."""
+    width = write_width(adapter.rank, table_width)
+    adapter.slot_layout = (width, adapter_slot_arrays(adapter, cfg, width))
+
+
+def take_slot_layout(adapter: LoRAAdapter, cfg: ModelConfig, width: int) -> LoRAWeights:
+    """The adapter's slot layout at `width` rows: the one prepare_slot_layout left (dropped from
+    the adapter), or laid out now."""
     ready, adapter.slot_layout = adapter.slot_layout, None
-    if ready is not None and ready[0] == max_rank:
+    if ready is not None and ready[0] == width:
         return ready[1]
-    return adapter_slot_arrays(adapter, cfg, max_rank)
+    return adapter_slot_arrays(adapter, cfg, width)
 
 
 def page_rows(pages) -> list[int]:
@@ -216,10 +239,15 @@ class LoRASlots:
         # multilora's pool kernel where it can write these pools (one CPU device, kernels built)
         self.native_write = native_usable(dtype, self.weights.qkv_a_LUD.sharding.device_set)
         writer = functools.partial(write_rows, native=self.native_write)
-        # Eagerly, a write's result takes the device's default layout: put back rows-major.
-        self._write = (jit_writer(writer, self.weights, self.formats, self._rows_shardings,
-                                  replicated(mesh), lora_cfg.table_width) if jit_writer is not None
-                       else lambda *a: rows_major(writer(*a)))
+        # One compiled writer per write width (an adapter is written at its own rank's width,
+        # write_width); eagerly, a write's result takes the device's default layout: put back
+        # rows-major.
+        if jit_writer is not None:
+            writers = {w: jit_writer(writer, self.weights, self.formats, self._rows_shardings, replicated(mesh), w)
+                       for w in write_widths(lora_cfg.table_width)}
+            self._write = lambda weights, rows_W, new: writers[len(rows_W)](weights, rows_W, new)
+        else:
+            self._write = lambda *a: rows_major(writer(*a))
         S, R = lora_cfg.num_slots, lora_cfg.table_width
         self.scalings_S = np.zeros((S,), np.float32)
         self.ranks_S = np.zeros((S,), np.int32)
@@ -252,11 +280,12 @@ class LoRASlots:
                              f"got {rows.tolist()}")
         rows_R = empty_table_row(R)
         rows_R[:n] = rows
-        new = take_slot_layout(adapter, self.cfg, R)
+        width = write_width(adapter.rank, R)  # its rows and zero-page entries up to its width only
+        new = take_slot_layout(adapter, self.cfg, width)
         pool_dtype = self.weights.qkv_a_LUD.dtype
         if any(x.dtype != pool_dtype for x in jax.tree.leaves(new)):  # a host copy read for another pool dtype
             new = jax.tree.map(lambda x: np.asarray(x, np.float32).astype(pool_dtype), new)
-        self.weights = self._write(self.weights, rows_R, jax.tree.map(put, new, self._rows_shardings))
+        self.weights = self._write(self.weights, rows_R[:width], jax.tree.map(put, new, self._rows_shardings))
         self.rows_SR[slot] = rows_R
         self.scalings_S[slot] = adapter.scaling
         self.ranks_S[slot] = adapter.rank
