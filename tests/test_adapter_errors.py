@@ -331,3 +331,66 @@ def test_a_value_beyond_a_bfloat16_pool_is_refused_for_that_pool_only(tmp_path, 
     _edit_weights(nan, _poison(np.nan))
     with pytest.raises(AdapterError, match="layers.1.self_attn.v_proj.lora_B.*NaN or Inf"):
         load_adapter("nan", nan, llama_cfg, MAX_RANK, bf16)
+
+
+def _retyped(src: Path, dst: Path, dtype) -> Path:
+    """A copy of an adapter folder with its tensors saved in another dtype (torch's safetensors:
+    numpy's has no bfloat16)."""
+    import torch
+    from safetensors.torch import load_file as load_pt, save_file as save_pt
+    folder = _copy(src, dst)
+    save_pt({k: v.to(dtype).contiguous() for k, v in load_pt(folder / WEIGHTS).items()}, folder / WEIGHTS)
+    return folder
+
+
+def test_the_native_tensor_copier_reads_what_numpy_reads(monkeypatch, tmp_path, tiny_adapters, llama_cfg):
+    """load_adapter copies each module's tensors through the kernels' tensor copier (one pass:
+    convert, fold a pattern's scaling, check for NaN/Inf) where the process has loaded them, else
+    through numpy: the same host copies bit for bit, in float32 and bfloat16, from float32,
+    bfloat16 and float16 files (float16 tensors take numpy's path either way), with rank and alpha
+    patterns; the same refusals, by name and reason, for a NaN and for a value beyond bfloat16."""
+    import ml_dtypes
+    import torch
+    from multilora import kernels
+    if not kernels.available():
+        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    assert kernels.tensor_copier() is not None
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    folders = [tiny_adapters[k] for k in (GOOD, ("llama", "d_regex_patterns"), ("llama", "b_attn_r4_rslora"))]
+    folders += [_retyped(tiny_adapters[("llama", "d_regex_patterns")], tmp_path / "bf16", torch.bfloat16),
+                _retyped(tiny_adapters[GOOD], tmp_path / "f16", torch.float16)]
+    big = _copy(tiny_adapters[GOOD], tmp_path / "big")
+    _edit_weights(big, _poison(np.float32(3.4e38)))
+    nan = _copy(tiny_adapters[GOOD], tmp_path / "nan")
+    _edit_weights(nan, _poison(np.nan))
+
+    def read_all():
+        got = {}
+        for folder in folders:
+            for dt in (np.float32, bf16):
+                ad = load_adapter("x", folder, llama_cfg, MAX_RANK, dt)
+                got[(folder.name, np.dtype(dt).name)] = (ad.rank, ad.scaling, ad.content_hash, {
+                    m: tuple(x.view(np.uint8).copy() for x in ab) for m, ab in ad.modules.items()})
+        errors = []
+        for folder, dt in ((big, bf16), (nan, bf16), (nan, np.float32)):
+            with pytest.raises(AdapterError) as e:
+                load_adapter(folder.name, folder, llama_cfg, MAX_RANK, dt)
+            errors.append(str(e.value))
+        return got, errors
+
+    native, native_errors = read_all()
+    monkeypatch.setattr(kernels, "tensor_copier", lambda: None)
+    plain, plain_errors = read_all()
+    assert native_errors == plain_errors
+    assert "v_proj: values beyond what the adapter pool's bfloat16 holds" in native_errors[0]
+    assert "layers.1.self_attn.v_proj.lora_B" in native_errors[1] and "NaN or Inf" in native_errors[1]
+    assert native.keys() == plain.keys()
+    for key, (rank, scaling, digest, modules) in native.items():
+        p_rank, p_scaling, p_digest, p_modules = plain[key]
+        assert (rank, scaling, digest) == (p_rank, p_scaling, p_digest), key
+        assert modules.keys() == p_modules.keys()
+        for m in modules:
+            for x, y in zip(modules[m], p_modules[m]):
+                np.testing.assert_array_equal(x, y, err_msg=f"{key} {m}")
+    # a bfloat16 file's values are what a float32 pool reads exactly, and a bfloat16 one copies
+    assert native[("bf16", "float32")][2] != native[("bf16", "bfloat16")][2]

@@ -136,6 +136,24 @@ def bf16_rounder():
     return fn
 
 
+def tensor_copier():
+    """`copy(src_ptr, dst_ptr, dst_kind, jobs_ptr, n_jobs) -> first bad job or -1`: an
+    adapter's tensors copied from its file's bytes into its host copy, converted, scaled and
+    checked for NaN/Inf in one pass (pool_kernels.cc, multilora_copy_tensors: the job layout),
+    through ctypes (the GIL dropped); None unless the kernels are loaded already (never builds
+    them: its callers are the loader's threads)."""
+    lib = _state.get("lib")
+    if lib is None:
+        return None
+    fn = _state.get("copy_tensors")
+    if fn is None:
+        fn = lib.multilora_copy_tensors
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64)
+        fn.restype = ctypes.c_int64
+        _state["copy_tensors"] = fn
+    return fn
+
+
 def unavailable_reason() -> str:
     available()
     return _state.get("reason", "")

@@ -90,6 +90,89 @@ extern "C" void multilora_round_to_bf16(const float* src, uint16_t* dst, int64_t
   for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
 }
 
+// An adapter's tensors copied out of its file's bytes into its host copy, converted, scaled and
+// checked in one pass (multilora/lora/adapter.py, called through ctypes, which drops the GIL):
+// one call per module instead of a numpy cast, a scaling and a finite check per tensor. A job is
+// eight int64: the tensor's byte offset in src, its dtype (0 float32, 1 bfloat16), its first
+// element in dst, its rows and columns, the row strides of src and dst in elements, and a float32
+// scale by its bits (pattern scalings folded into B; 1.0 copies). dst is float32 (0) or bfloat16
+// (1): a float32 value goes to bfloat16 rounded to nearest even (as to_bf16 above), scaled in
+// float32 first, so each value is rounded once. Returns the first job whose output holds a NaN or
+// an Inf (a value beyond bfloat16's range included), or -1; every job is copied either way.
+namespace {
+
+inline float from_bf16(uint16_t b) {
+  const uint32_t w = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &w, sizeof f);
+  return f;
+}
+
+template <typename S, typename D>
+bool copy_job(const S* src, D* dst, int64_t rows, int64_t cols, int64_t src_stride, int64_t dst_stride,
+              float scale) {
+  constexpr bool kSameBits = std::is_same_v<S, D>;
+  uint32_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const S* s = src + r * src_stride;
+    D* d = dst + r * dst_stride;
+    if constexpr (kSameBits) {
+      if (scale == 1.0f) {
+        std::memcpy(d, s, cols * sizeof(D));
+        for (int64_t c = 0; c < cols; ++c) {
+          if constexpr (std::is_same_v<D, float>) {
+            uint32_t w;
+            std::memcpy(&w, &d[c], sizeof w);
+            bad |= (w & 0x7f800000u) == 0x7f800000u;
+          } else {
+            bad |= (d[c] & 0x7f80u) == 0x7f80u;
+          }
+        }
+        continue;
+      }
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      float f;
+      if constexpr (std::is_same_v<S, float>) f = s[c]; else f = from_bf16(s[c]);
+      f *= scale;
+      if constexpr (std::is_same_v<D, float>) {
+        d[c] = f;
+        uint32_t w;
+        std::memcpy(&w, &f, sizeof w);
+        bad |= (w & 0x7f800000u) == 0x7f800000u;
+      } else {
+        d[c] = to_bf16(f);
+        bad |= (d[c] & 0x7f80u) == 0x7f80u;
+      }
+    }
+  }
+  return bad != 0;
+}
+
+template <typename D>
+bool run_job(const char* src_base, D* dst_base, const int64_t* j) {
+  float scale;
+  const uint32_t bits = static_cast<uint32_t>(j[7]);
+  std::memcpy(&scale, &bits, sizeof scale);
+  D* dst = dst_base + j[2];
+  if (j[1] == 0)
+    return copy_job(reinterpret_cast<const float*>(src_base + j[0]), dst, j[3], j[4], j[5], j[6], scale);
+  return copy_job(reinterpret_cast<const uint16_t*>(src_base + j[0]), dst, j[3], j[4], j[5], j[6], scale);
+}
+
+}  // namespace
+
+extern "C" int64_t multilora_copy_tensors(const char* src, void* dst, int32_t dst_kind, const int64_t* jobs,
+                                          int64_t n_jobs) {
+  int64_t first_bad = -1;
+  for (int64_t i = 0; i < n_jobs; ++i) {
+    const bool bad = dst_kind == 0 ? run_job(src, static_cast<float*>(dst), jobs + 8 * i)
+                                   : run_job(src, static_cast<uint16_t*>(dst), jobs + 8 * i);
+    if (bad && first_bad < 0) first_bad = i;
+  }
+  return first_bad;
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraPoolWrite, PoolWrite,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()

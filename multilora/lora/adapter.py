@@ -23,7 +23,7 @@ import numpy as np
 
 from multilora.config import LORA_MODULES, LoRAType, ModelConfig
 from multilora.lora.pacing import checkpoint
-from multilora.lora.safetensors_views import Scratch, read_header, read_views
+from multilora.lora.safetensors_views import Scratch, read_header, read_tensors, views
 
 _KEY_RE = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.(?:[\w-]+\.)?weight$")
 _ALL_LINEAR = "all-linear"
@@ -265,13 +265,14 @@ def probe_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_
 _scratch = threading.local()  # each reading thread's reused buffers (its read, the finite checks' temporaries)
 
 
-def _read_weights(name: str, weights_file: Path) -> dict[str, np.ndarray]:
-    """The file's tensors as views into this thread's read buffer: load_adapter copies them out
-    (into the host copy's arrays) before the thread reads again."""
+def _read_weights(name: str, weights_file: Path):
+    """The file read into this thread's read buffer: (its bytes, its entries, its header's bytes;
+    safetensors_views.read_tensors). load_adapter copies the tensors out (into the host copy's
+    arrays) before the thread reads again."""
     if not hasattr(_scratch, "buf"):
         _scratch.buf = Scratch()
     try:
-        return read_views(weights_file, _scratch.buf)
+        return read_tensors(weights_file, _scratch.buf)
     except (OSError, ValueError) as e:
         raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
 
@@ -327,38 +328,130 @@ def host_dtype(dtype) -> np.dtype:
     return dt
 
 
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """Where one module's arrays lie in an adapter's host block, and how its tensors get there."""
+    module: str
+    a_start: int                  # first element of a_LRI in the block
+    a_shape: tuple[int, int, int]
+    b_start: int
+    b_shape: tuple[int, int, int]
+    keys: tuple[str, ...]         # its tensors' names, A and B of every layer
+    # (layer, A key, B key, scaling ratio) for the numpy path
+    layers: tuple[tuple[int, str, str, float], ...]
+    jobs: Optional[np.ndarray]    # (n, 8) int64 for kernels.tensor_copier, None: the numpy path
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    """How a file of one layout becomes a host copy: the same for every adapter trained alike
+    (one header, one config), so it is worked out once (_recipe) and reused."""
+    parts: tuple[_Part, ...]
+    size: int                     # elements of the host block
+    rank: int
+    scaling: float
+
+
+_SRC_KINDS = {np.dtype("<f4"): 0, _BF16: 1}      # tensor dtypes the copier reads
+_DST_KINDS = {np.dtype(np.float32): 0, _BF16: 1}  # host dtypes it writes
+_RECIPES: dict[tuple, _Recipe] = {}
+_RECIPES_MAX = 32
+_recipes_lock = threading.Lock()
+
+
+def _make_recipe(name: str, cfg: dict, entries: dict, header: bytes, model_cfg: ModelConfig,
+                 max_lora_rank: int, dtype: np.dtype) -> _Recipe:
+    plan, max_rank, default_scaling = _plan(name, cfg, {k: shape for k, (_, shape, _) in entries.items()},
+                                            model_cfg, max_lora_rank)
+    base = 8 + len(header)  # tensors' offsets in the file's bytes
+    parts, size = [], 0
+    for module, layers in plan.items():
+        d_in, d_out = model_cfg.module_dims(module)
+        r_mod = max(entries[ka][1][0] for ka, _, _ in layers.values())
+        L = model_cfg.num_layers
+        a_start, b_start = size, size + L * r_mod * d_in
+        size = b_start + L * d_out * r_mod
+        native = dtype in _DST_KINDS and all(entries[k][0] in _SRC_KINDS for ka, kb, _ in layers.values()
+                                             for k in (ka, kb))
+        jobs = []
+        for layer, (ka, kb, ratio) in sorted(layers.items()):
+            r = entries[ka][1][0]
+            scale = int(np.float32(ratio).view(np.uint32))
+            jobs.append((base + entries[ka][2], _SRC_KINDS.get(entries[ka][0], -1), a_start + layer * r_mod * d_in,
+                         r, d_in, d_in, d_in, int(np.float32(1.0).view(np.uint32))))
+            jobs.append((base + entries[kb][2], _SRC_KINDS.get(entries[kb][0], -1), b_start + layer * d_out * r_mod,
+                         d_out, r, r, r_mod, scale))
+        parts.append(_Part(module=module, a_start=a_start, a_shape=(L, r_mod, d_in), b_start=b_start,
+                           b_shape=(L, d_out, r_mod),
+                           keys=tuple(k for ka, kb, _ in layers.values() for k in (ka, kb)),
+                           layers=tuple((layer, ka, kb, ratio) for layer, (ka, kb, ratio) in sorted(layers.items())),
+                           jobs=np.ascontiguousarray(jobs, np.int64) if native else None))
+    return _Recipe(parts=tuple(parts), size=size, rank=max_rank, scaling=default_scaling)
+
+
+def _recipe(name: str, cfg: dict, entries: dict, header: bytes, model_cfg: ModelConfig, max_lora_rank: int,
+            dtype: np.dtype) -> _Recipe:
+    """_make_recipe, remembered for the last few layouts: checking the names and shapes of
+    hundreds of tensors against the config and the model costs ~1.6 ms an adapter."""
+    key = (header, json.dumps(cfg, sort_keys=True, default=str), model_cfg, max_lora_rank, dtype.str)
+    got = _RECIPES.get(key)
+    if got is None:
+        got = _make_recipe(name, cfg, entries, header, model_cfg, max_lora_rank, dtype)  # raises: nothing kept
+        with _recipes_lock:
+            if len(_RECIPES) >= _RECIPES_MAX:
+                _RECIPES.pop(next(iter(_RECIPES)))
+            _RECIPES[key] = got
+    return got
+
+
+def _bad_values(name: str, part: _Part, tensors: dict, dtype: np.dtype) -> AdapterError:
+    """The error for a module whose host copy holds NaN or Inf: the file's own values, or values
+    its dtype cannot hold."""
+    if all(_all_finite(tensors[k]) for k in part.keys):
+        return AdapterError(name, f"{part.module}: values beyond what the adapter pool's {dtype.name} holds "
+                                  f"(|x| > {float(ml_dtypes.finfo(dtype).max):.3g}, or after a pattern's scaling)")
+    return _not_finite(name, part.keys, tensors)
+
+
 def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int,
                  dtype=np.float32) -> LoRAAdapter:
     """Read, validate and lay out one adapter, its host copy in `dtype` (the pool's: each value
     rounded once, to nearest even, as the pool's write would round it). Raises AdapterError;
     touches no shared state. Runs beside decoding streams (on the loader's thread), so its work
-    is a few large numpy operations, which release the GIL, rather than many small ones: one
-    read of the file, views into it (safetensors_views), one converting copy per tensor and one
-    finite check per module (after the conversion, so that a value beyond a bfloat16 pool's
-    range is refused too)."""
+    is a few calls that release the GIL rather than many small ones: one read of the file, then
+    per module one call of the native kernels' tensor copier (multilora.kernels.tensor_copier:
+    every tensor converted, scaled and checked for NaN/Inf in one pass), where this process has
+    loaded them; else one converting copy per tensor and one finite check per module (after the
+    conversion, so that a value beyond a bfloat16 pool's range is refused too). The modules'
+    arrays are views of one zeroed block (layers the adapter does not touch, and rows past a
+    layer's rank, stay zero)."""
     dtype = host_dtype(dtype)
     folder, cfg, weights_file = _checked_folder(name, path)
-    tensors = _read_weights(name, weights_file)
-    plan, max_rank, default_scaling = _plan(name, cfg, {k: v.shape for k, v in tensors.items()},
-                                            model_cfg, max_lora_rank)
+    data, entries, header = _read_weights(name, weights_file)
+    recipe = _recipe(name, cfg, entries, header, model_cfg, max_lora_rank, dtype)
+    kernels = sys.modules.get("multilora.kernels")  # never built from a loader thread
+    copier = kernels.tensor_copier() if kernels is not None else None
+    block = np.zeros(recipe.size, dtype)
+    src = np.frombuffer(data, np.uint8)
     modules = {}
-    for module, layers in plan.items():
+    for part in recipe.parts:
         checkpoint()  # a paced read pauses here while the engine runs a step
-        d_in, d_out = model_cfg.module_dims(module)
-        r_mod = max(tensors[ka].shape[0] for ka, _, _ in layers.values())
-        a_LRI = np.zeros((model_cfg.num_layers, r_mod, d_in), dtype)
-        b_LOR = np.zeros((model_cfg.num_layers, d_out, r_mod), dtype)
-        for layer, (ka, kb, ratio) in layers.items():
-            r = tensors[ka].shape[0]
-            _round_into(a_LRI[layer, :r], tensors[ka])
-            # a pattern's scaling ratio, folded into B in float32 before the one rounding
-            _round_into(b_LOR[layer, :, :r], tensors[kb] if ratio == 1.0
-                        else tensors[kb].astype(np.float32) * np.float32(ratio))
-        if not (_all_finite(a_LRI) and _all_finite(b_LOR)):
-            keys = [k for ka, kb, _ in layers.values() for k in (ka, kb)]
-            if all(_all_finite(tensors[k]) for k in keys):
-                raise AdapterError(name, f"{module}: values beyond what the adapter pool's {dtype.name} holds "
-                                         f"(|x| > {float(ml_dtypes.finfo(dtype).max):.3g}, or after a pattern's scaling)")
-            raise _not_finite(name, keys, tensors)
-        modules[module] = (a_LRI, b_LOR)
-    return LoRAAdapter(name=name, path=str(folder), rank=max_rank, scaling=default_scaling, modules=modules)
+        a_LRI = block[part.a_start:part.a_start + math.prod(part.a_shape)].reshape(part.a_shape)
+        b_LOR = block[part.b_start:part.b_start + math.prod(part.b_shape)].reshape(part.b_shape)
+        if copier is not None and part.jobs is not None:
+            ok = copier(src.ctypes.data, block.ctypes.data, _DST_KINDS[dtype], part.jobs.ctypes.data,
+                        len(part.jobs)) < 0
+            tensors = None
+        else:
+            tensors = views(data, entries, part.keys)
+            for layer, ka, kb, ratio in part.layers:
+                r = tensors[ka].shape[0]
+                _round_into(a_LRI[layer, :r], tensors[ka])
+                # a pattern's scaling ratio, folded into B in float32 before the one rounding
+                _round_into(b_LOR[layer, :, :r], tensors[kb] if ratio == 1.0
+                            else tensors[kb].astype(np.float32) * np.float32(ratio))
+            ok = _all_finite(a_LRI) and _all_finite(b_LOR)
+        if not ok:
+            raise _bad_values(name, part, tensors if tensors is not None else views(data, entries, part.keys), dtype)
+        modules[part.module] = (a_LRI, b_LOR)
+    return LoRAAdapter(name=name, path=str(folder), rank=recipe.rank, scaling=recipe.scaling, modules=modules)

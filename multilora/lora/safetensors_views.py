@@ -8,6 +8,7 @@ is a view: no per-tensor copy.
 
     tensors = read_views(path)      # {name: read-only np.ndarray}; ValueError or OSError if bad
     tensors = read_views(path, scratch)  # the same, read into a reused buffer (Scratch)
+    data, entries, header = read_tensors(path, scratch)  # the bytes, and where each tensor lies
     header = read_header(path)      # {name: (dtype name, shape)}, reading the header alone
 
 Format (https://github.com/huggingface/safetensors): 8 bytes little-endian header length N, N
@@ -21,6 +22,7 @@ import json
 import math
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -107,11 +109,32 @@ class Scratch:
         return memoryview(buf)[:size]
 
 
-def read_views(path: str | Path, scratch: Optional[Scratch] = None) -> dict[str, np.ndarray]:
-    """The tensors of a safetensors file, read with one call, as read-only views into that one
-    buffer. Raises ValueError naming what is wrong (a truncated file, a bad header, a tensor
-    whose bytes do not match its shape, a dtype other than the floating ones in DTYPES).
-    scratch: read into its buffer (the views then alias it until they are dropped)."""
+_LAYOUTS: dict[tuple[bytes, int], dict] = {}  # (header bytes, data size) -> checked entries
+_LAYOUTS_MAX = 32
+_layouts_lock = threading.Lock()
+
+
+def _entries_cached(header_bytes: bytes, data_size: int) -> dict[str, tuple[np.dtype, tuple[int, ...], int]]:
+    """_entries, remembered for the last few distinct headers: adapters trained alike (one base,
+    one config) share a header byte for byte, and parsing and checking one of hundreds of tensors
+    costs about a millisecond. The dict returned is shared: read it, never change it."""
+    key = (header_bytes, data_size)
+    got = _LAYOUTS.get(key)
+    if got is None:
+        got = _entries(header_bytes, data_size)  # raises for a bad header: nothing remembered
+        with _layouts_lock:
+            if len(_LAYOUTS) >= _LAYOUTS_MAX:
+                _LAYOUTS.pop(next(iter(_LAYOUTS)))
+            _LAYOUTS[key] = got
+    return got
+
+
+def read_tensors(path: str | Path, scratch: Optional[Scratch] = None
+                 ) -> tuple[memoryview, dict[str, tuple[np.dtype, tuple[int, ...], int]], bytes]:
+    """A safetensors file read with one call: (its bytes, read-only; its checked entries, name ->
+    (dtype, shape, byte offset into those bytes); its header's bytes, which identify its layout).
+    The entries are shared between reads of files with the same header: never change them.
+    Raises ValueError naming what is wrong (as read_views). scratch: read into its buffer."""
     if scratch is None:
         data = memoryview(Path(path).read_bytes())
     else:
@@ -126,6 +149,24 @@ def read_views(path: str | Path, scratch: Optional[Scratch] = None) -> dict[str,
                 got += n
         data = buf[:got].toreadonly()
     n = _header_length(data, len(data))
+    header = bytes(data[8:8 + n])
+    entries = _entries_cached(header, len(data) - 8 - n)
+    return data, entries, header
+
+
+def views(data: memoryview, entries: dict, keys=None) -> dict[str, np.ndarray]:
+    """The tensors `keys` (default: all) of read_tensors' result as read-only numpy views into data."""
+    n = _header_length(data, len(data))
     base = 8 + n
-    return {k: np.frombuffer(data, dtype, count=math.prod(shape), offset=base + start).reshape(shape)
-            for k, (dtype, shape, start) in _entries(bytes(data[8:base]), len(data) - base).items()}
+    return {k: np.frombuffer(data, entries[k][0], count=math.prod(entries[k][1]), offset=base + entries[k][2]
+                             ).reshape(entries[k][1])
+            for k in (entries if keys is None else keys)}
+
+
+def read_views(path: str | Path, scratch: Optional[Scratch] = None) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file, read with one call, as read-only views into that one
+    buffer. Raises ValueError naming what is wrong (a truncated file, a bad header, a tensor
+    whose bytes do not match its shape, a dtype other than the floating ones in DTYPES).
+    scratch: read into its buffer (the views then alias it until they are dropped)."""
+    data, entries, _ = read_tensors(path, scratch)
+    return views(data, entries)
