@@ -10,6 +10,7 @@ machine's noise.
     python benchmarks/forward_step.py --modes decode prefill mixed
     python benchmarks/forward_step.py --json benchmarks/results/forward_step.json
     python benchmarks/forward_step.py --trace /tmp/fs-trace   # + where each step's time goes
+    python benchmarks/forward_step.py --kv-layouts default heads-major --cache-pages 3000   # a TPU's KV layouts
 
 --trace records each case with the JAX profiler (a Perfetto trace per case) and sums the XLA
 ops' durations by kind (matmuls, the attention's KV gathers, per-layer weight slices, ...),
@@ -42,7 +43,8 @@ from multilora.config import ModelConfig  # noqa: E402
 from multilora.engine.batching import SeqChunk, build_batch, pages_needed  # noqa: E402
 from multilora.lora.pool import (blocks_of, lora_feature_dims, rows_major, slot_major_pool,  # noqa: E402
                                  slot_major_rows)
-from multilora.model.llama import LayerWeights, LoRAWeights, Weights, forward, init_kv_cache, split_layers  # noqa: E402
+from multilora.model.llama import (KVCache, LayerWeights, LoRAWeights, Weights, forward, init_kv_cache,  # noqa: E402
+                                   kv_cache_formats, kv_heads_major_on, make_kv_cache, split_layers)
 
 
 def random_weights(cfg, seed=0):
@@ -133,6 +135,13 @@ def main(argv=None):
                          "bf16-packed: the same through multilora's bf16 GEMM (AMX or AVX512-BF16), with the "
                          "LM head (projection_dtype=bfloat16 where the CPU has either); bf16-amx: its "
                          "earlier name")
+    ap.add_argument("--cache-pages", type=int, default=None,
+                    help="pages in the KV cache (default: as many as the case's sequences hold; an engine's "
+                         "cache, sized by memory, holds many more)")
+    ap.add_argument("--kv-layouts", nargs="+", default=["auto"], choices=["auto", "default", "heads-major"],
+                    help="the KV cache's layout: the device's default, or heads-major (multilora.model.llama."
+                         "KV_HEADS_MAJOR; auto: as the engine makes it, heads-major on a TPU); several: side by "
+                         "side (heads-major cases are labelled ',kvhm')")
     ap.add_argument("--trace", type=Path, default=None, metavar="DIR",
                     help="profile each case and print its op time by kind")
     args = ap.parse_args(argv)
@@ -158,13 +167,24 @@ def main(argv=None):
         else:
             dt = asked
             w = jax.tree.map(lambda a, dt=dt: a.astype(dt), stacked)
+        platform = jax.devices()[0].platform
+        kv_hms = dict.fromkeys(kv_heads_major_on(platform) if k == "auto" else k == "heads-major"
+                               for k in args.kv_layouts)
         for lay in args.layers:
             for ld in args.lora_dtypes:
                 ldt = projections.lora_pool_dtype(ld, dt, "bfloat16-packed" if asked == "bf16-packed" else dt).name
                 suffix = "" if ld == args.lora_dtypes[0] else f"+{short[ldt]}"  # adapters' pool dtype
-                layouts[f"{lay}/{short[asked]}{suffix}"] = (split_layers(w) if lay == "split" else w, dt, ldt)
+                for hm in kv_hms:
+                    kvs = ",kvhm" if hm else ""
+                    layouts[f"{lay}/{short[asked]}{kvs}{suffix}"] = (split_layers(w) if lay == "split" else w,
+                                                                      dt, ldt, hm)
     page_size = 16
-    fwd = jax.jit(forward, static_argnames=("cfg", "backend", "native_attention"), donate_argnames=("kv",))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # heads-major: the cache returned in the format it came in (as the runner), so every step reads it in place
+    fwds = {hm: jax.jit(forward, static_argnames=("cfg", "backend", "native_attention", "kv_heads_major"),
+                        donate_argnames=("kv",),
+                        **(dict(out_shardings=(one, kv_cache_formats(KVCache(one, one), True))) if hm else {}))
+            for hm in (False, True)}
     from multilora import kernels
     natives = sorted({a == "native" or (a == "auto" and kernels.available()) for a in args.attention})
     rng = np.random.default_rng(0)
@@ -172,8 +192,8 @@ def main(argv=None):
     for mode in args.modes:
         for k in args.adapters:
             for nat in natives:
-                for lay, (_, dt, _) in layouts.items():
-                    on = nat and dt == "float32"  # the attention kernel reads float32 caches only
+                for lay, (_, dt, _, hm) in layouts.items():
+                    on = nat and dt == "float32" and not hm  # the attention kernel reads float32 (L, P, p, K, H) caches
                     if k == 0 and "+" in lay:
                         continue  # the pool's dtype does not matter without adapters
                     for be in (["-"] if k == 0 else args.backends):
@@ -183,7 +203,7 @@ def main(argv=None):
     cases = list(dict.fromkeys(cases))
     state, pools = {}, {}
     for mode, k, be, nat, lay in cases:
-        weights, dtype, lora_dtype = layouts[lay]
+        weights, dtype, lora_dtype, hm = layouts[lay]
         s = max(k, args.slots or 0) + 1
         if mode == "decode":
             chunks = workload_chunks(mode, args.decode_seqs, args.decode_ctx, page_size, k, rng)
@@ -221,41 +241,43 @@ def main(argv=None):
             prepare = lambda slot_T: lora_be.prepare_lora_batch(slot_T, scal, ranks, table, cap)  # noqa: E731
         batch = build_batch(chunks, num_tokens=t, num_pages=x, num_logits=min(t, args.max_num_seqs),
                             page_size=page_size, prepare_lora=prepare)
-        num_cache_pages = 1 + max(max(c.block_table) for c in chunks)
-        kv = init_kv_cache(cfg, num_cache_pages, page_size, dtype)
+        num_cache_pages = max(1 + max(max(c.block_table) for c in chunks), args.cache_pages or 0)
+        kv = (make_kv_cache(cfg, num_cache_pages, page_size, dtype, one, True) if hm
+              else init_kv_cache(cfg, num_cache_pages, page_size, dtype))
+        fwd = fwds[hm]
         t0 = time.perf_counter()
-        logits, kv = fwd(weights, lora, kv, batch, cfg=cfg, backend=backend, native_attention=nat)
+        logits, kv = fwd(weights, lora, kv, batch, cfg=cfg, backend=backend, native_attention=nat, kv_heads_major=hm)
         logits.block_until_ready()
         state[(mode, k, be, nat, lay)] = dict(weights=weights, batch=batch, lora=lora, kv=kv, backend=backend,
-                                              native=nat, times=[],
+                                              native=nat, hm=hm, fwd=fwd, times=[],
                                     tokens=t, pages=x, compile_s=time.perf_counter() - t0)
     for _ in range(args.repeats):
         for key, st in state.items():
             t0 = time.perf_counter()
-            logits, st["kv"] = fwd(st["weights"], st["lora"], st["kv"], st["batch"], cfg=cfg, backend=st["backend"],
-                                   native_attention=st["native"])
+            logits, st["kv"] = st["fwd"](st["weights"], st["lora"], st["kv"], st["batch"], cfg=cfg,
+                                         backend=st["backend"], native_attention=st["native"], kv_heads_major=st["hm"])
             logits.block_until_ready()
             st["times"].append(time.perf_counter() - t0)
     rows = []
     # "vs 0": against the no-adapter case of the same mode, attention and layer layout
     base = {(m, nat, lay): statistics.median(st["times"])
             for (m, k, be, nat, lay), st in state.items() if be == "-"}
-    print(f"{'mode':8} {'T':>5} {'X':>5} {'attention':>9} {'layers':>12} {'adapters':>8} {'backend':>8} "
+    print(f"{'mode':8} {'T':>5} {'X':>5} {'attention':>9} {'layers':>18} {'adapters':>8} {'backend':>8} "
           f"{'median ms':>10} {'vs 0':>6} {'compile s':>9}")
     for (mode, k, be, nat, lay), st in state.items():
         med = statistics.median(st["times"])
         key = (mode, nat, lay.split("+")[0])
         rel = med / base[key] if key in base else float("nan")
         att = "native" if nat else "xla"
-        print(f"{mode:8} {st['tokens']:>5} {st['pages']:>5} {att:>9} {lay:>12} {k:>8} {st['backend']:>8} "
+        print(f"{mode:8} {st['tokens']:>5} {st['pages']:>5} {att:>9} {lay:>18} {k:>8} {st['backend']:>8} "
               f"{1e3 * med:10.1f} {rel:6.2f} {st['compile_s']:9.1f}")
         rows.append(dict(mode=mode, tokens=st["tokens"], pages=st["pages"], adapters=k, backend=st["backend"],
-                         attention=att, layers=lay, asked=be, median_s=med, times=st["times"], vs_no_adapter=rel,
+                         attention=att, layers=lay, kv_layout="heads-major" if st["hm"] else "default", asked=be, median_s=med, times=st["times"], vs_no_adapter=rel,
                          compile_s=st["compile_s"]))
     if args.trace:
         for (mode, k, be, nat, lay), st, row in zip(state.keys(), state.values(), rows):
             row["op_ms_by_kind"] = trace_case(args.trace / f"{mode}_k{k}_{st['backend']}_{row['attention']}_{lay}",
-                                              fwd, st["weights"], st, cfg)
+                                              st["fwd"], st["weights"], st, cfg)
             print(f"\n{mode}, {k} adapters, {st['backend']}, {row['attention']} attention, {lay} layers: "
                   f"op time per step by kind "
                   f"(both cores; wall {1e3 * row['median_s']:.0f} ms)")
@@ -269,7 +291,7 @@ def main(argv=None):
 
 def trace_case(folder: Path, fwd, weights, st, cfg, steps: int = 3) -> dict[str, float]:
     """Op time per step (ms) by kind: XLA op name family + the jnp op it was made from."""
-    kw = dict(cfg=cfg, backend=st["backend"], native_attention=st["native"])
+    kw = dict(cfg=cfg, backend=st["backend"], native_attention=st["native"], kv_heads_major=st["hm"])
     hlo = fwd.lower(weights, st["lora"], st["kv"], st["batch"], **kw).compile().as_text()
     jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
     for _ in range(steps):

@@ -35,7 +35,7 @@ from multilora.config import ModelConfig  # noqa: E402
 from multilora.engine.batching import build_batch, pages_needed  # noqa: E402
 from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable  # noqa: E402
 from multilora.lora.pool import POOL_LAYOUT, slot_major_rows  # noqa: E402
-from multilora.model.llama import forward, init_kv_cache  # noqa: E402
+from multilora.model.llama import KVCache, forward, init_kv_cache, kv_cache_formats, kv_heads_major_on  # noqa: E402
 
 _DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
 # An instruction: "%copy.3 = bf16[30,12336,576]{2,1,0:T(8,128)(2,1)} copy(%param.2)" (the operand
@@ -86,14 +86,20 @@ def main(argv=None):
     ap.add_argument("--min-mb", type=float, default=1.0)
     ap.add_argument("--pool-layout", default="rows-major", choices=["rows-major", "default"],
                     help="the pools' layout: the engine's (POOL_LAYOUT) or the device's default for their shape")
+    ap.add_argument("--kv-layout", default="auto", choices=["auto", "default", "heads-major"],
+                    help="the KV cache's layout (auto: as the engine makes it, heads-major on a TPU: "
+                         "multilora.model.llama.KV_HEADS_MAJOR)")
     ap.add_argument("--hlo-dir", type=Path, default=None)
     args = ap.parse_args(argv)
 
     cfg = ModelConfig.from_hf_dict(SMOLLM2_135M)
     dt = jnp.dtype(args.dtype)
     weights = abstract(jax.eval_shape(lambda: jax.tree.map(lambda a: a.astype(dt), random_weights(cfg))))
-    fwd = jax.jit(forward, static_argnames=("cfg", "backend", "native_attention"), donate_argnames=("kv",))
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    hm = kv_heads_major_on(jax.devices()[0].platform) if args.kv_layout == "auto" else args.kv_layout == "heads-major"
+    kv_formats = kv_cache_formats(KVCache(one, one), hm)
+    fwd = jax.jit(forward, static_argnames=("cfg", "backend", "native_attention", "kv_heads_major"),
+                  donate_argnames=("kv",), **(dict(out_shardings=(one, kv_formats)) if hm else {}))
     pool_sharding = Format(POOL_LAYOUT, one) if args.pool_layout == "rows-major" else one
     platform = jax.devices()[0].platform
     rng = np.random.default_rng(0)
@@ -117,12 +123,14 @@ def main(argv=None):
             batch = build_batch(chunks, num_tokens=t, num_pages=x, num_logits=min(t, 64), page_size=16,
                                 prepare_lora=lambda slot_T: be.prepare_lora_batch(slot_T, scal, ranks, table, cap))
             num_pages = 1 + max(max(c.block_table) for c in chunks)
-            kv = abstract(jax.eval_shape(lambda: init_kv_cache(cfg, num_pages, 16, dt)))
+            kv = jax.eval_shape(lambda: init_kv_cache(cfg, num_pages, 16, dt))
+            kv = KVCache(*(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=f)
+                           for a, f in zip((kv.k_LPpKH, kv.v_LPpKH), (kv_formats.k_LPpKH, kv_formats.v_LPpKH))))
             hlo = fwd.lower(weights, lora, kv, batch, cfg=cfg, backend=backend,
-                            native_attention=False).compile().as_text()
+                            native_attention=False, kv_heads_major=hm).compile().as_text()
             copies = large_copies(hlo, int(args.min_mb * 2**20))
             print(f"\n{mode}, {s} slots, {args.adapters} adapters, {backend}, pools {args.pool_layout}: "
-                  f"{len(copies)} copies of >= {args.min_mb} MB, {sum(c['mb'] for c in copies):.0f} MB in all")
+                  f"kv {'heads-major' if hm else 'default'}: {len(copies)} copies of >= {args.min_mb} MB, {sum(c['mb'] for c in copies):.0f} MB in all")
             for c in copies:
                 print(f"  {c['mb']:8.1f} MB {c['op']:10} {c['dtype']}{c['shape']} {c['frm']} -> {c['to']} "
                       f"of {c['operand']} in {c['computation']}")

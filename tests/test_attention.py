@@ -216,3 +216,30 @@ def test_native_decode_refuses_bad_shapes_and_other_caches():
                                              b.positions_T))
     assert attention.native_attention_usable(k)
     assert not attention.native_attention_usable(k.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_heads_major_cache_reads_and_writes_the_same_values(window):
+    """The TPU's heads-major path (multilora.model.llama.KV_HEADS_MAJOR): the cache handed in as
+    k_LPKpH (the same values, axes swapped) is written at the same slots and attended to with
+    the same results as the (L, P, p, K, H) path, bit for bit, decode rows and prefill chunks."""
+    rng = np.random.default_rng(3)
+    q, k, v, b, chunks = _decode_case(rng, [0, 15, 16, 36, 4], [(9, 0), (6, 11)], 8, 32, 32, 6, 3)
+    layer = 1
+    new_TKH = jnp.asarray(rng.standard_normal((q.shape[0], k.shape[3], k.shape[4])).astype(np.float32))
+    swap = lambda a: jnp.swapaxes(a, 2, 3)  # noqa: E731
+    for hm, (kk, vv) in ((False, (k, v)), (True, (swap(k), swap(v)))):
+        kk = attention.write_kv(kk, layer, b.slot_mapping_T, new_TKH, hm)
+        vv = attention.write_kv(vv, layer, b.slot_mapping_T, 2 * new_TKH, hm)
+        dec = decode_attention(q, kk, vv, layer, b.kv_pages_X, b.kv_page_seq_X, b.positions_T, b.num_decode,
+                               window, False, hm)
+        pre = prefill_attention(q, kk, vv, layer, b.kv_pages_X, b.kv_page_seq_X, b.seq_idx_T, b.positions_T,
+                                window, False, hm)
+        if hm:
+            np.testing.assert_array_equal(np.asarray(swap(kk)), want_k)
+            np.testing.assert_array_equal(np.asarray(swap(vv)), want_v)
+            np.testing.assert_array_equal(np.asarray(dec), want_dec)
+            np.testing.assert_array_equal(np.asarray(pre), want_pre)
+        else:
+            want_k, want_v, want_dec, want_pre = (np.asarray(a) for a in (kk, vv, dec, pre))
+            assert not np.array_equal(want_k, np.asarray(k))  # the write did write

@@ -29,7 +29,8 @@ from multilora import kernels  # `native` needs a C++ compiler (built on first u
 from multilora.lora.backend import get_backend
 from multilora.lora.batch import NO_ADAPTER
 from multilora.lora.pool import LoRASlots, page_rows
-from multilora.model.llama import forward, init_kv_cache, split_layers
+from multilora.model.llama import (KVCache, forward, init_kv_cache, is_heads_major, kv_cache_formats, kv_page_bytes,
+                                   make_kv_cache, split_layers)
 from multilora.model import projections
 from multilora.model.loader import load_weights
 from multilora.model.sharding import make_mesh
@@ -597,3 +598,38 @@ def test_a_prepared_layout_counts_in_the_host_tier_until_its_write_takes_it(tiny
     assert reg.host_bytes == modules
     reg.unregister("c")
     assert reg.host_bytes == 0
+
+
+def test_heads_major_cache_steps_match_the_default_layout(tiny_models):
+    """A cache made heads-major (llama.KV_HEADS_MAJOR, a TPU's; the CPU can hold that layout too)
+    and a step compiled with its formats in and out: the layout survives the step, and logits and
+    cache equal the default layout's over a mixed step and the decode step after it (to 1e-5 at
+    float32: XLA's CPU fuses the two differently, so sums may round in another order; on a TPU
+    v5e, bf16, the two were bit-equal: BENCHMARKS.md)."""
+    cfg, weights = load_weights(tiny_models[KINDS[0]], mesh=MESH)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    lengths = [n for n, _ in MIXED]
+    pages = _page_lists(5, [n + 1 for n in lengths])
+    first = [SeqChunk(t[:-1], 0, p, 0) for t, p in zip(MIXED_TOKENS, pages)]
+    first[0] = SeqChunk([MIXED_TOKENS[0][0]], 0, pages[0], 0)  # one decode row beside prefill chunks
+    then = [SeqChunk([t[-1]], len(c.token_ids), p, 0) for t, c, p in zip(MIXED_TOKENS, first, pages)]
+    batches = [build_batch([c[i] for i in decode_first(c)], num_tokens=64, num_pages=STEP_PAGES, num_logits=64,
+                           page_size=PAGE_SIZE) for c in (first, then)]
+    outs = {}
+    for hm in (False, True):
+        kv = make_kv_cache(cfg, NUM_PAGES, PAGE_SIZE, jnp.float32, one, hm)
+        assert is_heads_major(kv.k_LPpKH) == hm
+        fwd = jax.jit(forward, static_argnames=("cfg", "backend", "kv_heads_major"), donate_argnames=("kv",),
+                      out_shardings=(one, kv_cache_formats(KVCache(one, one), hm)))
+        logits = []
+        for batch in batches:
+            lg, kv = fwd(weights, None, kv, batch, cfg=cfg, kv_heads_major=hm)
+            assert is_heads_major(kv.k_LPpKH) == hm
+            logits.append(np.asarray(lg))
+        outs[hm] = logits, np.asarray(kv.k_LPpKH), np.asarray(kv.v_LPpKH)
+    for got, want in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False])):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert np.abs(outs[False][1]).max() > 0  # the steps wrote the cache
+    # heads-major pages are counted at H padded to a TPU's 128 lanes
+    assert kv_page_bytes(cfg, 16, jnp.bfloat16, True) == -(-cfg.head_dim // 128) * 128 // cfg.head_dim * \
+        kv_page_bytes(cfg, 16, jnp.bfloat16, False)

@@ -97,13 +97,12 @@ class Engine:
                  config: Optional[EngineConfig] = None, *, warmup: bool = True, progress: bool = False,
                  buckets: Optional[Buckets] = None, distributed: Optional[dict] = None, **options):
         import jax
-        import jax.numpy as jnp
 
         from multilora.engine.runner import jit_slot_writer
         from multilora.lora.backend import BACKEND_CHOICES
         from multilora.lora.pool import LoRASlots, prepare_slot_layout, rank_row_bytes
         from multilora.model import projections
-        from multilora.model.llama import init_kv_cache
+        from multilora.model.llama import kv_heads_major_on, kv_page_bytes, make_kv_cache
         from multilora.model.loader import load_weights, resolve_dtype
         from multilora.model.sharding import KV_AXES, make_mesh, rules_for, sharding
 
@@ -148,9 +147,10 @@ class Engine:
         max_prefill_seqs = min(c.max_prefill_seqs, max_num_seqs)
         max_pages_seq = -(-self.max_model_len // page_size)
         num_pages = c.num_pages
+        # on a TPU the cache is made heads-major, the layout its step reads in place (llama.KV_HEADS_MAJOR)
+        kv_heads_major = kv_heads_major_on(jax.devices()[0].platform)
         if num_pages is None:
-            bytes_per_page = (2 * self.cfg.num_layers * page_size * self.cfg.num_kv_heads
-                              * self.cfg.head_dim * jnp.dtype(self.dtype).itemsize)
+            bytes_per_page = kv_page_bytes(self.cfg, page_size, self.dtype, kv_heads_major)
             by_memory = int(c.kv_cache_memory_gb * 2**30 // bytes_per_page)
             num_pages = max(min(by_memory, max_num_seqs * max_pages_seq + 1), max_pages_seq + 1)
         if num_pages < max_pages_seq + 1:
@@ -159,8 +159,7 @@ class Engine:
         self.pages = PagePool(num_pages, page_size, enable_prefix_caching=c.enable_prefix_caching)
         # Split by KV heads (replicated when tp does not divide them), created in place.
         kv_sharding = sharding(self.mesh, self.rules, KV_AXES)
-        kv = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=kv_sharding),
-                          jax.eval_shape(lambda: init_kv_cache(self.cfg, num_pages, page_size, self.dtype)))
+        kv = make_kv_cache(self.cfg, num_pages, page_size, self.dtype, kv_sharding, kv_heads_major)
 
         row_bytes = rank_row_bytes(self.cfg, self.lora_dtype.itemsize)
         memory_gb = c.lora_memory_gb or _default_lora_memory_gb(jax.devices()[0])

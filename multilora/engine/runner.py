@@ -30,7 +30,7 @@ from multilora.engine.structured import allow_all, mask_words
 from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
 from multilora.lora.pool import LoRASlots
 from multilora.model.attention import native_attention_usable
-from multilora.model.llama import KVCache, Weights, forward, token_logprobs
+from multilora.model.llama import KVCache, Weights, forward, is_heads_major, kv_cache_formats, token_logprobs
 
 log = logging.getLogger("multilora.runner")
 
@@ -162,12 +162,16 @@ class ModelRunner:
         self.page_size = kv.page_size
         self._steps: dict[tuple, object] = {}
         self._samplers: dict[tuple, object] = {}
-        kv_shardings = jax.tree.map(lambda a: a.sharding, kv)
+        # The cache comes back in the format it went in: heads-major on a TPU (llama.KV_HEADS_MAJOR),
+        # so the next step, compiled for it, reads it in place too.
+        self.kv_heads_major = is_heads_major(kv.k_LPpKH)
+        kv_shardings = kv_cache_formats(jax.tree.map(lambda a: a.sharding, kv), self.kv_heads_major)
         # Replicated over the cache's devices: the batch, the logits and the sampler's rows.
         self.replicated = _replicated_like(kv.k_LPpKH.sharding)
         # The step is compiled, like every jit here, for the layouts its committed arguments have: the LoRA
         # pools' is rows-major (multilora.lora.pool.POOL_LAYOUT), so the step reads them in place.
-        self._fwd = jax.jit(forward, static_argnames=("cfg", "backend", "hidden", "native_attention"),
+        self._fwd = jax.jit(forward, static_argnames=("cfg", "backend", "hidden", "native_attention",
+                                                      "kv_heads_major"),
                             donate_argnames=("kv",),
                             out_shardings=(self.replicated, kv_shardings, self.replicated))
         self._score = jax.jit(token_logprobs, static_argnames=("cfg", "k"), out_shardings=self.replicated)
@@ -227,7 +231,7 @@ class ModelRunner:
         lora_w = self.lora.weights if self.lora is not None else None
         return self._fwd.lower(self.weights, lora_w, self.kv, self._abstract(self._dummy_batch(t, x)),
                                cfg=self.cfg, backend=self.backend_for(t), hidden=True,
-                               native_attention=self.native_attention)
+                               native_attention=self.native_attention, kv_heads_major=self.kv_heads_major)
 
     def _compiled(self, table: dict, lower, key, what: str):
         """The compiled executable for key (compiled now, with a warning, after warm-up)."""

@@ -8,6 +8,8 @@ softmax over page segments; longer chunks (prefill) go through prefill_attention
 packed query tokens walking only the pages their own sequences hold (an online softmax).
 Legend: T tokens, B sequences, C pages per sequence, p page size, K kv heads, G = N/K, H head dim;
 prefill's loop: J query blocks of M rows, Y keys per iteration.
+On a TPU the XLA path takes the cache as k_LPKpH (heads_major, multilora.model.llama.KV_HEADS_MAJOR):
+the same values, in the order the cache has in memory there.
 """
 
 from __future__ import annotations
@@ -21,19 +23,34 @@ MASKED = -1e30  # finite, so padding rows with no visible key stay NaN-free
 
 
 def write_kv(cache_LPpKH: jax.Array, layer: jax.Array, slot_mapping_T: jax.Array,
-             new_TKH: jax.Array) -> jax.Array:
-    page_size = cache_LPpKH.shape[2]
+             new_TKH: jax.Array, heads_major: bool = False) -> jax.Array:
+    """The step's new K (or V) rows written at their slots. heads_major: the cache comes as
+    cache_LPKpH (see `read_pages`), written one (token, head) row of H at a time: a write of
+    (K, H) windows, strided in that order, made XLA convert the whole cache inside the loop."""
+    page_size = cache_LPpKH.shape[3 if heads_major else 2]
     page_T, off_T = slot_mapping_T // page_size, slot_mapping_T % page_size
+    if heads_major:
+        head_K = jnp.arange(cache_LPpKH.shape[2])
+        return cache_LPpKH.at[layer, page_T[:, None], head_K[None, :], off_T[:, None]].set(
+            new_TKH.astype(cache_LPpKH.dtype))
     return cache_LPpKH.at[layer, page_T, off_T].set(new_TKH.astype(cache_LPpKH.dtype))
 
 
-def read_pages(cache_LPpKH: jax.Array, layer, pages: jax.Array) -> jax.Array:
-    """cache[layer, pages] as one gather from the whole cache (layers and pages flattened, a free
-    reshape): indexing [layer, pages] lets XLA slice the layer out first, a copy of that layer's
-    entire cache on every layer of every step."""
+def read_pages(cache_LPpKH: jax.Array, layer, pages: jax.Array, heads_major: bool = False) -> jax.Array:
+    """cache[layer, pages] (pages' shape + (p, K, H)) as one gather from the whole cache (layers and pages
+    flattened, a free reshape): indexing [layer, pages] lets XLA slice the layer out first, a copy
+    of that layer's entire cache on every layer of every step.
+
+    heads_major: the cache comes as cache_LPKpH, the (L, P, p, K, H) cache swapped to the order its
+    memory has on a TPU (multilora.model.llama.KV_HEADS_MAJOR); only the gathered pages are swapped
+    back. Read and written in the order that memory has (and written a row of H at a time:
+    `write_kv`), the layer loop works on the cache in place: read (L, P, p, K, H) there, XLA
+    converted the whole cache between layouts inside the loop, four copies of the cache per layer
+    (a 64-row decode step 59.2 ms, 8.4 ms heads-major; BENCHMARKS.md)."""
     l, num_pages = cache_LPpKH.shape[:2]
     flat = cache_LPpKH.reshape((l * num_pages,) + cache_LPpKH.shape[2:])
-    return jnp.take(flat, layer * num_pages + pages, axis=0, mode="clip")
+    pages = jnp.take(flat, layer * num_pages + pages, axis=0, mode="clip")
+    return jnp.swapaxes(pages, -3, -2) if heads_major else pages  # (..., K, p, H) -> (..., p, K, H)
 
 
 def _softmax_attend(scores, v, out_spec, scale):
@@ -52,11 +69,13 @@ KEYS_PER_ITER = 256    # keys each query block scores per loop iteration
 
 
 def prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, seq_idx_T,
-                      positions_T, sliding_window: int | None = None, native: bool = False):
+                      positions_T, sliding_window: int | None = None, native: bool = False,
+                      heads_major: bool = False):
     """Packed tokens against the step's pages (the flat list kv_pages_X, each sequence's pages
     one run, in order, tagged by kv_page_seq_X); a token sees the keys of its own sequence at
     positions <= its own. native=True: the same through multilora's CPU kernel, which walks
     each block of a sequence's tokens over its pages in place (float32 caches, one CPU device).
+    heads_major: the caches come as k_LPKpH, v_LPKpH (see `read_pages`).
 
     Queries go in blocks (J) of QUERY_BLOCK rows (M); block j needs only the page range from its
     first sequence's first page to the last page any of its tokens sees, a range the loop walks
@@ -67,7 +86,7 @@ def prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X,
         return kernels.prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, seq_idx_T,
                                          positions_T, sliding_window).astype(q_TNH.dtype)
     t, n, h = q_TNH.shape
-    kvh, p = k_LPpKH.shape[3], k_LPpKH.shape[2]
+    kvh, p = (k_LPpKH.shape[2], k_LPpKH.shape[3]) if heads_major else (k_LPpKH.shape[3], k_LPpKH.shape[2])
     x = kv_pages_X.shape[0]
     g = n // kvh
     mq = min(QUERY_BLOCK, t)
@@ -97,8 +116,8 @@ def prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X,
         key_seq_JY = jnp.repeat(jnp.take(kv_page_seq_X, page_i_JC), p, axis=1)
         in_range_JY = jnp.repeat(in_range_JC, p, axis=1)
         key_pos_JY = jnp.take(key_pos_Xp, page_i_JC, axis=0).reshape(nb, kc * p)
-        k_JYKH = read_pages(k_LPpKH, layer, pages_JC).reshape(nb, kc * p, kvh, h)
-        v_JYKH = read_pages(v_LPpKH, layer, pages_JC).reshape(nb, kc * p, kvh, h)
+        k_JYKH = read_pages(k_LPpKH, layer, pages_JC, heads_major).reshape(nb, kc * p, kvh, h)
+        v_JYKH = read_pages(v_LPpKH, layer, pages_JC, heads_major).reshape(nb, kc * p, kvh, h)
         visible_JMY = (in_range_JY[:, None, :] & (key_seq_JY[:, None, :] == seq_JM[:, :, None])
                        & (key_pos_JY[:, None, :] <= pos_JM[:, :, None])
                        & _window_ok(key_pos_JY[:, None, :], pos_JM[:, :, None], sliding_window))
@@ -132,7 +151,8 @@ def kv_page_pos_of(kv_page_seq_X, page_size):
 
 
 def decode_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, positions_T,
-                     num_decode, sliding_window: int | None = None, native: bool = False):
+                     num_decode, sliding_window: int | None = None, native: bool = False,
+                     heads_major: bool = False):
     """Single-token sequences of a mixed step: rows 0..num_decode-1 are sequences 0..num_decode-1,
     one query each. Every page of the step's flat page list is scored against the one query of
     its sequence (pages of longer chunks and padding pages against nothing), and the pages of a
@@ -141,19 +161,20 @@ def decode_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, 
     Rows from num_decode on get zeros (the prefill kernel computes them).
     native=True: the same through multilora's CPU kernel (multilora/kernels/attention_kernels.cc),
     which reads each row's pages in place instead of gathering them (float32 caches, one CPU
-    device; see `native_attention_usable`)."""
+    device; see `native_attention_usable`). heads_major: the caches come as k_LPKpH, v_LPKpH
+    (see `read_pages`)."""
     if native:
         return kernels.decode_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, positions_T,
                                         num_decode, sliding_window).astype(q_TNH.dtype)
     t, n, h = q_TNH.shape
-    kvh, p = k_LPpKH.shape[3], k_LPpKH.shape[2]
+    kvh, p = (k_LPpKH.shape[2], k_LPpKH.shape[3]) if heads_major else (k_LPpKH.shape[3], k_LPpKH.shape[2])
     x = kv_pages_X.shape[0]
     g = n // kvh
     is_dec_X = kv_page_seq_X < num_decode
     row_X = jnp.where(is_dec_X, kv_page_seq_X, t)            # t: no query (dropped by segment ops)
     q_XKGH = jnp.take(q_TNH, jnp.minimum(row_X, t - 1), axis=0, mode="clip").reshape(x, kvh, g, h)
-    k_XpKH = read_pages(k_LPpKH, layer, kv_pages_X)
-    v_XpKH = read_pages(v_LPpKH, layer, kv_pages_X)
+    k_XpKH = read_pages(k_LPpKH, layer, kv_pages_X, heads_major)
+    v_XpKH = read_pages(v_LPpKH, layer, kv_pages_X, heads_major)
     key_pos_Xp = kv_page_pos_of(kv_page_seq_X, p).reshape(x, p)
     q_pos_X = jnp.take(positions_T, jnp.minimum(row_X, t - 1), mode="clip")
     visible_Xp = (is_dec_X[:, None] & (key_pos_Xp <= q_pos_X[:, None])

@@ -18,6 +18,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Format, Layout
 
 from multilora.config import ModelConfig
 from multilora.lora.backend import get_backends
@@ -139,6 +140,52 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
+# The KV cache's memory order on a TPU: (L, P, K, p, H), a head's page of p rows contiguous. The
+# TPU's default for (L, P, p, K, H) tiles the two minor dims (K, H), and the loop's page gathers
+# and row scatters want (p, H) tiles; read through the default, a compiled step converted the
+# whole cache between the two inside its layer loop, four times per layer (a 64-row decode step
+# 59 ms, 485 ms over a 527 MB cache; BENCHMARKS.md). Made in this order and read as k_LPKpH (a
+# swap of axes that is free in this layout) and written a row of H at a time (attention.write_kv),
+# the step reads and writes the cache in place (59.2 -> 8.4 ms, logits bit-equal).
+# With H=64 the (p, H) tiles pad H to 128 lanes on a TPU (SmolLM2: twice the logical bytes;
+# the default layout's (K, H) tiles padded the copies the loop made more). The CPU keeps its
+# default (row-major) layout and the (L, P, p, K, H) code path: nothing changes there.
+KV_HEADS_MAJOR = Layout(major_to_minor=(0, 1, 3, 2, 4))
+
+
+def kv_heads_major_on(platform: str) -> bool:
+    """Whether a cache on this platform is made in KV_HEADS_MAJOR (TPUs only)."""
+    return platform == "tpu"
+
+
+def is_heads_major(cache: jax.Array) -> bool:
+    """Whether this cache array is laid out KV_HEADS_MAJOR (forward's kv_heads_major)."""
+    layout = getattr(getattr(cache, "format", None), "layout", None)
+    return layout is not None and layout.major_to_minor == KV_HEADS_MAJOR.major_to_minor
+
+
+def kv_cache_formats(shardings: KVCache, heads_major: bool) -> KVCache:
+    """What the cache is made, donated and returned in: KV_HEADS_MAJOR on the shardings, or the
+    shardings themselves (the device's default layout)."""
+    return jax.tree.map(lambda s: Format(KV_HEADS_MAJOR, s) if heads_major else s, shardings)
+
+
+def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype, heads_major: bool) -> int:
+    """Device bytes of one page of K and V over all layers: heads-major, a (p, H) tile is padded
+    to 128 lanes of H (a TPU's tiles), which doubles the page where H = 64."""
+    head_dim = -(-cfg.head_dim // 128) * 128 if heads_major else cfg.head_dim
+    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def make_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding,
+                  heads_major: bool) -> KVCache:
+    """Zeros made in place on the devices of `sharding`, KV_HEADS_MAJOR where asked (by a jitted
+    zeros with that output format: no second cache, no host copy)."""
+    shape = jax.eval_shape(lambda: init_kv_cache(cfg, num_pages, page_size, dtype))
+    formats = kv_cache_formats(KVCache(sharding, sharding), heads_major)
+    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shape), out_shardings=formats)()
+
+
 def _proj(x, w, b=None, layer=None):
     """x @ w: the product in w's dtype, accumulated in float32, returned in x's dtype (so bfloat16
     weights under float32 activations run XLA's bfloat16 GEMM; all float32 is a plain f32 dot).
@@ -151,11 +198,16 @@ def _proj(x, w, b=None, layer=None):
 
 
 def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: Batch,
-            cfg: ModelConfig, backend: str = "bgmv", hidden: bool = False, native_attention: bool = False):
+            cfg: ModelConfig, backend: str = "bgmv", hidden: bool = False, native_attention: bool = False,
+            kv_heads_major: bool = False):
     """Logits (Q, V) in float32 for the rows batch.logits_idx_Q, and the updated cache; with
     hidden=True also every token's last hidden state x_TD (before the final norm, float32), for
     token_logprobs (prompt logprobs). native_attention: decode rows attend through multilora's
-    CPU kernel, reading the cache's pages in place (attention.native_attention_usable)."""
+    CPU kernel, reading the cache's pages in place (attention.native_attention_usable).
+    kv_heads_major: the cache is laid out KV_HEADS_MAJOR, and the layer loop reads and writes it
+    as k_LPKpH (compile the step with the cache's formats in and out, or XLA converts it)."""
+    if kv_heads_major and native_attention:
+        raise ValueError("the native attention kernels read (L, P, p, K, H) caches: kv_heads_major is for XLA's")
     bes = get_backends(backend) if lora is not None else ()
     be = bes[0] if bes else None
     info = batch.lora
@@ -208,12 +260,14 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
                 hid, ll.qkv_a_LUD, (ll.q_b_LUO, ll.k_b_LUO, ll.v_b_LUO), info), idx, q, k, v)
         q_TNH = apply_rope(q.reshape(t, n, h), cos_TH, sin_TH)
         k_TKH = apply_rope(k.reshape(t, kvh, h), cos_TH, sin_TH)
-        k_cache = write_kv(k_cache, idx, batch.slot_mapping_T, k_TKH)
-        v_cache = write_kv(v_cache, idx, batch.slot_mapping_T, v.reshape(t, kvh, h))
+        k_cache = write_kv(k_cache, idx, batch.slot_mapping_T, k_TKH, kv_heads_major)
+        v_cache = write_kv(v_cache, idx, batch.slot_mapping_T, v.reshape(t, kvh, h), kv_heads_major)
         dec = decode_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
-                               batch.positions_T, batch.num_decode, cfg.sliding_window, native_attention)
+                               batch.positions_T, batch.num_decode, cfg.sliding_window, native_attention,
+                               kv_heads_major)
         pre = prefill_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
-                                prefill_seq_T, batch.positions_T, cfg.sliding_window, native_attention)
+                                prefill_seq_T, batch.positions_T, cfg.sliding_window, native_attention,
+                                kv_heads_major)
         attn_TO = jnp.where(is_decode_T[:, None, None], dec, pre).reshape(t, n * h)
         o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD, idx)
         if be is not None:
@@ -230,7 +284,9 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
             (down,) = with_lora(lambda ll, be: (be.run_lora(act_TF, ll.down_a_LUF, ll.down_b_LUD, info),), idx, down)
         return (x_TD + down, k_cache, v_cache), None
 
-    carry = (x_TD, kv.k_LPpKH, kv.v_LPpKH)
+    # (L, P, K, p, H): the order a KV_HEADS_MAJOR cache has in memory, so the swap is free
+    swap = (lambda a: jnp.swapaxes(a, 2, 3)) if kv_heads_major else (lambda a: a)  # noqa: E731
+    carry = (x_TD, swap(kv.k_LPpKH), swap(kv.v_LPpKH))
     if isinstance(weights.layers, tuple):  # one LayerWeights per layer: unrolled, nothing sliced
         if len(weights.layers) != cfg.num_layers:
             raise ValueError(f"weights hold {len(weights.layers)} split layers; the config has "
@@ -241,6 +297,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         sliced = dataclasses.replace(stacked, **{name: None for name in packed}) if packed else stacked
         carry, _ = jax.lax.scan(layer, carry, (sliced, jnp.arange(cfg.num_layers)))
     x_TD, k_cache, v_cache = carry
+    k_cache, v_cache = swap(k_cache), swap(v_cache)
     logits = head_logits(weights, cfg, jnp.take(x_TD, batch.logits_idx_Q, axis=0, mode="clip"))
     if hidden:  # float32 whatever the weights' dtype: one scorer shape per token bucket
         return logits, KVCache(k_cache, v_cache), x_TD.astype(jnp.float32)
