@@ -521,6 +521,42 @@ def assert_close_slack(got, want, slack, what):
     assert (err <= tol).all(), f"{what}: max |err| - tol {float((err - tol).max()):.3e}"
 
 
+@pytest.mark.parametrize("pool_dtype", ["float32", "bfloat16"])
+def test_native_group_results_do_not_depend_on_the_batch(pool_dtype):
+    """A token's LoRA delta through the group call is the same bits whatever else its step holds:
+    alone, or beside 1 to 8 other tokens of its own adapter (one item of the kernel or several),
+    other adapters' tokens and base rows. (Its shrink once summed with two accumulator chains
+    when fewer than four tokens of a slot shared an item and one otherwise, so a greedy token could
+    flip with the batch's composition. The float32 pool catches that on every run; through a
+    bfloat16 pool h is rounded to bfloat16 before the expand, so a difference shows only where it
+    crosses a rounding boundary.)"""
+    from multilora import kernels
+    _native()
+    d, r, s = 1000, 16, 4                      # D not a multiple of 32 or 64: the tails too
+    outs = (96, 48, 48)
+    rng = np.random.default_rng(11)
+    ranks, scalings = np.array([0, 16, 9, 16], np.int32), make_scalings(rng, s)
+    rows_SR, u = make_rows(rng, ranks, r)
+    qkv_a = make_a(rng, s, r, d, ranks, blocks=3)
+    qkv_b = tuple(make_b(rng, s, o, r, ranks) for o in outs)
+    dt = jax.numpy.bfloat16 if pool_dtype == "bfloat16" else jax.numpy.float32
+    pa = jax.numpy.asarray(page(qkv_a, rows_SR, u, 3)[None]).astype(dt)
+    pbs = tuple(jax.numpy.asarray(page(w, rows_SR, u)[None]).astype(dt) for w in qkv_b)
+    meta = lambda slot_T: (jax.numpy.asarray(slot_T, np.int32), scalings, ranks, rows_SR)  # noqa: E731
+    # magnitudes spread over 2^-10..2^10, so that the order of a sum shows in its last bits (bf16
+    # products of values alike sum exactly in float32 whatever the order)
+    spread = lambda shape: (rng.standard_normal(shape) * np.exp2(rng.integers(-10, 11, shape))).astype(np.float32)  # noqa: E731
+    x = spread((1, d))
+    alone = kernels.lora_apply(x, pa, pbs, 0, *meta([1]))
+    for n in range(1, 10):                     # 1..9 tokens of slot 1, then others
+        others = spread((n - 1 + 5, d))
+        xs = np.concatenate([others[:2], x, others[2:]])
+        slot_T = [2, 0, 1] + [1] * (n - 1) + [3, 0, 2]
+        got = kernels.lora_apply(xs, pa, pbs, 0, *meta(slot_T))
+        for g, a in zip(got, alone):
+            np.testing.assert_array_equal(np.asarray(g)[2], np.asarray(a)[0], err_msg=f"{n} tokens of its slot")
+
+
 def test_native_refuses_pools_of_other_dtypes_and_mismatched_groups():
     """A float16 pool, or a B pool whose rows disagree with A's, is an error naming the kernel,
     not a wrong result."""

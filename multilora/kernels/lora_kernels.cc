@@ -175,13 +175,20 @@ void items_fetching_ahead(ffi::ThreadPool& pool, const std::vector<Item>& items,
   });
 }
 
+// Accumulator chains per token in a shrink, the same whatever the item's token count N: a token's
+// sums never depend on how many tokens of its adapter share its item, and so its results are the
+// same bits whatever else its step holds. (Two chains for fewer than four tokens and one for more
+// made a token's LoRA delta, in its last bits, depend on the batch: a greedy token of the 64-adapter
+// serving run flipped when faster reads admitted requests at other steps; BENCHMARKS.md.) Two where
+// 32 vector registers hold N * 2 accumulators (AVX-512); one where there are 16.
+constexpr int kChains = kRows >= 8 ? 2 : 1;
+
 // hout[k][col] = scale * dot(x[tok k], row) for the N tokens of an item, the row read once: the
-// N dots advance together (independent FMA chains hide the FMA latency; fewer tokens take two
-// each).
+// N dots advance together (independent FMA chains hide the FMA latency).
 template <int N, typename W>
 void shrink_row(const Item& it, const float* __restrict x, int64_t D, const W* __restrict row,
                 float scale, float* const* hout, int64_t col, NextRows* next = nullptr) {
-  constexpr int C = N >= 4 ? 1 : 2;  // accumulators per token
+  constexpr int C = kChains;  // accumulators per token
   const float* xs[N];
   for (int k = 0; k < N; ++k) xs[k] = x + it.tok[k] * D;
   f16v acc[N][C] = {};
@@ -392,7 +399,7 @@ template <int N>
 void shrink_row_dp(const Item& it, const bf16* __restrict xb, int64_t Dp, int64_t D,
                    const bf16* __restrict row, float scale, float* const* hout, int64_t col,
                    NextRows* next) {
-  constexpr int C = N >= 4 ? 1 : 2;
+  constexpr int C = kChains;
   const bf16* xs[N];
   for (int k = 0; k < N; ++k) xs[k] = xb + it.tok[k] * Dp;
   __m512 acc[N][C];
