@@ -120,38 +120,34 @@ def available() -> bool:
         return _state["ok"]
 
 
-def bf16_rounder():
-    """`round(src_ptr, dst_ptr, n)`: n float32 values rounded to bfloat16 (nearest, ties to even,
-    as pool_write rounds), through ctypes (the GIL dropped), or None unless the kernels are
-    loaded already (never builds them: its callers are the loader's threads)."""
+def _lib_fn(symbol: str, argtypes: tuple, restype):
+    """A plain C function of the loaded kernels through ctypes (which drops the GIL around the
+    call), or None unless the kernels are loaded already: never builds them (its callers are the
+    adapter loader's threads)."""
     lib = _state.get("lib")
     if lib is None:
         return None
-    fn = _state.get("round_bf16")
+    fn = _state.get(symbol)
     if fn is None:
-        fn = lib.multilora_round_to_bf16
-        fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
-        fn.restype = None
-        _state["round_bf16"] = fn
+        fn = getattr(lib, symbol)
+        fn.argtypes, fn.restype = argtypes, restype
+        _state[symbol] = fn
     return fn
+
+
+def bf16_rounder():
+    """`round(src_ptr, dst_ptr, n)`: n float32 values rounded to bfloat16 (nearest, ties to even,
+    as pool_write rounds); None unless the kernels are loaded (_lib_fn)."""
+    return _lib_fn("multilora_round_to_bf16", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64), None)
 
 
 def tensor_copier():
     """`copy(src_ptr, dst_ptr, dst_kind, jobs_ptr, n_jobs) -> first bad job or -1`: an
     adapter's tensors copied from its file's bytes into its host copy, converted, scaled and
-    checked for NaN/Inf in one pass (pool_kernels.cc, multilora_copy_tensors: the job layout),
-    through ctypes (the GIL dropped); None unless the kernels are loaded already (never builds
-    them: its callers are the loader's threads)."""
-    lib = _state.get("lib")
-    if lib is None:
-        return None
-    fn = _state.get("copy_tensors")
-    if fn is None:
-        fn = lib.multilora_copy_tensors
-        fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64)
-        fn.restype = ctypes.c_int64
-        _state["copy_tensors"] = fn
-    return fn
+    checked for NaN/Inf in one pass (pool_kernels.cc, multilora_copy_tensors: the job layout);
+    None unless the kernels are loaded (_lib_fn)."""
+    return _lib_fn("multilora_copy_tensors",
+                   (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64), ctypes.c_int64)
 
 
 def unavailable_reason() -> str:
