@@ -407,7 +407,9 @@ void shrink_row_dp(const Item& it, const bf16* __restrict xb, int64_t Dp, int64_
     for (int c = 0; c < C; ++c) acc[k][c] = _mm512_setzero_ps();
   int64_t d = 0;
   for (; d + 32 * C <= D; d += 32 * C) {
-    __builtin_prefetch(row + d + kAhead);
+    // into L2 (prefetcht1), as NextRows does: a prefetch into L1 holds one of its few miss
+    // buffers until the line comes (5 % faster group calls with 40 adapters, lora_groups.py)
+    __builtin_prefetch(row + d + kAhead, 0, 2);
     for (int c = 0; c < C; ++c) {
       const __m512bh r = (__m512bh)_mm512_loadu_si512(row + d + 32 * c);
       for (int k = 0; k < N; ++k)
@@ -444,11 +446,11 @@ void expand_item_dp(const uint32_t* const* hpair, int64_t rank, const bf16* cons
     for (int64_t i = 0; i < pairs; ++i) {
       const bf16* r0 = b_rows[2 * i];
       const bf16* r1 = 2 * i + 1 < rank ? b_rows[2 * i + 1] : nullptr;
-      __builtin_prefetch(r0 + o0 + kAhead);
+      __builtin_prefetch(r0 + o0 + kAhead, 0, 2);
       const __m512i v0 = _mm512_maskz_loadu_epi16(m, r0 + o0);
       __m512i v1 = _mm512_setzero_si512();
       if (r1) {
-        __builtin_prefetch(r1 + o0 + kAhead);
+        __builtin_prefetch(r1 + o0 + kAhead, 0, 2);
         v1 = _mm512_maskz_loadu_epi16(m, r1 + o0);
       }
       const __m512bh p0 = (__m512bh)_mm512_unpacklo_epi16(v0, v1), p1 = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
