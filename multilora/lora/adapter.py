@@ -354,6 +354,7 @@ class _Recipe:
 
 _SRC_KINDS = {np.dtype("<f4"): 0, _BF16: 1}      # tensor dtypes the copier reads
 _DST_KINDS = {np.dtype(np.float32): 0, _BF16: 1}  # host dtypes it writes
+_F32_BITS = lambda v: int(np.float32(v).view(np.uint32))  # noqa: E731  (a job's scale, by its bits)
 _RECIPES: dict[tuple, _Recipe] = {}
 _RECIPES_MAX = 32
 _recipes_lock = threading.Lock()
@@ -373,14 +374,13 @@ def _make_recipe(name: str, cfg: dict, entries: dict, header: bytes, model_cfg: 
         size = b_start + L * d_out * r_mod
         native = dtype in _DST_KINDS and all(entries[k][0] in _SRC_KINDS for ka, kb, _ in layers.values()
                                              for k in (ka, kb))
-        jobs = []
-        for layer, (ka, kb, ratio) in sorted(layers.items()):
+        jobs = []  # multilora_copy_tensors' rows: src offset, kind, dst offset, rows, cols, strides, scale
+        for layer, (ka, kb, ratio) in sorted(layers.items()) if native else ():
             r = entries[ka][1][0]
-            scale = int(np.float32(ratio).view(np.uint32))
-            jobs.append((base + entries[ka][2], _SRC_KINDS.get(entries[ka][0], -1), a_start + layer * r_mod * d_in,
-                         r, d_in, d_in, d_in, int(np.float32(1.0).view(np.uint32))))
-            jobs.append((base + entries[kb][2], _SRC_KINDS.get(entries[kb][0], -1), b_start + layer * d_out * r_mod,
-                         d_out, r, r, r_mod, scale))
+            jobs.append((base + entries[ka][2], _SRC_KINDS[entries[ka][0]], a_start + layer * r_mod * d_in,
+                         r, d_in, d_in, d_in, _F32_BITS(1.0)))
+            jobs.append((base + entries[kb][2], _SRC_KINDS[entries[kb][0]], b_start + layer * d_out * r_mod,
+                         d_out, r, r, r_mod, _F32_BITS(ratio)))
         parts.append(_Part(module=module, a_start=a_start, a_shape=(L, r_mod, d_in), b_start=b_start,
                            b_shape=(L, d_out, r_mod),
                            keys=tuple(k for ka, kb, _ in layers.values() for k in (ka, kb)),
@@ -417,7 +417,7 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_r
                  dtype=np.float32) -> LoRAAdapter:
     """Read, validate and lay out one adapter, its host copy in `dtype` (the pool's: each value
     rounded once, to nearest even, as the pool's write would round it). Raises AdapterError;
-    touches no shared state. Runs beside decoding streams (on the loader's thread), so its work
+    changes no shared state (a file layout's recipe is remembered, _recipe). Runs beside decoding streams (on the loader's thread), so its work
     is a few calls that release the GIL rather than many small ones: one read of the file, then
     per module one call of the native kernels' tensor copier (multilora.kernels.tensor_copier:
     every tensor converted, scaled and checked for NaN/Inf in one pass), where this process has
