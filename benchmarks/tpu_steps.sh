@@ -17,6 +17,12 @@ python3 -c "import jax, sys; print(sys.version); print('jax', jax.__version__, j
 for part in $PARTS; do
   case $part in
     tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider --noconftest tests/test_lora_pallas.py 2>&1 | tee "$OUT/tests.log" ;;
+    atests) timeout 150 python3 -m pytest -q -x -p no:cacheprovider --noconftest tests/test_attention_pallas.py \
+              -k "${ATESTS_K:-bfloat16}" 2>&1 | tee "$OUT/attention_tests.log" || PA=off ;;
+    pa)    timeout 300 $FS --modes decode prefill --adapters 0 8 64 --pallas-attention ${PA:-off on} \
+             --json "$OUT/steps_small_pa.json" 2>&1 | tee "$OUT/steps_small_pa.log" ;;
+    pa1b)  timeout 240 $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters 0 64 \
+             --pallas-attention ${PA:-off on} --json "$OUT/steps_1b_pa.json" 2>&1 | tee "$OUT/steps_1b_pa.log" ;;
     small) timeout 300 $FS --modes decode prefill --adapters 0 8 64 --backends auto dense \
              --json "$OUT/steps_small.json" 2>&1 | tee "$OUT/steps_small.log" ;;
     slots) timeout 240 $FS --modes decode prefill --adapters 0 8 64 --slots 256 --backends auto \
