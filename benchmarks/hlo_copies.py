@@ -9,7 +9,7 @@ run, and nothing of the model's size is allocated: the step is compiled for abst
 Each case prints every copy (copy, copy-start) of at least --min-mb, with its shape, the layouts
 it goes from and to, and the computation it sits in (ENTRY: once a step, before or after the
 layer loop; a while body: once a layer). Written to find why a TPU step copied every LoRA pool
-whole before the layer loop, whether or not a row used an adapter (BENCHMARKS.md): the pools came
+whole before the layer loop, whether or not a row used an adapter (benchmarks/log/24-2026-12-05-tpu-v5e-rows-major.md): the pools came
 in the TPU's default layout, and the loop reads them rows-major (multilora.lora.pool.POOL_LAYOUT).
 --pool-layout default compiles the step for pools in the device's default layout, as they were.
 """

@@ -321,7 +321,7 @@ def test_base_rows_never_read_slot_0(backend, case):
 
 
 def test_auto_picks_per_shape():
-    """`auto`'s rule per compiled shape (see choose_backend and BENCHMARKS.md), and a clear error
+    """`auto`'s rule per compiled shape (see choose_backend and benchmarks/log/01-2026-11-29-lora-op-micro-benchmark.md), and a clear error
     for an unknown name."""
     from multilora.lora.backend import choose_backend
     assert choose_backend("auto", 512, False, 9) == "sgmv"   # prefill: tiles

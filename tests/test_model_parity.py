@@ -328,7 +328,7 @@ def test_native_pool_writes_equal_xla_writes(dtype, tiny_models, tiny_adapters):
 def test_pools_are_made_and_written_rows_major(tiny_models, tiny_adapters):
     """Every pool is made and stays rows-major (POOL_LAYOUT), the layout the backends read it in,
     whichever writer writes it: a TPU's default layout for a pool is another, and a step compiled
-    for that copied every pool whole before its layer loop (BENCHMARKS.md). rows_major moves a
+    for that copied every pool whole before its layer loop (benchmarks/log/24-2026-12-05-tpu-v5e-rows-major.md). rows_major moves a
     pool laid out otherwise, values unchanged."""
     from jax.experimental.layout import Format, Layout
     from multilora.lora.pool import POOL_LAYOUT, rows_major
@@ -605,7 +605,7 @@ def test_heads_major_cache_steps_match_the_default_layout(tiny_models):
     and a step compiled with its formats in and out: the layout survives the step, and logits and
     cache equal the default layout's over a mixed step and the decode step after it (to 1e-5 at
     float32: XLA's CPU fuses the two differently, so sums may round in another order; on a TPU
-    v5e, bf16, the two were bit-equal: BENCHMARKS.md)."""
+    v5e, bf16, the two were bit-equal: benchmarks/log/25-2026-12-05-tpu-v5e-kv-heads-major.md)."""
     cfg, weights = load_weights(tiny_models[KINDS[0]], mesh=MESH)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     lengths = [n for n, _ in MIXED]

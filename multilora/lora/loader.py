@@ -18,7 +18,7 @@ machine). Run-time loads (`submit`) and background reads (the adapters given at 
 ahead up to the host tier's size) share a SCHED_IDLE worker, loads first, and pause at their
 checkpoints while the engine runs a step (its StepGate, multilora.lora.pacing): SCHED_IDLE alone
 still cost the decoding streams 20-35 % (the worker takes the core in every gap between a step's
-ops); paced, they run between steps (measured in BENCHMARKS.md: load_during_decode.py,
+ops); paced, they run between steps (measured in benchmarks/log/19-2026-12-05-loads-step-aside.md: load_during_decode.py,
 serving.py 512 Zipf). Background reads also wait while the engine has work
 (`hold_background(True)`, set by the engine around its steps): a speculative read takes CPU from
 the running streams (on a 2-core machine, 512 adapters registered and read ahead during traffic
@@ -59,7 +59,7 @@ def _lower_priority() -> None:
     where SCHED_IDLE is refused. Reads a request waits for stay at normal priority: starved, they
     start their requests late and the steps run small (serving.py, 512 adapters drawn Zipf, 42
     used: 0.43x of 8 adapters with those reads at SCHED_IDLE, 0.68x at nice 19, 0.79x at normal
-    priority, where every adapter was read before the first decode step; BENCHMARKS.md)."""
+    priority, where every adapter was read before the first decode step; benchmarks/log/16-2026-12-04-zipf512-read-priority.md)."""
     tid = threading.get_native_id()
     try:
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))

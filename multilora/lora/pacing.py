@@ -1,7 +1,7 @@
 """Background work that steps aside while the engine runs a step.
 
 A read on a SCHED_IDLE thread still cost the decoding streams 20-35 % of their step time on two
-cores (benchmarks/load_during_decode.py; BENCHMARKS.md): XLA's pool threads sleep in every gap
+cores (benchmarks/load_during_decode.py; benchmarks/log/19-2026-12-05-loads-step-aside.md): XLA's pool threads sleep in every gap
 between a step's ops, the low-priority thread takes the core for those microseconds, and each op
 then starts on a core whose caches it has flushed; where it holds the GIL, the engine's thread
 waits for it besides. So reads that no request waits for run in chunks, and between chunks they

@@ -9,7 +9,7 @@ rows past its rank inside its last page are written zero. So a rank-8 adapter be
 one takes 8 rows, not 128, and the memory budget holds as many adapters as their true ranks
 allow; max_lora_rank is only the table's width (the widest adapter accepted). Pages rather than
 single rows so that a backend's gather moves 8-row slices (one run measured single-row gathers
-1.46x slower on XLA's CPU backend; reruns were level: BENCHMARKS.md); the price is at most 7 rows
+1.46x slower on XLA's CPU backend; reruns were level: benchmarks/log/05-2026-12-02-pool-at-true-rank.md); the price is at most 7 rows
 per adapter of a rank that is not a multiple of 8.
 
 Stacked groups (q/k/v A, gate/up A) keep one block of U rows per projection: the stacked A is
@@ -75,7 +75,7 @@ def rank_row_bytes(cfg: ModelConfig, itemsize: int) -> int:
 # as every backend reads it (pages of whole rows). The device's default layout is not always this:
 # a TPU v5e lays bf16[30, 12336, 576] out {1,2,0}, rows minor (apparently the axis whose 128-wide
 # tiles pad least), and each compiled step then converted every pool whole to rows-major before
-# its layer loop, whether or not a row used an adapter (BENCHMARKS.md: 1.4 GB a step at 257
+# its layer loop, whether or not a row used an adapter (benchmarks/log/24-2026-12-05-tpu-v5e-rows-major.md: 1.4 GB a step at 257
 # slots; a 512-token prefill with LoRA on and unused 1.73x of no LoRA, 1.17x with the pools made
 # rows-major). Made rows-major and kept so by every write, the pools are read in place. The CPU's
 # default is rows-major already: nothing changes there.
@@ -154,7 +154,7 @@ def write_widths(table_width: int) -> tuple[int, ...]:
     (write_width), so that its write, and the layout a loader thread prepares for it, track its
     true rank: written at the table's width, a rank-16 adapter beside a rank-128 one laid out and
     scattered 128 rows a layer, 112 of them zeros (10 ms of the engine thread against 2.1-3.3 at
-    its own width; BENCHMARKS.md)."""
+    its own width; benchmarks/log/26-2026-12-05-adapter-reads-native-pass.md)."""
     widths, w = [], PAGE_ROWS
     while w < table_width:
         widths.append(w)
