@@ -272,7 +272,7 @@ JUNK_CASES = {
 }
 
 
-# The sentinel must never select a slot's weights (DESIGN.md): base rows stay exactly zero
+# The sentinel must never select a slot's weights (docs/design.md): base rows stay exactly zero
 # whatever slot 0 holds.
 @pytest.mark.parametrize("case", list(JUNK_CASES))
 @pytest.mark.parametrize("backend", BACKEND_NAMES)

@@ -1,5 +1,6 @@
 """The documents a newcomer reads first: BENCHMARKS.md opens with the headline and stays one
-screen of tables long, and every raw result kept under benchmarks/results is cited by a page."""
+screen of tables long, every raw result kept under benchmarks/results is cited by a page, and the
+pages' links resolve inside the repository."""
 
 from __future__ import annotations
 
@@ -63,3 +64,24 @@ def test_the_record_is_indexed():
     missing = [p.name for p in sorted((ROOT / "benchmarks" / "log").glob("*.md"))
                if f"benchmarks/log/{p.name}" not in text]
     assert not missing
+
+
+def test_links_resolve_inside_the_repository():
+    """Every relative markdown link of every page names a file of the repository (anchors aside),
+    and nothing points outside it (a clone has no ../shared)."""
+    broken = []
+    for page in documents():
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            if not path.exists() or ROOT not in path.parents:
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken
+
+
+def test_nothing_cites_files_outside_the_repository():
+    hits = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
+            if p.suffix in {".py", ".md", ".toml", ".cc", ".h"} and ".venv" not in p.parts
+            and p != Path(__file__) and "../shared" in p.read_text(errors="replace")]
+    assert not hits

@@ -22,7 +22,7 @@ The rules
    likely to be shared) are evicted first.
 4. Every mutating call validates first and changes nothing when it raises (`OutOfPagesError`
    from `allocate`/`grow`, `ValueError` from `free`/`register`).
-5. A page's key is a hash chain (DESIGN.md "Prefix cache: the rule"): sha256 over the adapter's
+5. A page's key is a hash chain (docs/design.md, "Prefix cache: the rule"): sha256 over the adapter's
    *content* hash (never its name or id; the base model uses a fixed constant the caller
    supplies), the parent page's key (or an explicit root marker), and the page's token ids
    encoded unambiguously (count + fixed-width little-endian int64). Only FULL pages get keys.
