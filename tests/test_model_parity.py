@@ -306,14 +306,12 @@ def test_native_pool_writes_equal_xla_writes(dtype, tiny_models, tiny_adapters):
     as the XLA writer, for adapters of several ranks rewritten over each other."""
     if not kernels.available():
         pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
-    from multilora.lora.pool import write_rows
     kind = REWRITE_KIND
     cfg, _ = load_weights(tiny_models[kind], mesh=MESH)
     lcfg = LoRAConfig(max_loras_per_batch=2, max_lora_rank=32)
     native = LoRASlots(cfg, lcfg, dtype, MESH, jit_writer=jit_slot_writer)
     assert native.native_write
-    xla = LoRASlots(cfg, lcfg, dtype, MESH)
-    xla._write = lambda w, rows, new: write_rows(w, rows, new, native=False)
+    xla = LoRASlots(cfg, lcfg, dtype, MESH, native_write=False)
     for slot, name, pages in ((1, "c_mlp_r16", [7, 3]), (2, "a_all_r8", [5]), (1, "b_attn_r4_rslora", [3])):
         adapter = load_adapter(name, tiny_adapters[(kind, name)], cfg, 32)
         for slots in (native, xla):

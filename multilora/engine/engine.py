@@ -412,6 +412,11 @@ class Engine:
                               follows=follows)
         return request_id
 
+    def request(self, request_id: str) -> Optional[Request]:
+        """A request's state (its tokens so far, status, pages), while the engine holds it: from
+        add_request until its output is popped. Read it; the engine alone changes it."""
+        return self._requests.get(request_id)
+
     def abort_request(self, request_id: str) -> bool:
         req = self._requests.get(request_id)
         if req is None or req.finished:

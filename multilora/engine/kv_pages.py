@@ -227,6 +227,16 @@ class PagePool:
         self._page_of.clear()
         return len(dropped)
 
+    def snapshot(self) -> tuple[list[int], list[int], dict[int, int], dict[int, bytes]]:
+        """Copies of the bookkeeping: (free list, evictable pages oldest first, refcounts, keys of
+        cached pages). For tests that an operation refused leaves everything as it was."""
+        return list(self._free), list(self._lru), dict(self._refs), dict(self._key_of)
+
+    @property
+    def num_free_uncached(self) -> int:
+        """Free pages that hold no cached prefix (num_free less the evictable ones)."""
+        return len(self._free)
+
     def check_invariants(self) -> None:
         """Assert the pool's bookkeeping is consistent (for tests and debugging)."""
         free, lru, refs = set(self._free), set(self._lru), set(self._refs)

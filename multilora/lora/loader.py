@@ -162,6 +162,17 @@ class AdapterLoader:
             self._cv.notify_all()
 
     @property
+    def read(self) -> Callable[[str, str], LoRAAdapter]:
+        """The function the workers read an adapter with, (name, path) -> LoRAAdapter. It may be
+        replaced while the loader runs (tests inject slow or failing reads); reads already
+        started finish with the old one."""
+        return self._q.read
+
+    @read.setter
+    def read(self, fn: Callable[[str, str], LoRAAdapter]) -> None:
+        self._q.read = fn
+
+    @property
     def gate(self) -> StepGate:
         """The engine closes it around each step: run-time loads and read-ahead (the idle
         worker's reads) wait at their checkpoints while it is closed (multilora.lora.pacing)."""

@@ -228,16 +228,18 @@ class LoRASlots:
     """The device pools plus each slot's scaling, rank and row table (host arrays fed to every
     batch)."""
 
-    def __init__(self, cfg: ModelConfig, lora_cfg: LoRAConfig, dtype, mesh, jit_writer=None):
+    def __init__(self, cfg: ModelConfig, lora_cfg: LoRAConfig, dtype, mesh, jit_writer=None,
+                 native_write: bool = True):
         """jit_writer: the runner's jit_slot_writer (jit lives in the runner; it is handed in so
-        that this module does not import the runner). Without it rows are written eagerly."""
+        that this module does not import the runner). Without it rows are written eagerly.
+        native_write=False: XLA's writer even where multilora's pool kernel could write."""
         self.cfg, self.lora_cfg = cfg, lora_cfg
         self.shardings = lora_shardings(cfg, mesh)
         self.formats = pool_formats(self.shardings)
         self.weights = init_lora_weights(cfg, lora_cfg, dtype, mesh)
         self._rows_shardings = lora_shardings(cfg, mesh, LORA_ROWS_RENAME)
         # multilora's pool kernel where it can write these pools (one CPU device, kernels built)
-        self.native_write = native_usable(dtype, self.weights.qkv_a_LUD.sharding.device_set)
+        self.native_write = native_write and native_usable(dtype, self.weights.qkv_a_LUD.sharding.device_set)
         writer = functools.partial(write_rows, native=self.native_write)
         # One compiled writer per write width (an adapter is written at its own rank's width,
         # write_width); eagerly, a write's result takes the device's default layout: put back

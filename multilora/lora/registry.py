@@ -161,7 +161,7 @@ class AdapterRegistry:
         if not entry.unloading or entry.refcount > 0:
             return []
         del self.entries[entry.name]
-        self._pop_host(entry.name)
+        self.drop_host_copy(entry.name)
         freed = []
         if entry.slot is not None:
             freed.append(entry.slot)
@@ -170,17 +170,18 @@ class AdapterRegistry:
 
     # ---- host tier -------------------------------------------------------------------------
     def _put_host(self, name: str, adapter: LoRAAdapter) -> None:
-        self._pop_host(name)
+        self.drop_host_copy(name)
         self._host[name] = adapter
         self._host_nbytes[name] = adapter.nbytes
         self.host_bytes += self._host_nbytes[name]
         while len(self._host) > 1 and (
                 (self.max_loaded_loras is not None and len(self._host) > self.max_loaded_loras)
                 or (self.max_host_bytes is not None and self.host_bytes > self.max_host_bytes)):
-            self._pop_host(next(iter(self._host)))
+            self.drop_host_copy(next(iter(self._host)))
             self.stats.host_evictions += 1
 
-    def _pop_host(self, name: str) -> None:
+    def drop_host_copy(self, name: str) -> None:
+        """Forget `name`'s host copy, as the host tier's LRU would: its next use reads its folder."""
         if self._host.pop(name, None) is not None:
             self.host_bytes -= self._host_nbytes.pop(name)
 
