@@ -47,7 +47,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_convert_default(args) -> int:
-    from multilora.model.gguf_default import default_model_dir
+    from multilora.default_model import default_model_dir
     print(default_model_dir())
     return 0
 

@@ -590,7 +590,7 @@ def test_native_pool_write_matches_xla_scatter_in_place(dtype):
     assert out.unsafe_buffer_pointer() == ptr  # in place
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), want)
     # Rows already in the pool's dtype (host copies are read in it, rounded by ml_dtypes:
-    # multilora.lora.adapter) are copied as they are, and come out the same.
+    # multilora.adapters.adapter) are copied as they are, and come out the same.
     import ml_dtypes
     host = new.astype(np.float32 if dtype == "float32" else ml_dtypes.bfloat16)
     got = kernels.pool_write(pool, jnp.asarray(rows), jnp.asarray(host))

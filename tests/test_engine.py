@@ -20,8 +20,8 @@ import pytest
 
 from multilora.engine.engine import Engine, PromptTooLongError
 from multilora.engine.request import SamplingParams
-from multilora.lora.adapter import AdapterError
-from multilora.lora.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
+from multilora.adapters.adapter import AdapterError
+from multilora.adapters.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
 from tests import reference
 
 MAX_MODEL_LEN = 64

@@ -443,7 +443,7 @@ def test_randomized_invariants():
 
 
 @pytest.mark.parametrize("module", ["multilora.engine.kv_pages", "multilora.engine.scheduler",
-                                    "multilora.engine.request", "multilora.lora.registry"])
+                                    "multilora.engine.request", "multilora.adapters.registry"])
 def test_host_bookkeeping_imports_no_jax(module):
     """House rule 5: host bookkeeping is plain Python; importing it must not pull in jax."""
     code = (f"import sys, {module}\n"

@@ -24,11 +24,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from multilora.config import LoRAConfig, ModelConfig, UnsupportedModelError
 from multilora.engine.batching import SeqChunk, build_batch, decode_first
 from multilora.engine.runner import jit_slot_writer
-from multilora.lora.adapter import load_adapter
+from multilora.adapters.adapter import load_adapter
 from multilora import kernels  # `native` needs a C++ compiler (built on first use)
 from multilora.lora.backend import get_backend
 from multilora.lora.batch import NO_ADAPTER
-from multilora.lora.pool import LoRASlots, page_rows
+from multilora.adapters.pool import LoRASlots, page_rows
 from multilora.model.llama import (KVCache, forward, init_kv_cache, is_heads_major, kv_cache_formats, kv_page_bytes,
                                    make_kv_cache, split_layers)
 from multilora.model import projections
@@ -329,7 +329,7 @@ def test_pools_are_made_and_written_rows_major(tiny_models, tiny_adapters):
     for that copied every pool whole before its layer loop (benchmarks/log/24-2026-12-05-tpu-v5e-rows-major.md). rows_major moves a
     pool laid out otherwise, values unchanged."""
     from jax.experimental.layout import Format, Layout
-    from multilora.lora.pool import POOL_LAYOUT, rows_major
+    from multilora.adapters.pool import POOL_LAYOUT, rows_major
     kind = REWRITE_KIND
     cfg, _ = load_weights(tiny_models[kind], mesh=MESH)
     adapter = load_adapter("a_all_r8", tiny_adapters[(kind, "a_all_r8")], cfg, 32)
@@ -529,7 +529,7 @@ def test_a_slot_layout_prepared_off_the_engine_thread_writes_the_same_pool(tiny_
     """prepare_slot_layout (the loader's urgent workers) lays out what LoRASlots.load would: the
     pools come out the same, bit for bit, and the prepared layout is taken once (a second write
     of the same host copy lays it out again; a layout for another table width is not used)."""
-    from multilora.lora.pool import adapter_slot_arrays, prepare_slot_layout, take_slot_layout
+    from multilora.adapters.pool import adapter_slot_arrays, prepare_slot_layout, take_slot_layout
     kind = REWRITE_KIND
     cfg, _ = load_weights(tiny_models[kind], mesh=MESH)
     lcfg = LoRAConfig(max_loras_per_batch=2, max_lora_rank=32)
@@ -558,7 +558,7 @@ def test_a_slot_layout_prepared_off_the_engine_thread_writes_the_same_pool(tiny_
 def test_write_widths_track_the_adapters_rank():
     """An adapter is laid out and written at the least compiled width that holds its rank
     (whole pages, doubling, then the table's width), never at the table's width by default."""
-    from multilora.lora.pool import write_width, write_widths
+    from multilora.adapters.pool import write_width, write_widths
     assert write_widths(8) == (8,)
     assert write_widths(32) == (8, 16, 32)
     assert write_widths(24) == (8, 16, 24)
@@ -573,8 +573,8 @@ def test_a_prepared_layout_counts_in_the_host_tier_until_its_write_takes_it(tiny
     """The host tier's byte budget counts what a copy holds: its modules and, while it waits for
     its slot write, the layout prepared for it; the write takes the layout and the engine counts
     the copy again (registry.recount_host), so the bytes go back to the modules'."""
-    from multilora.lora.pool import adapter_slot_arrays, prepare_slot_layout, take_slot_layout, write_width
-    from multilora.lora.registry import AdapterRegistry
+    from multilora.adapters.pool import adapter_slot_arrays, prepare_slot_layout, take_slot_layout, write_width
+    from multilora.adapters.registry import AdapterRegistry
     kind = REWRITE_KIND
     cfg, _ = load_weights(tiny_models[kind], mesh=MESH)
     path = tiny_adapters[(kind, "c_mlp_r16")]

@@ -41,10 +41,10 @@ from multilora.engine.runner import Buckets, ModelRunner, ProcessRow, SampleRow
 from multilora.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from multilora.engine.structured import Grammars
 from multilora.engine.tokenizer import Detokenizer, load_tokenizer
-from multilora.lora.adapter import AdapterError, LoRAAdapter, load_adapter, probe_adapter
-from multilora.lora.mix import MIX_PREFIX, check_weights, mix_adapters, mix_name, mix_path, read_mix
-from multilora.lora.loader import AdapterLoader
-from multilora.lora.registry import AdapterRegistry
+from multilora.adapters.adapter import AdapterError, LoRAAdapter, load_adapter, probe_adapter
+from multilora.adapters.mix import MIX_PREFIX, check_weights, mix_adapters, mix_name, mix_path, read_mix
+from multilora.adapters.loader import AdapterLoader
+from multilora.adapters.registry import AdapterRegistry
 
 log = logging.getLogger("multilora.engine")
 
@@ -100,7 +100,7 @@ class Engine:
 
         from multilora.engine.runner import jit_slot_writer
         from multilora.lora.backend import BACKEND_CHOICES
-        from multilora.lora.pool import LoRASlots, prepare_slot_layout, rank_row_bytes
+        from multilora.adapters.pool import LoRASlots, prepare_slot_layout, rank_row_bytes
         from multilora.model import projections
         from multilora.model.llama import kv_heads_major_on, kv_page_bytes, make_kv_cache
         from multilora.model.loader import load_weights, resolve_dtype
@@ -118,7 +118,7 @@ class Engine:
             from multilora.engine.distributed import initialize
             initialize(**distributed)
         if model is None:
-            from multilora.model.gguf_default import default_model_dir
+            from multilora.default_model import default_model_dir
             model = str(default_model_dir())
         self.model_path = str(model)
         self.model_name = Path(model).name
@@ -282,7 +282,7 @@ class Engine:
 
     def add_mix(self, weights: dict) -> str:
         """Register (once) the exact weighted mix of registered adapters, {name: weight}, as an
-        adapter of its own (multilora.lora.mix); returns its name, for add_request's lora. Its
+        adapter of its own (multilora.adapters.mix); returns its name, for add_request's lora. Its
         rank is the sum of the parts' ranks and must fit max_lora_rank."""
         if self.slots is None:
             raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
@@ -473,7 +473,7 @@ class Engine:
                           matcher=c.request.matcher if c.completes_prefill else None)
                 for c in plan.chunks]
         prompt_next = [self._prompt_next(c) for c in plan.chunks]
-        # Reads no request waits for pause while the step runs (multilora.lora.pacing).
+        # Reads no request waits for pause while the step runs (multilora.adapters.pacing).
         with self.loader.gate.closed():
             if any(p is not None for p in prompt_next):  # echo: these chunks' token logprobs too
                 result = self.runner.execute(chunks, rows, prompt_next=prompt_next)

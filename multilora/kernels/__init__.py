@@ -93,7 +93,7 @@ def _load() -> bool:
     if cxx is None:
         _state["reason"] = "no C++ compiler (set CXX, or install g++)"
         return False
-    from multilora.model.gguf_default import user_cache_dir
+    from multilora.default_model import user_cache_dir
 
     so = user_cache_dir() / "native" / _build_key(cxx) / "libmultilora_kernels.so"
     try:

@@ -3,7 +3,7 @@
 // XLA's CPU backend runs a per-token gather (bgmv) as a copy of each token's adapter matrices
 // followed by a batched matrix-vector product: the copy costs more than the product. These
 // kernels read each token's rows straight out of the whole (L, blocks * U, X) pool of rank rows
-// (multilora/lora/pool.py), found through the slot's row table, at the layer given as an operand
+// (multilora/adapters/pool.py), found through the slot's row table, at the layer given as an operand
 // (so the scan over layers copies nothing), visit a step's tokens grouped by slot (a slot's rows
 // stay in cache while its tokens use them), and stop at each slot's true rank.
 //

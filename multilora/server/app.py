@@ -30,7 +30,7 @@ from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from multilora.args import add_distributed_args, add_engine_args, engine_kwargs
-from multilora.lora.registry import AdapterConflictError
+from multilora.adapters.registry import AdapterConflictError
 from multilora.server import openapi
 from multilora.server import protocol as P
 from multilora.server.async_engine import AsyncEngine

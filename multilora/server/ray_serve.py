@@ -458,7 +458,7 @@ class EngineReplica:
         return await asyncio.shield(fut)
 
     async def _register(self, name: str, entry: Optional[dict]) -> bool:
-        from multilora.lora.registry import AdapterConflictError
+        from multilora.adapters.registry import AdapterConflictError
         if entry is not None:
             try:
                 await self.aengine.load_lora_adapter(name, entry["path"], pinned=entry["pinned"])
@@ -808,7 +808,7 @@ def config_from_args(args) -> RayServeConfig:
         raise SystemExit("serve-ray runs one engine per replica: --coordinator-address/--num-processes "
                          "do not apply")
     if kw["model"] is None:  # fetched and converted once, here, not by R replicas at once
-        from multilora.model.gguf_default import default_model_dir
+        from multilora.default_model import default_model_dir
         kw["model"] = str(default_model_dir())
     kw["model"] = os.path.abspath(kw["model"])
     kw["lora_modules"] = {n: os.path.abspath(p) for n, p in kw["lora_modules"].items()}

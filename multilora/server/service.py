@@ -16,7 +16,7 @@ from fastapi import Request
 
 from multilora.engine.request import SamplingParams
 from multilora.engine.structured import StructuredOutput
-from multilora.lora.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
+from multilora.adapters.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
 from multilora.server import protocol as P
 from multilora.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from multilora.server.errors import APIError, call_engine, err_text

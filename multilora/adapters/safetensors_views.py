@@ -29,12 +29,12 @@ from typing import Optional
 import ml_dtypes
 import numpy as np
 
-from multilora.lora.pacing import checkpoint
+from multilora.adapters.pacing import checkpoint
 
 DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
           "BF16": np.dtype(ml_dtypes.bfloat16)}
 _MAX_HEADER = 100 << 20   # safetensors' own bound on the header
-_CHUNK = 4 << 20          # bytes read between two checkpoints (multilora.lora.pacing)
+_CHUNK = 4 << 20          # bytes read between two checkpoints (multilora.adapters.pacing)
 
 
 def _entries(header_bytes: bytes, data_size: int) -> dict[str, tuple[np.dtype, tuple[int, ...], int]]:

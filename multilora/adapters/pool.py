@@ -18,7 +18,7 @@ Stacked groups (q/k/v A, gate/up A) keep one block of U rows per projection: the
 Writing an adapter scatters its rows into the pool in place (an update that the runner jits,
 buffers donated, the rows traced), so shapes never change and nothing recompiles; clearing a slot
 only resets its row table. Which adapter gets which slot and rows, and what to evict, is decided
-in multilora.lora.registry. Under tensor parallelism the pools are sharded by their declared axes
+in multilora.adapters.registry. Under tensor parallelism the pools are sharded by their declared axes
 (LoRAWeights' fields, multilora.model.arrays: B by
 output features where its base layer is column-parallel, A by input features where it is
 row-parallel); a write takes the new rows already split the same way and keeps every pool's
@@ -40,7 +40,7 @@ from jax.experimental.layout import Format, Layout
 
 from multilora import kernels
 from multilora.config import PAGE_ROWS, LoRAConfig, ModelConfig, round_to_pages
-from multilora.lora.adapter import LoRAAdapter
+from multilora.adapters.adapter import LoRAAdapter
 from multilora.lora.backend import native_usable
 from multilora.lora.batch import NO_ADAPTER, stacked_rows
 from multilora.model.arrays import arrays, dim

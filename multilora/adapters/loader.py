@@ -16,7 +16,7 @@ every request names an adapter not read yet) is read on both cores while the eng
 else to run (40 adapters of 19.6 MB: 1.1-1.7 s against 2.0-2.1 s on one worker, an idle 2-core
 machine). Run-time loads (`submit`) and background reads (the adapters given at start, read
 ahead up to the host tier's size) share a SCHED_IDLE worker, loads first, and pause at their
-checkpoints while the engine runs a step (its StepGate, multilora.lora.pacing): SCHED_IDLE alone
+checkpoints while the engine runs a step (its StepGate, multilora.adapters.pacing): SCHED_IDLE alone
 still cost the decoding streams 20-35 % (the worker takes the core in every gap between a step's
 ops); paced, they run between steps (measured in benchmarks/log/19-2026-12-05-loads-step-aside.md: load_during_decode.py,
 serving.py 512 Zipf). Background reads also wait while the engine has work
@@ -38,8 +38,8 @@ import weakref
 from concurrent.futures import Future
 from typing import Callable, Iterator, Optional
 
-from multilora.lora.adapter import LoRAAdapter
-from multilora.lora.pacing import StepGate, paced
+from multilora.adapters.adapter import LoRAAdapter
+from multilora.adapters.pacing import StepGate, paced
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class AdapterLoader:
     def __init__(self, read: Callable[[str, str], LoRAAdapter],
                  prepare: Optional[Callable[[LoRAAdapter], None]] = None):
         """prepare(adapter): run on the urgent workers after a read (the engine lays out the
-        slot write there: multilora.lora.pool.prepare_slot_layout)."""
+        slot write there: multilora.adapters.pool.prepare_slot_layout)."""
         self._q = _Queues(read, prepare)
         self._cv = self._q.cv
         self._order = itertools.count()
@@ -175,7 +175,7 @@ class AdapterLoader:
     @property
     def gate(self) -> StepGate:
         """The engine closes it around each step: run-time loads and read-ahead (the idle
-        worker's reads) wait at their checkpoints while it is closed (multilora.lora.pacing)."""
+        worker's reads) wait at their checkpoints while it is closed (multilora.adapters.pacing)."""
         return self._q.gate
 
     def hold_background(self, hold: bool) -> None:

@@ -22,12 +22,12 @@ import ml_dtypes  # bfloat16 for numpy: bf16 adapter files and host copies
 import numpy as np
 
 from multilora.config import LORA_MODULES, LoRAType, ModelConfig
-from multilora.lora.pacing import checkpoint
-from multilora.lora.safetensors_views import Scratch, read_header, read_tensors, views
+from multilora.adapters.pacing import checkpoint
+from multilora.adapters.safetensors_views import Scratch, read_header, read_tensors, views
 
 _KEY_RE = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.(?:[\w-]+\.)?weight$")
 _ALL_LINEAR = "all-linear"
-_HASH_CHUNK = 1 << 20  # bytes hashed between two checkpoints (multilora.lora.pacing)
+_HASH_CHUNK = 1 << 20  # bytes hashed between two checkpoints (multilora.adapters.pacing)
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -52,7 +52,7 @@ class LoRAAdapter:
     scaling: float                 # default scaling, applied per slot
     modules: dict[str, tuple[np.ndarray, np.ndarray]]  # module -> (a_LRI, b_LOR)
     # (table width, LoRAWeights of host arrays): the rows laid out for a slot write ahead of it,
-    # by a loader thread (multilora.lora.pool.prepare_slot_layout), until the write takes them
+    # by a loader thread (multilora.adapters.pool.prepare_slot_layout), until the write takes them
     slot_layout: Optional[tuple[int, Any]] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -84,7 +84,7 @@ class LoRAAdapter:
     @property
     def nbytes(self) -> int:
         """Host memory the copy holds: its modules, and a slot layout prepared for its write
-        (multilora.lora.pool.prepare_slot_layout) while it waits to be taken."""
+        (multilora.adapters.pool.prepare_slot_layout) while it waits to be taken."""
         held = sum(a.nbytes + b.nbytes for a, b in self.modules.values())
         if self.slot_layout is not None:
             rows = self.slot_layout[1]

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from multilora.config import LORA_MODULES
-from multilora.lora.adapter import LoRAAdapter
+from multilora.adapters.adapter import LoRAAdapter
 
 MIX_PREFIX = "mix:"
 MAX_PARTS = 8

@@ -2,7 +2,7 @@
 tiers below the registry: host copies (LRU, bounded by max_loaded_loras and bytes) and the device
 pool (LRU, never evicting an adapter that a running sequence uses, never a pinned one). A resident
 adapter holds a slot (its row table, one per adapter in a batch) and its rank's pages of the
-pool's rank rows (multilora.lora.pool): eviction frees both, as many adapters as it takes.
+pool's rank rows (multilora.adapters.pool): eviction frees both, as many adapters as it takes.
 
 Plain Python, no jax: the engine applies the slot writes this module decides.
 """
@@ -16,7 +16,7 @@ from collections import OrderedDict
 from typing import Callable, Iterable, Optional
 
 from multilora.config import NO_ADAPTER, PAGE_ROWS, round_to_pages
-from multilora.lora.adapter import AdapterProbe, LoRAAdapter
+from multilora.adapters.adapter import AdapterProbe, LoRAAdapter
 
 
 class UnknownAdapterError(KeyError):
@@ -62,7 +62,7 @@ class TierStats:
     host_hits: int = 0
     host_misses: int = 0
     host_evictions: int = 0
-    loads: int = 0             # background reads finished (multilora.lora.loader)
+    loads: int = 0             # background reads finished (multilora.adapters.loader)
     load_failures: int = 0
 
 

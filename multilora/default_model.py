@@ -9,7 +9,7 @@ folder (`config.json`, float32 `model.safetensors`, `tokenizer.json`, `tokenizer
     folder = default_model_dir()                 # fetch + convert once, then instant
     folder = convert_gguf_to_hf("x.gguf", "out") # any llama-architecture, gpt2-tokenizer GGUF
 
-Run as `python -m multilora.model.gguf_default [--out DIR]` to print the folder's path.
+Run as `python -m multilora.default_model [--out DIR]` to print the folder's path.
 
 Only numpy, gguf, safetensors and tokenizers are used (run-time dependencies); no torch or
 transformers, which are test references only.
@@ -518,7 +518,7 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m multilora.model.gguf_default",
+        prog="python -m multilora.default_model",
         description=f"Fetch and convert the default model ({DEFAULT_MODEL_NAME}); print its folder.",
     )
     parser.add_argument("--out", type=Path, default=None,
