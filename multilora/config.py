@@ -225,7 +225,7 @@ class LoRAConfig:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything an Engine is built with besides the model and its adapters: one object that
-    the CLI, the server and Python callers fill (multilora.args maps it to command-line flags).
+    the CLI, the server and Python callers fill (multilora.cli.args maps it to command-line flags).
     None means "derived": see the field comments."""
 
     # adapters

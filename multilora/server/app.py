@@ -12,16 +12,11 @@ convention); the base model answers to its folder name or its path. See docs/ser
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hmac
 import json
 import logging
-import os
-import signal
-import sys
-from pathlib import Path
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -29,13 +24,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from multilora.args import add_distributed_args, add_engine_args, engine_kwargs
 from multilora.adapters.registry import AdapterConflictError
 from multilora.server import openapi
 from multilora.server import protocol as P
 from multilora.server.async_engine import AsyncEngine
 from multilora.server.errors import APIError, call_engine, err_text, error_response, parse_body
-from multilora.server.heap import freeze_startup_heap
 from multilora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from multilora.server.service import MAX_ADAPTER_NAME, Server
 from multilora.server.streaming import SSEResponse, chat_stream, completion_stream
@@ -337,39 +330,6 @@ def _usage(results: list[dict], n: int = 1) -> P.UsageInfo:
     return P.UsageInfo.of(prompt, completion, sum(r["cached_tokens"] for r in results[::n]))
 
 
-# ---- the command line ----------------------------------------------------------------------------
-def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options of `multilora serve`: engine budgets, then the server's own."""
-    add_engine_args(parser.add_argument_group("model, adapters and engine budgets"))
-    parser.add_argument("--no-demo-adapters", action="store_true",
-                        help="with the embedded default model and no --lora-modules, do not serve the "
-                             "demo adapters 'shout' and 'signoff' (served by default then)")
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(default: $MULTILORA_API_KEY, else no key)")
-    g.add_argument("--lora-root", default=None,
-                   help="folder of adapter folders: /v1/load_lora_adapter may load from it, and a request "
-                        "whose model names a folder in it is loaded on first use")
-    g.add_argument("--allow-any-lora-path", action="store_true",
-                   help="without --lora-root, let /v1/load_lora_adapter load from any path (trusted clients only)")
-    g.add_argument("--max-queue", type=int, default=512,
-                   help="requests that may wait for a place in the batch; more get 503")
-    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for running requests before aborting them")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    add_distributed_args(parser)
-    return parser
-
-
-def engine_from_args(args):
-    from multilora.engine.engine import Engine
-    return Engine(progress=True, **engine_kwargs(args))
-
-
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
           log_level: str = "info") -> None:
     """Run uvicorn until SIGTERM/SIGINT; then running requests finish (up to drain_timeout)."""
@@ -390,78 +350,3 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, drain_timeout
     # re-raises at its exit
     app.state.stop_server = lambda: setattr(server, "should_exit", True)
     server.run()
-
-
-def with_demo_adapters(args) -> argparse.Namespace:
-    """args, plus the demo adapters (shout, signoff) as --lora-modules when the embedded default
-    model is served with no adapters named and --no-demo-adapters is not given."""
-    if (args.model or args.lora_modules or getattr(args, "no_demo_adapters", False)
-            or getattr(args, "max_loras_per_batch", 1) == 0):
-        return args
-    from multilora.demo_adapters import demo_lora_modules
-    demos = demo_lora_modules()
-    if not demos:
-        return args
-    print(f"multilora: serving the demo adapters {', '.join(demos)} (name one as the request's "
-          "\"model\"; --no-demo-adapters turns them off)", flush=True)
-    return argparse.Namespace(**{**vars(args), "lora_modules": [f"{n}={p}" for n, p in demos.items()]})
-
-
-def run_serve(args) -> int:
-    # force: `multilora serve` configured logging before parsing reached here; --log-level rules
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    args = with_demo_adapters(args)
-    if args.lora_root and not Path(args.lora_root).is_dir():
-        raise SystemExit(f"--lora-root {args.lora_root!r} is not a folder")
-    if args.max_queue < 0:
-        raise SystemExit("--max-queue must be >= 0")
-    api_key = args.api_key or os.environ.get("MULTILORA_API_KEY") or None
-    engine = engine_from_args(args)
-    if not engine.is_leader:
-        return follow(engine)
-    aengine = AsyncEngine(engine, max_queue=args.max_queue)
-    app = build_app(aengine, api_key=api_key, lora_root=args.lora_root, max_body_bytes=args.max_body_bytes,
-                    allow_any_lora_path=args.allow_any_lora_path, drain_timeout=args.drain_timeout)
-    freeze_startup_heap()  # full collections then skip the start-up heap (multilora.server.heap)
-    if engine.num_processes > 1:  # a process gone: stop serving (with one, a dead engine thread is a 503)
-        def _stop(message: str) -> None:
-            log.error("the engine stopped (%s): the server shuts down", message)
-            app.state.stop_server()
-        aengine.on_death = _stop
-        # uvicorn re-raises the SIGTERM/SIGINT it caught once it has stopped; with the default
-        # handlers that kills this process before jax.distributed's shutdown, where the followers
-        # wait for it
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: None)
-    serve(app, args.host, args.port, args.drain_timeout, args.log_level)
-    if engine.num_processes > 1 and aengine.death is not None:
-        print(f"multilora: the server stopped: {aengine.death}", file=sys.stderr, flush=True)
-        os._exit(1)  # not jax.distributed's shutdown barrier: a process is gone
-    return 0
-
-
-def follow(engine) -> int:
-    """`multilora serve` on a process other than 0: mirror process 0's steps until it stops."""
-    import jax
-    print(f"multilora: process {jax.process_index()} of {engine.num_processes} follows process 0, "
-          "which serves HTTP", flush=True)
-    try:
-        engine.follow()
-    except Exception as e:  # noqa: BLE001 - a collective with a process that is gone
-        log.debug("follow() failed", exc_info=True)
-        print(f"multilora: process {jax.process_index()} stops: {type(e).__name__}: {e}", file=sys.stderr,
-              flush=True)
-        os._exit(1)
-    print(f"multilora: process {jax.process_index()}: process 0 has stopped; done", flush=True)
-    sys.stderr.flush()
-    os._exit(0)  # at once (Engine.follow's last barrier): process 0 exits right after
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = add_serve_args(argparse.ArgumentParser(prog="multilora-serve"))
-    return run_serve(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
