@@ -15,6 +15,13 @@ SMOLLM2_135M = dict(
     intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
     head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
     tie_word_embeddings=True, hidden_act="silu", bos_token_id=1, eos_token_id=2)
+# Llama-3.2-1B's shape (the 1B-class shape; random weights where the model cannot travel)
+LLAMA_3_2_1B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=2048,
+    intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+    tie_word_embeddings=True, hidden_act="silu", bos_token_id=128000, eos_token_id=128001)
+SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-3.2-1b": LLAMA_3_2_1B}
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

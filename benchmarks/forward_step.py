@@ -38,7 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import SMOLLM2_135M, machine_info, save_json  # noqa: E402
+from benchmarks.common import SHAPES, machine_info, save_json  # noqa: E402
 from multilora.config import ModelConfig  # noqa: E402
 from multilora.engine.batching import SeqChunk, build_batch, pages_needed  # noqa: E402
 from multilora.adapters.pool import (blocks_of, lora_feature_dims, rows_major, slot_major_pool,  # noqa: E402
@@ -79,7 +79,7 @@ def workload_chunks(mode, n_seqs, ctx, page_size, num_adapters, rng, prompt=48, 
         n = 1 if mode == "decode" else prompt
         pages = -(-(start + n) // page_size)
         slot = 0 if num_adapters == 0 else 1 + int(rng.integers(num_adapters))
-        chunks.append(SeqChunk(list(rng.integers(0, 49152, n)), start, list(range(page, page + pages)), slot))
+        chunks.append(SeqChunk(list(rng.integers(0, 32000, n)), start, list(range(page, page + pages)), slot))
         page += pages
     return chunks
 
@@ -101,6 +101,8 @@ def pow2_pages(need: int) -> int:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", choices=sorted(SHAPES),
+                    help="the model's shape (random weights)")
     ap.add_argument("--decode-seqs", type=int, default=64)
     ap.add_argument("--decode-ctx", type=int, default=80, help="tokens in each sequence's cache")
     ap.add_argument("--decode-pages", type=int, default=None,
@@ -148,7 +150,7 @@ def main(argv=None):
 
     from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
     from multilora.model import projections
-    cfg = ModelConfig.from_hf_dict(SMOLLM2_135M)
+    cfg = ModelConfig.from_hf_dict(SHAPES[args.model])
     stacked = random_weights(cfg)
     layouts = {}
     short = {"float32": "f32", "bfloat16": "bf16", "bf16-weights": "bf16w", "bf16-packed": "packed"}
@@ -282,7 +284,7 @@ def main(argv=None):
                   f"op time per step by kind "
                   f"(both cores; wall {1e3 * row['median_s']:.0f} ms)")
             total = sum(row["op_ms_by_kind"].values())
-            for kind, ms in list(row["op_ms_by_kind"].items())[:10]:
+            for kind, ms in list(row["op_ms_by_kind"].items())[:25]:
                 print(f"  {ms:8.1f} ms {100 * ms / total:5.1f} %  {kind}")
     if args.json:
         save_json(args.json, dict(machine=machine_info(), args={k: str(v) for k, v in vars(args).items()},

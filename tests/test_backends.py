@@ -331,10 +331,10 @@ def test_auto_picks_per_shape():
     assert choose_backend("auto", 4, True, 65) == "bgmv"     # too few rows to fill a tile
     assert choose_backend("auto", 1, True, 9) == "bgmv"
     assert choose_backend("sgmv", 1, True, 9) == "sgmv"      # an explicit choice stands
-    # a TPU: the pool read once while it is small (its gathers are slow), else as elsewhere
-    assert choose_backend("auto", 64, True, 9, platform="tpu") == "dense"
-    assert choose_backend("auto", 512, False, 65, platform="tpu") == "dense"
-    assert choose_backend("auto", 64, True, 129, platform="tpu") == "sgmv|bgmv"
+    # a TPU: the Pallas kernel that reads the step's own adapters, whatever the pool's size
+    assert choose_backend("auto", 64, True, 9, platform="tpu") == "pallas"
+    assert choose_backend("auto", 512, False, 65, platform="tpu") == "pallas"
+    assert choose_backend("auto", 64, True, 257, platform="tpu") == "pallas"
     assert choose_backend("auto", 64, True, None, platform="tpu") == "bgmv"  # no slots: no LoRA op
     assert choose_backend("bgmv", 64, True, 9, platform="tpu") == "bgmv"
     with pytest.raises(ValueError, match="choose one of auto, bgmv"):

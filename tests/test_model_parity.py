@@ -38,7 +38,7 @@ from tests import reference
 
 FWD = jax.jit(forward, static_argnames=("cfg", "backend"))
 ATOL = 1e-4
-BACKENDS = ("bgmv", "sgmv", "dense", "reference") + (("native",) if kernels.available() else ())
+BACKENDS = ("bgmv", "sgmv", "dense", "reference", "pallas") + (("native",) if kernels.available() else ())
 KINDS = tuple(reference.TINY_CONFIGS)
 ADAPTERS = tuple(reference.ADAPTER_SPECS)  # in the main slots, adapter i lives in slot i + 1
 MAX_RANK = 16                              # the largest rank among ADAPTER_SPECS

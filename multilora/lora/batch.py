@@ -29,6 +29,11 @@ class LoRABatchInfo:
     tile_slot_G:  SGMV: the slot of each tile of rows.
     tile_rows_GM: SGMV: token index of each row of each tile (T = padding, reads a zero row).
     token_pos_T:  SGMV: where token t sits in the flattened tiles (G*M = "no adapter", zero row).
+    step_slots_A: the step's distinct adapter slots in order of first appearance, padded with
+                  NO_ADAPTER to A (static: as many adapters as a step may use, at most
+                  max_num_seqs however many slots the pool holds): what a kernel that reads only
+                  the step's own adapters walks (multilora.kernels.lora_pallas).
+    local_T:      each token's index into step_slots_A (A for base rows and padding).
     mode:         which path a step takes (a scalar): NO_LORA (no row has an adapter: no LoRA op
                   runs), GROUPED (the tiles above hold every adapter row) or PER_TOKEN (more
                   distinct adapters than the tiles were sized for: the tiles are empty and a
@@ -42,6 +47,8 @@ class LoRABatchInfo:
     tile_slot_G: jax.Array
     tile_rows_GM: jax.Array
     token_pos_T: jax.Array
+    step_slots_A: jax.Array
+    local_T: jax.Array
     mode: jax.Array
 
 
@@ -114,6 +121,22 @@ def group_tokens_by_slot(slot_T: np.ndarray, num_slots: int) -> tuple[np.ndarray
     return tile_slot, tile_rows, token_pos
 
 
+def step_adapters(slot_T: np.ndarray, num_adapters: int) -> tuple[np.ndarray, np.ndarray]:
+    """(step_slots_A, local_T): the distinct adapter slots of slot_T in order of first appearance,
+    padded with NO_ADAPTER to num_adapters, and each token's index into them (num_adapters for
+    NO_ADAPTER). A step with more distinct adapters than num_adapters keeps the first ones and
+    names the others num_adapters too: its mode is PER_TOKEN, which a step-adapter kernel refuses."""
+    slot_T = np.asarray(slot_T, np.int32)
+    uniq, first = np.unique(slot_T, return_index=True)
+    keep = uniq != NO_ADAPTER
+    ordered = uniq[keep][np.argsort(first[keep], kind="stable")][:num_adapters]
+    step_slots = np.full((num_adapters,), NO_ADAPTER, np.int32)
+    step_slots[:len(ordered)] = ordered
+    index_of = np.full((int(slot_T.max(initial=0)) + 1,), num_adapters, np.int32)
+    index_of[ordered] = np.arange(len(ordered), dtype=np.int32)
+    return step_slots, index_of[slot_T] if slot_T.size else np.zeros((0,), np.int32)
+
+
 def make_lora_batch_info(slot_T: np.ndarray, scalings_S: np.ndarray, ranks_S: np.ndarray,
                          rows_SR: np.ndarray, max_grouped: int | None = None) -> LoRABatchInfo:
     """Host arrays -> LoRABatchInfo (numpy; jit moves them to the device). max_grouped: size the
@@ -135,6 +158,7 @@ def make_lora_batch_info(slot_T: np.ndarray, scalings_S: np.ndarray, ranks_S: np
         mode = GROUPED
     else:
         mode = PER_TOKEN
+    step_slots, local = step_adapters(slot_T, max(1, tile_slots - 1))
     grouped_slots = slot_T if mode == GROUPED else np.zeros_like(slot_T)
     tile_slot, tile_rows, token_pos = group_tokens_by_slot(grouped_slots, tile_slots)
     return LoRABatchInfo(
@@ -145,5 +169,7 @@ def make_lora_batch_info(slot_T: np.ndarray, scalings_S: np.ndarray, ranks_S: np
         tile_slot_G=tile_slot,
         tile_rows_GM=tile_rows,
         token_pos_T=token_pos,
+        step_slots_A=step_slots,
+        local_T=local,
         mode=np.int32(mode),
     )

@@ -22,7 +22,7 @@ from jax.experimental.layout import Format, Layout
 
 from multilora.config import ModelConfig
 from multilora.lora.backend import get_backends
-from multilora.lora.backend.native import PoolLayer
+from multilora.lora.backend.base import PoolLayer
 from multilora.lora.batch import NO_LORA, PER_TOKEN, LoRABatchInfo
 from multilora.model.arrays import lora_pool, weight
 from multilora.model.attention import decode_attention, prefill_attention, write_kv

@@ -7,6 +7,7 @@ from multilora.lora.backend.bgmv import BgmvLoRABackend
 from multilora import kernels
 from multilora.lora.backend.dense import DenseLoRABackend
 from multilora.lora.backend.native import NativeLoRABackend
+from multilora.lora.backend.pallas import PallasLoRABackend
 from multilora.lora.backend.reference import ReferenceLoRABackend
 from multilora.lora.backend.sgmv import SgmvLoRABackend
 from multilora.lora.batch import sgmv_tile_rows
@@ -16,6 +17,7 @@ BACKENDS: dict[str, type[BaseLoRABackend]] = {
     "sgmv": SgmvLoRABackend,
     "dense": DenseLoRABackend,
     "native": NativeLoRABackend,
+    "pallas": PallasLoRABackend,
     "reference": ReferenceLoRABackend,
 }
 BACKEND_CHOICES = ("auto", *BACKENDS)
@@ -50,13 +52,6 @@ def native_usable(dtype, devices) -> bool:
             and next(iter(devices)).platform == "cpu" and kernels.available())
 
 
-# On a TPU the backends' gathers are slow and a dense product over a small pool is not: `dense`
-# (the pool read once) up to this many adapters, measured (BENCHMARKS.md, TPU v5e: forward_step,
-# 64-row decode with 8 adapters 65.6 ms against sgmv's 71.1, with 64 level with bgmv at 102.3;
-# 512-token prefill 14.8 against 26.3, and 53.3 against 92.3). Larger pools were not measured.
-DENSE_TPU_MAX_ADAPTERS = 64
-
-
 def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int | None = None,
                    native: bool = False, platform: str = "cpu") -> str:
     """Resolve "auto" for one compiled shape (tokens and slots are both static there).
@@ -70,15 +65,18 @@ def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int |
     adapters a step may use) and `bgmv`, and each step's distinct adapters pick one at run time;
     below one tile of rows it gathers per token (`bgmv`). Measured in BENCHMARKS.md (forward_step: 64 rows with 8
     adapters sgmv 6 % ahead of dense; 32 rows dense 6 % ahead; 64 rows with 64 slots bgmv).
-    On a TPU (`platform`), `dense` for pools of up to DENSE_TPU_MAX_ADAPTERS adapters."""
+    On a TPU (`platform`), every shape with adapter slots takes `pallas`: XLA's gathers cost far
+    more than their bytes there, and its kernel reads only the step's own adapters in place
+    (BENCHMARKS.md, "TPU v5e: LoRA that follows the step's adapters": a 64-row decode step with
+    64 adapters 50.2 ms with `dense`, 10.8 with `pallas`; the same at 257 slots)."""
     if name != "auto":
         get_backends(name)
         return name
     adapters = 0 if num_slots is None else num_slots - 1
     if native and adapters:
         return "native"
-    if platform == "tpu" and 0 < adapters <= DENSE_TPU_MAX_ADAPTERS:
-        return "dense"
+    if platform == "tpu" and adapters:
+        return "pallas"
     if is_decode or num_tokens <= 64:
         if adapters and num_tokens >= sgmv_tile_rows(num_tokens, num_slots) * adapters:
             return "sgmv"
@@ -93,5 +91,5 @@ def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int |
 
 
 __all__ = ["BaseLoRABackend", "BgmvLoRABackend", "SgmvLoRABackend", "DenseLoRABackend",
-           "ReferenceLoRABackend", "NativeLoRABackend", "native_usable",
+           "ReferenceLoRABackend", "NativeLoRABackend", "PallasLoRABackend", "native_usable",
            "get_backend", "get_backends", "grouped_cap", "choose_backend", "BACKENDS", "BACKEND_CHOICES", "SWITCH"]

@@ -12,6 +12,7 @@ a plain (rank, out) matrix). Which rows are a slot's is LoRABatchInfo.rows_SR; a
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -19,6 +20,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from multilora.lora.batch import PAGE_ROWS, LoRABatchInfo, make_lora_batch_info, stacked_rows
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PoolLayer:
+    """One layer of a pool, not sliced out: the kernel indexes pool_L... at `layer` (the model
+    hands these to backends whose `reads_pool_in_place` is set, so the scan copies no layer)."""
+
+    pool: jax.Array
+    layer: jax.Array
+
+
+def pool_layer(w) -> PoolLayer:
+    """A PoolLayer as it is; a plain (U, X) pool (one layer already picked) as a one-layer pool."""
+    return w if isinstance(w, PoolLayer) else PoolLayer(w[None], jnp.int32(0))
 
 
 class BaseLoRABackend:

@@ -15,27 +15,11 @@ keep their shardings); `auto` picks it for every shape when it is available.
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
+import jax  # noqa: F401
 
 from multilora import kernels
-from multilora.lora.backend.base import BaseLoRABackend, add_base
+from multilora.lora.backend.base import BaseLoRABackend, PoolLayer, add_base, pool_layer as _pool_layer  # noqa: F401
 from multilora.lora.batch import LoRABatchInfo
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class PoolLayer:
-    """One layer of a pool, not sliced out: the kernel indexes pool_L... at `layer`."""
-
-    pool: jax.Array
-    layer: jax.Array
-
-
-def _pool_layer(w) -> PoolLayer:
-    # A plain (U, X) pool (one layer already picked) is a one-layer pool.
-    return w if isinstance(w, PoolLayer) else PoolLayer(w[None], jax.numpy.int32(0))
 
 
 class NativeLoRABackend(BaseLoRABackend):
