@@ -30,7 +30,7 @@ from multilora.server import protocol as P
 from multilora.server.async_engine import AsyncEngine
 from multilora.server.errors import APIError, call_engine, err_text, error_response, parse_body
 from multilora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from multilora.server.service import MAX_ADAPTER_NAME, Server
+from multilora.server.service import MAX_ADAPTER_NAME, Collected, Server
 from multilora.server.streaming import SSEResponse, chat_stream, completion_stream
 
 log = logging.getLogger("multilora.server")
@@ -167,21 +167,21 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
         if results is None:
             return Response(status_code=499)
         for i, r in enumerate(results):
-            r["echo"] = echo_texts[i] if echo else None
+            r.echo = echo_texts[i] if echo else None
             if score_only:
-                r.update(text="", token_ids=[], logprobs=[], finish_reason="length")
+                r.text, r.token_ids, r.logprobs, r.finish_reason = "", [], [], "length"
         usage = _usage(results, best_of)
         if best_of > n:
             results = _best(results, best_of, n)
         choices = []
         for i, r in enumerate(results):
-            text, lp = r["text"], None
+            text, lp = r.text, None
             if echo:
-                text, lp = srv.echoed(r["echo"], r["prompt_ids"], r["prompt_logprobs"], r["text"], r["logprobs"],
+                text, lp = srv.echoed(r.echo, r.prompt_ids, r.prompt_logprobs, r.text, r.logprobs,
                                       req.logprobs is not None)
             elif req.logprobs is not None:
-                lp = srv.completion_logprobs(r["logprobs"], 0)
-            choices.append(P.CompletionChoice(index=i, text=text, finish_reason=r["finish_reason"], logprobs=lp))
+                lp = srv.completion_logprobs(r.logprobs, 0)
+            choices.append(P.CompletionChoice(index=i, text=text, finish_reason=r.finish_reason, logprobs=lp))
         return P.CompletionResponse(id=rid, created=created, model=req.model, choices=choices,
                                     usage=usage)
 
@@ -210,9 +210,9 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
         results = await srv.collect(request, streams)
         if results is None:
             return Response(status_code=499)
-        choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=r["text"]),
-                                finish_reason=r["finish_reason"],
-                                logprobs=srv.chat_logprobs(r["logprobs"]) if req.logprobs else None)
+        choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=r.text),
+                                finish_reason=r.finish_reason,
+                                logprobs=srv.chat_logprobs(r.logprobs) if req.logprobs else None)
                    for i, r in enumerate(results)]
         return P.ChatCompletionResponse(id=rid, created=created, model=req.model, choices=choices,
                                         usage=_usage(results, n))
@@ -313,21 +313,21 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
     return app
 
 
-def _best(results: list[dict], best_of: int, n: int) -> list[dict]:
+def _best(results: list[Collected], best_of: int, n: int) -> list[Collected]:
     """Per prompt (best_of candidates each, prompt-major), the n with the highest cumulative
     logprob of their chosen tokens, best first (vLLM's ranking)."""
     out = []
     for i in range(0, len(results), best_of):
         group = results[i:i + best_of]
-        out += sorted(group, key=lambda r: -sum(lp.logprob for lp in r["logprobs"]))[:n]
+        out += sorted(group, key=lambda r: -r.cumulative_logprob)[:n]
     return out
 
 
-def _usage(results: list[dict], n: int = 1) -> P.UsageInfo:
+def _usage(results: list[Collected], n: int = 1) -> P.UsageInfo:
     """A prompt counts once however many choices it has (OpenAI's usage with n > 1)."""
-    prompt = sum(r["prompt_tokens"] for r in results[::n])
-    completion = sum(len(r["token_ids"]) for r in results)
-    return P.UsageInfo.of(prompt, completion, sum(r["cached_tokens"] for r in results[::n]))
+    prompt = sum(r.prompt_tokens for r in results[::n])
+    completion = sum(len(r.token_ids) for r in results)
+    return P.UsageInfo.of(prompt, completion, sum(r.cached_tokens for r in results[::n]))
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
