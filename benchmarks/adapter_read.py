@@ -38,9 +38,9 @@ def main(argv=None):
 
     from multilora.config import LoRAConfig, ModelConfig
     from multilora.engine.runner import jit_slot_writer
-    from multilora.lora.adapter import load_adapter
-    from multilora.lora.pool import LoRASlots, page_rows, prepare_slot_layout
-    from multilora.model.gguf_default import default_model_dir
+    from multilora.adapters.adapter import load_adapter
+    from multilora.adapters.pool import LoRASlots, page_rows, prepare_slot_layout
+    from multilora.default_model import default_model_dir
     from multilora.model.sharding import make_mesh
 
     model = default_model_dir()

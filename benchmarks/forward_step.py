@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import SHAPES, machine_info, save_json  # noqa: E402
 from multilora.config import ModelConfig  # noqa: E402
 from multilora.engine.batching import SeqChunk, build_batch, pages_needed  # noqa: E402
-from multilora.lora.pool import (blocks_of, lora_feature_dims, rows_major, slot_major_pool,  # noqa: E402
+from multilora.adapters.pool import (blocks_of, lora_feature_dims, rows_major, slot_major_pool,  # noqa: E402
                                  slot_major_rows)
 from multilora.model.llama import (KVCache, LayerWeights, LoRAWeights, Weights, forward, init_kv_cache,  # noqa: E402
                                    kv_cache_formats, kv_heads_major_on, make_kv_cache, split_layers)

@@ -98,7 +98,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     from multilora.engine.structured import Grammars
     from multilora.engine.tokenizer import load_tokenizer
-    from multilora.model.gguf_default import default_model_dir
+    from multilora.default_model import default_model_dir
     model_dir = default_model_dir()
     tok = load_tokenizer(model_dir)
     eos = 2

@@ -9,8 +9,8 @@ run, and nothing of the model's size is allocated: the step is compiled for abst
 Each case prints every copy (copy, copy-start) of at least --min-mb, with its shape, the layouts
 it goes from and to, and the computation it sits in (ENTRY: once a step, before or after the
 layer loop; a while body: once a layer). Written to find why a TPU step copied every LoRA pool
-whole before the layer loop, whether or not a row used an adapter (BENCHMARKS.md): the pools came
-in the TPU's default layout, and the loop reads them rows-major (multilora.lora.pool.POOL_LAYOUT).
+whole before the layer loop, whether or not a row used an adapter (benchmarks/log/24-2026-12-05-tpu-v5e-rows-major.md): the pools came
+in the TPU's default layout, and the loop reads them rows-major (multilora.adapters.pool.POOL_LAYOUT).
 --pool-layout default compiles the step for pools in the device's default layout, as they were.
 """
 
@@ -34,7 +34,7 @@ from benchmarks.forward_step import (pow2_pages, prefill_chunks, random_lora, ra
 from multilora.config import ModelConfig  # noqa: E402
 from multilora.engine.batching import build_batch, pages_needed  # noqa: E402
 from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable  # noqa: E402
-from multilora.lora.pool import POOL_LAYOUT, slot_major_rows  # noqa: E402
+from multilora.adapters.pool import POOL_LAYOUT, slot_major_rows  # noqa: E402
 from multilora.model.llama import KVCache, forward, init_kv_cache, kv_cache_formats, kv_heads_major_on  # noqa: E402
 
 _DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}

@@ -48,7 +48,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from multilora import Engine, SamplingParams
-    from multilora.model.gguf_default import default_model_dir
+    from multilora.default_model import default_model_dir
     model = Path(default_model_dir())
     pool = make_random_adapters(model, Path(args.adapter_dir), args.adapters + 8)
     running, extra = pool[:args.adapters], pool[args.adapters:]

@@ -30,7 +30,7 @@ from benchmarks.common import SMOLLM2_135M  # noqa: E402
 from benchmarks.forward_step import random_lora  # noqa: E402
 from multilora import kernels  # noqa: E402
 from multilora.config import ModelConfig  # noqa: E402
-from multilora.lora.pool import slot_major_rows  # noqa: E402
+from multilora.adapters.pool import slot_major_rows  # noqa: E402
 
 
 def make_step(twice: bool):

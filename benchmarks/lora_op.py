@@ -42,7 +42,7 @@ from benchmarks.common import machine_info, save_json  # noqa: E402
 from multilora.config import NO_ADAPTER  # noqa: E402
 from multilora.lora import backend as backends  # noqa: E402
 from multilora.lora.batch import make_lora_batch_info  # noqa: E402
-from multilora.lora.pool import slot_major_pool, slot_major_rows  # noqa: E402
+from multilora.adapters.pool import slot_major_pool, slot_major_rows  # noqa: E402
 
 DEFAULT_OPS = ("bgmv", "sgmv", "onehot")
 ANCHOR = "onehot"  # sglang-jax's einsum; every other op is a multilora backend by name

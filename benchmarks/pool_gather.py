@@ -3,7 +3,7 @@ rows, for the three layouts multilora has had. 64 tokens over 8 adapters, rank 1
 
   old    slots padded to the max rank, (S, R, X): one (R, X) slice per token
   rows   a pool of single rank rows through a row table: R one-row slices per token
-  pages  the same pool in aligned pages of 8 rows (multilora.lora.pool): R/8 slices per token
+  pages  the same pool in aligned pages of 8 rows (multilora.adapters.pool): R/8 slices per token
 
 Each followed by the per-token product, jitted; medians of 30 interleaved rounds of 20 calls.
 

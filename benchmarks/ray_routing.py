@@ -135,7 +135,7 @@ def main() -> int:
 
     from multilora.server import ray_serve as RS
     if args.model is None:
-        from multilora.model.gguf_default import default_model_dir
+        from multilora.default_model import default_model_dir
         args.model = str(default_model_dir())
     model = Path(args.model).resolve()
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]

@@ -53,7 +53,7 @@ VLLM_VERSION = "0.32.0"
 
 # ---- workload ----------------------------------------------------------------------------------
 def model_dir() -> Path:
-    from multilora.model.gguf_default import default_model_dir
+    from multilora.default_model import default_model_dir
     return Path(default_model_dir())
 
 

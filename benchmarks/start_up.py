@@ -24,7 +24,7 @@ def main() -> None:
     k = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     root = Path.home() / ".cache/multilora/bench/serving-adapters-r16"
     from multilora import Engine
-    from multilora.model.gguf_default import default_model_dir
+    from multilora.default_model import default_model_dir
     mods = {f"a{i}": str(root / f"adapter_{i:04d}") for i in range(k)}
     missing = [p for p in mods.values() if not Path(p, "adapter_model.safetensors").is_file()]
     if missing:

@@ -58,7 +58,7 @@ def main(argv=None):
 
     from multilora import Engine, SamplingParams
     from multilora.engine.structured import StructuredOutput
-    from multilora.model.gguf_default import default_model_dir
+    from multilora.default_model import default_model_dir
     model_dir = default_model_dir()
     adapters = make_random_adapters(model_dir, Path(args.workdir) / "smollm2-adapters-r16", args.adapters)
     eng = Engine(str(model_dir), {f"a{i}": str(p) for i, p in enumerate(adapters)})  # the defaults

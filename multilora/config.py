@@ -22,7 +22,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # The adapter slot meaning "base model only" (its buffers are zeros). Defined here, in a module
-# without jax, so that the host bookkeeping (lora/registry.py) can use it without importing jax.
+# without jax, so that the host bookkeeping (adapters/registry.py) can use it without importing jax.
 NO_ADAPTER = 0
 
 
@@ -181,7 +181,7 @@ def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
     )
 
 
-# The adapter pool (multilora.lora.pool) hands out rank rows in aligned pages of this many: an
+# The adapter pool (multilora.adapters.pool) hands out rank rows in aligned pages of this many: an
 # adapter of rank r holds ceil(r / PAGE_ROWS) pages, and a backend gathers a page as one slice.
 PAGE_ROWS = 8
 
@@ -193,7 +193,7 @@ def round_to_pages(rank: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
     """Device-side LoRA limits: how many adapters one batch may use, the widest rank accepted,
-    and the pool's rank rows (multilora.lora.pool): each adapter takes its rank's pages."""
+    and the pool's rank rows (multilora.adapters.pool): each adapter takes its rank's pages."""
 
     max_loras_per_batch: int = 8
     max_lora_rank: int = 64
@@ -225,7 +225,7 @@ class LoRAConfig:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything an Engine is built with besides the model and its adapters: one object that
-    the CLI, the server and Python callers fill (multilora.args maps it to command-line flags).
+    the CLI, the server and Python callers fill (multilora.cli.args maps it to command-line flags).
     None means "derived": see the field comments."""
 
     # adapters

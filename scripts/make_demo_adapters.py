@@ -275,10 +275,10 @@ def slot_fields(cfg, p):
 
 def lora_weights(cfg, params: dict):
     """Slots [0: none, 1: shout, 2: signoff] as the engine's pool of rank rows, read through
-    slot_major_rows (multilora.lora.pool)."""
+    slot_major_rows (multilora.adapters.pool)."""
     import jax
     import jax.numpy as jnp
-    from multilora.lora.pool import blocks_of, slot_major_pool
+    from multilora.adapters.pool import blocks_of, slot_major_pool
     from multilora.model.llama import LoRAWeights
     per_slot = [slot_fields(cfg, params[n]) for n in ADAPTERS]
     return LoRAWeights(**{
@@ -401,7 +401,7 @@ def pack_step(examples: list[Example], states: list[np.ndarray], tokens: int, se
     scalings = np.array([0.0] + [ALPHA / RANK] * len(ADAPTERS), np.float32)
     ranks = np.array([0] + [RANK] * len(ADAPTERS), np.int32)
     from multilora.lora.batch import make_lora_batch_info
-    from multilora.lora.pool import slot_major_rows
+    from multilora.adapters.pool import slot_major_rows
     table = slot_major_rows(len(ADAPTERS) + 1, RANK)
     batch = build_batch(chunks, num_tokens=tokens, num_pages=tokens // PAGE_SIZE + seqs,
                         num_logits=seqs, page_size=PAGE_SIZE,

@@ -50,3 +50,31 @@ def peft_refs(tiny_models, tiny_adapters):
 def peft_greedy_cache():
     """reference.PeftGreedyCache: PEFT greedy tokens, each (adapter, prompt) generated once."""
     return reference.PeftGreedyCache()
+
+
+# Tiers, one per test file (run one with `pytest -m unit`, or `-m "not e2e"`):
+#   unit    one component against its definition or a plain reference, no model of any size
+#   model   a tiny model end to end (engine, kernels in place) against transformers + PEFT
+#   server  the HTTP server (and Ray Serve's) in this process, through an OpenAI client
+#   e2e     real processes: `multilora serve`, several engine processes, the default model
+TIERS = {
+    "unit": ["test_arrays", "test_attention", "test_backends", "test_capabilities", "test_docs",
+             "test_imports", "test_cli", "test_kv_pages", "test_lora_pallas", "test_loader", "test_logits_process", "test_lora_slots",
+             "test_pacing", "test_projections", "test_registry", "test_safetensors_views",
+             "test_sampler", "test_scheduler", "test_adapter_errors"],
+    "model": ["test_model_parity", "test_engine", "test_prefix_cache", "test_structured",
+              "test_demo_adapters", "test_gguf_default"],
+    "server": ["test_server", "test_ray_serve"],
+    "e2e": ["test_serve_processes", "test_tensor_parallel"],
+}
+TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test with its file's tier; a test file in no tier is an error, so that each
+    new file says which tier it belongs to."""
+    for item in items:
+        module = item.path.stem
+        if module not in TIER_OF:
+            raise pytest.UsageError(f"tests/{module}.py is in no tier: add it to TIERS in tests/conftest.py")
+        item.add_marker(getattr(pytest.mark, TIER_OF[module]))

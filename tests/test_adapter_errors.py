@@ -21,9 +21,9 @@ from safetensors.numpy import load_file, save_file
 from multilora.config import LoRAConfig, ModelConfig
 from multilora.engine.batching import SeqChunk, build_batch
 from multilora.engine.runner import jit_slot_writer
-from multilora.lora.adapter import AdapterError, load_adapter, probe_adapter
+from multilora.adapters.adapter import AdapterError, load_adapter, probe_adapter
 from multilora.lora.backend import get_backend
-from multilora.lora.pool import LoRASlots, page_rows
+from multilora.adapters.pool import LoRASlots, page_rows
 from multilora.model.llama import forward, init_kv_cache
 from multilora.model.loader import load_weights
 from multilora.model.sharding import make_mesh

@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from multilora.config import LORA_MODULES, ModelConfig
-from multilora.lora.pool import POOLS, lora_buffer_shapes, lora_feature_dims
+from multilora.adapters.pool import POOLS, lora_buffer_shapes, lora_feature_dims
 from multilora.model.arrays import arrays, shape_of
 from multilora.model.llama import LayerWeights, LoRAWeights, Weights
 from multilora.model.loader import load_weights

@@ -32,7 +32,7 @@ SHORT, LONG = 32, 64  # signoff needs room to finish its answer and add the line
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from multilora.model import gguf_default as gd
+    from multilora import default_model as gd
     try:
         return gd.default_model_dir()
     except Exception as e:  # offline machine without the converted model

@@ -20,8 +20,8 @@ import pytest
 
 from multilora.engine.engine import Engine, PromptTooLongError
 from multilora.engine.request import SamplingParams
-from multilora.lora.adapter import AdapterError
-from multilora.lora.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
+from multilora.adapters.adapter import AdapterError
+from multilora.adapters.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
 from tests import reference
 
 MAX_MODEL_LEN = 64
@@ -636,15 +636,15 @@ def test_a_slow_adapter_read_delays_only_its_own_requests(engine, model_dir, sho
     read that fails fails only its own requests."""
     import threading
     gate = threading.Event()
-    real_read = engine.loader._q.read
+    real_read = engine.loader.read
 
     def slow_read(name, path):
         assert gate.wait(timeout=120), "the test never released the read"
         return real_read(name, path)
 
     engine.load_lora_adapter("slow", str(short_dirs["d"]))
-    engine.registry._pop_host("slow")  # as if evicted from the host tier: the next use reads the folder
-    engine.loader._q.read = slow_read
+    engine.registry.drop_host_copy("slow")  # as if evicted from the host tier: the next use reads the folder
+    engine.loader.read = slow_read
     try:
         prompts = prompts_of(71, [9, 14, 6])
         loras = [None, "slow", "a"]
@@ -655,7 +655,7 @@ def test_a_slow_adapter_read_delays_only_its_own_requests(engine, model_dir, sho
             if {ids[0], ids[2]} <= done:
                 break
         assert {ids[0], ids[2]} <= done, "requests beside a slow adapter read did not finish"
-        slow_req = engine._requests[ids[1]]
+        slow_req = engine.request(ids[1])
         assert not slow_req.output_token_ids and ids[1] not in done
         assert engine.loader.in_flight("slow") == 1
         gate.set()
@@ -666,13 +666,13 @@ def test_a_slow_adapter_read_delays_only_its_own_requests(engine, model_dir, sho
         assert_clean(engine)
 
         # A read that fails: its request ends with the reason, the one beside it is untouched.
-        engine.registry._pop_host("slow")
+        engine.registry.drop_host_copy("slow")
         engine.registry.drop_slot("slow")
 
         def failing_read(name, path):
             raise AdapterError(name, "the folder went bad")
 
-        engine.loader._q.read = failing_read
+        engine.loader.read = failing_read
         outs = engine.generate(prompts[:2], GREEDY, lora=[None, "slow"])
         assert outs[1].finish_reason == "error" and "went bad" in outs[1].error
         assert outs[0].finish_reason == "length"
@@ -680,7 +680,7 @@ def test_a_slow_adapter_read_delays_only_its_own_requests(engine, model_dir, sho
         assert_clean(engine)
     finally:
         gate.set()
-        engine.loader._q.read = real_read
+        engine.loader.read = real_read
         engine.unload_lora_adapter("slow")
 
 

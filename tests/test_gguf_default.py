@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from multilora.model import gguf_default as gd
+from multilora import default_model as gd
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -193,7 +193,7 @@ def test_cache_dir_resolution(monkeypatch, tmp_path):
 
 
 def test_cli_prints_folder(model_dir):
-    proc = subprocess.run([sys.executable, "-m", "multilora.model.gguf_default"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "multilora.default_model"], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert Path(proc.stdout.strip()) == model_dir.resolve()

@@ -365,14 +365,14 @@ def test_allocate_failure_has_no_side_effects():
     pages, keys = fill(pool, A, [1, 1, 2, 2])
     pool.free(pages)
     held = pool.allocate(1)
-    state = (list(pool._free), list(pool._lru), dict(pool._refs), dict(pool._key_of))
+    state = pool.snapshot()
     with pytest.raises(OutOfPagesError, match="asked for 4 KV pages, 3 free"):
         pool.allocate(4)
     table = list(held)
     with pytest.raises(OutOfPagesError):
         pool.grow(table, 2 * 5)
     assert table == held
-    assert state == (list(pool._free), list(pool._lru), dict(pool._refs), dict(pool._key_of))
+    assert state == pool.snapshot()
     assert pool.match_prefix(keys) == pages
     with pytest.raises(ValueError):
         pool.allocate(-1)
@@ -432,7 +432,7 @@ def test_randomized_invariants():
             assert pool.num_used == len(refs)
             assert sum(pool.ref_count(p) for p in range(pool.num_pages)) == sum(map(len, owners))
             assert pool.num_free + pool.num_used == pool.capacity
-            assert pool.num_free == len(pool._free) + pool.num_evictable
+            assert pool.num_free == pool.num_free_uncached + pool.num_evictable
             assert pool.ref_count(0) == 0 and 0 not in refs
             if not pool.enable_prefix_caching:
                 assert pool.num_cached == 0
@@ -443,7 +443,7 @@ def test_randomized_invariants():
 
 
 @pytest.mark.parametrize("module", ["multilora.engine.kv_pages", "multilora.engine.scheduler",
-                                    "multilora.engine.request", "multilora.lora.registry"])
+                                    "multilora.engine.request", "multilora.adapters.registry"])
 def test_host_bookkeeping_imports_no_jax(module):
     """House rule 5: host bookkeeping is plain Python; importing it must not pull in jax."""
     code = (f"import sys, {module}\n"

@@ -1,4 +1,4 @@
-"""The background adapter reader (multilora.lora.loader): urgent reads (a waiting request's
+"""The background adapter reader (multilora.adapters.loader): urgent reads (a waiting request's
 adapter) go ahead of queued background ones (the adapters given at start), a read is never
 started twice, failures come back through poll, and wait() sleeps until a read finishes."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from multilora.lora.loader import AdapterLoader
+from multilora.adapters.loader import AdapterLoader
 
 
 class _Adapter:

@@ -24,11 +24,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from multilora.config import LoRAConfig, ModelConfig, UnsupportedModelError
 from multilora.engine.batching import SeqChunk, build_batch, decode_first
 from multilora.engine.runner import jit_slot_writer
-from multilora.lora.adapter import load_adapter
+from multilora.adapters.adapter import load_adapter
 from multilora import kernels  # `native` needs a C++ compiler (built on first use)
 from multilora.lora.backend import get_backend
 from multilora.lora.batch import NO_ADAPTER
-from multilora.lora.pool import LoRASlots, page_rows
+from multilora.adapters.pool import LoRASlots, page_rows
 from multilora.model.llama import (KVCache, forward, init_kv_cache, is_heads_major, kv_cache_formats, kv_page_bytes,
                                    make_kv_cache, split_layers)
 from multilora.model import projections
@@ -306,14 +306,12 @@ def test_native_pool_writes_equal_xla_writes(dtype, tiny_models, tiny_adapters):
     as the XLA writer, for adapters of several ranks rewritten over each other."""
     if not kernels.available():
         pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
-    from multilora.lora.pool import write_rows
     kind = REWRITE_KIND
     cfg, _ = load_weights(tiny_models[kind], mesh=MESH)
     lcfg = LoRAConfig(max_loras_per_batch=2, max_lora_rank=32)
     native = LoRASlots(cfg, lcfg, dtype, MESH, jit_writer=jit_slot_writer)
     assert native.native_write
-    xla = LoRASlots(cfg, lcfg, dtype, MESH)
-    xla._write = lambda w, rows, new: write_rows(w, rows, new, native=False)
+    xla = LoRASlots(cfg, lcfg, dtype, MESH, native_write=False)
     for slot, name, pages in ((1, "c_mlp_r16", [7, 3]), (2, "a_all_r8", [5]), (1, "b_attn_r4_rslora", [3])):
         adapter = load_adapter(name, tiny_adapters[(kind, name)], cfg, 32)
         for slots in (native, xla):
@@ -328,10 +326,10 @@ def test_native_pool_writes_equal_xla_writes(dtype, tiny_models, tiny_adapters):
 def test_pools_are_made_and_written_rows_major(tiny_models, tiny_adapters):
     """Every pool is made and stays rows-major (POOL_LAYOUT), the layout the backends read it in,
     whichever writer writes it: a TPU's default layout for a pool is another, and a step compiled
-    for that copied every pool whole before its layer loop (BENCHMARKS.md). rows_major moves a
+    for that copied every pool whole before its layer loop (benchmarks/log/24-2026-12-05-tpu-v5e-rows-major.md). rows_major moves a
     pool laid out otherwise, values unchanged."""
     from jax.experimental.layout import Format, Layout
-    from multilora.lora.pool import POOL_LAYOUT, rows_major
+    from multilora.adapters.pool import POOL_LAYOUT, rows_major
     kind = REWRITE_KIND
     cfg, _ = load_weights(tiny_models[kind], mesh=MESH)
     adapter = load_adapter("a_all_r8", tiny_adapters[(kind, "a_all_r8")], cfg, 32)
@@ -531,7 +529,7 @@ def test_a_slot_layout_prepared_off_the_engine_thread_writes_the_same_pool(tiny_
     """prepare_slot_layout (the loader's urgent workers) lays out what LoRASlots.load would: the
     pools come out the same, bit for bit, and the prepared layout is taken once (a second write
     of the same host copy lays it out again; a layout for another table width is not used)."""
-    from multilora.lora.pool import adapter_slot_arrays, prepare_slot_layout, take_slot_layout
+    from multilora.adapters.pool import adapter_slot_arrays, prepare_slot_layout, take_slot_layout
     kind = REWRITE_KIND
     cfg, _ = load_weights(tiny_models[kind], mesh=MESH)
     lcfg = LoRAConfig(max_loras_per_batch=2, max_lora_rank=32)
@@ -560,7 +558,7 @@ def test_a_slot_layout_prepared_off_the_engine_thread_writes_the_same_pool(tiny_
 def test_write_widths_track_the_adapters_rank():
     """An adapter is laid out and written at the least compiled width that holds its rank
     (whole pages, doubling, then the table's width), never at the table's width by default."""
-    from multilora.lora.pool import write_width, write_widths
+    from multilora.adapters.pool import write_width, write_widths
     assert write_widths(8) == (8,)
     assert write_widths(32) == (8, 16, 32)
     assert write_widths(24) == (8, 16, 24)
@@ -575,8 +573,8 @@ def test_a_prepared_layout_counts_in_the_host_tier_until_its_write_takes_it(tiny
     """The host tier's byte budget counts what a copy holds: its modules and, while it waits for
     its slot write, the layout prepared for it; the write takes the layout and the engine counts
     the copy again (registry.recount_host), so the bytes go back to the modules'."""
-    from multilora.lora.pool import adapter_slot_arrays, prepare_slot_layout, take_slot_layout, write_width
-    from multilora.lora.registry import AdapterRegistry
+    from multilora.adapters.pool import adapter_slot_arrays, prepare_slot_layout, take_slot_layout, write_width
+    from multilora.adapters.registry import AdapterRegistry
     kind = REWRITE_KIND
     cfg, _ = load_weights(tiny_models[kind], mesh=MESH)
     path = tiny_adapters[(kind, "c_mlp_r16")]
@@ -605,7 +603,7 @@ def test_heads_major_cache_steps_match_the_default_layout(tiny_models):
     and a step compiled with its formats in and out: the layout survives the step, and logits and
     cache equal the default layout's over a mixed step and the decode step after it (to 1e-5 at
     float32: XLA's CPU fuses the two differently, so sums may round in another order; on a TPU
-    v5e, bf16, the two were bit-equal: BENCHMARKS.md)."""
+    v5e, bf16, the two were bit-equal: benchmarks/log/25-2026-12-05-tpu-v5e-kv-heads-major.md)."""
     cfg, weights = load_weights(tiny_models[KINDS[0]], mesh=MESH)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     lengths = [n for n, _ in MIXED]

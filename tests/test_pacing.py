@@ -1,4 +1,4 @@
-"""Background reads that step aside while the engine runs a step (multilora.lora.pacing): an
+"""Background reads that step aside while the engine runs a step (multilora.adapters.pacing): an
 unpaced thread never waits; a paced one waits at its checkpoints while the gate is closed, for
 the rest of its duty cycle or until the gate opens; the loader paces its idle worker (run-time
 loads, read-ahead) and never the reads a request waits for."""
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from multilora.lora.loader import AdapterLoader
-from multilora.lora.pacing import StepGate, checkpoint, paced
+from multilora.adapters.loader import AdapterLoader
+from multilora.adapters.pacing import StepGate, checkpoint, paced
 
 
 def _spin(seconds: float) -> None:

@@ -70,18 +70,18 @@ def test_page_shared_by_two_running_requests_and_a_preempted_sharer(engine, mode
     prefix = tokens(2, 4 * PAGE_SIZE)
     p1, p2, p3 = prefix + tokens(21, 6), prefix + tokens(22, 9), prefix + tokens(23, 2)
     r1 = eng.add_request(p1, GREEDY, lora="a")
-    while not eng._requests[r1].output_token_ids:
+    while not eng.request(r1).output_token_ids:
         eng.step()                                  # r1's prompt is in: its full pages are cached
     r2 = eng.add_request(p2, GREEDY, lora="a")
     r3 = eng.add_request(p3, GREEDY, lora="a")
     eng.step()                                      # r2 and r3 admitted beside r1's decode row
-    req1, req2, req3 = (eng._requests[r] for r in (r1, r2, r3))
+    req1, req2, req3 = (eng.request(r) for r in (r1, r2, r3))
     shared = req1.block_table[:4]
     assert req2.block_table[:4] == shared and req3.block_table[:4] == shared
     assert [eng.pages.ref_count(p) for p in shared] == [3] * 4
     assert req2.num_cached_tokens == req3.num_cached_tokens == 4 * PAGE_SIZE
     # Preempt the latest sharer: only its references go; the others keep running on the pages.
-    eng.scheduler._preempt(req3)
+    eng.scheduler.preempt(req3)
     assert [eng.pages.ref_count(p) for p in shared] == [2] * 4
     while eng.has_unfinished():
         eng.step()

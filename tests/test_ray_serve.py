@@ -127,7 +127,7 @@ def test_a_request_is_sent_again_only_when_its_replica_died_before_starting_it()
         call_factory([_FakeStream([], fail_at=0), ok]), 3, gone))
     assert (stream, replica, attempts) == (ok, "r2", 2)
     calls.clear()
-    with pytest.raises(RS._Unavailable, match="3 replicas died"):
+    with pytest.raises(RS.NoReplicaError, match="3 replicas died"):
         asyncio.run(RS.open_on_replica(call_factory([_FakeStream([], fail_at=0) for _ in range(3)]), 3, gone))
     assert len(calls) == 3
     with pytest.raises(ValueError):  # the request's own failure: not sent again

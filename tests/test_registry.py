@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from multilora.lora.adapter import AdapterError, LoRAAdapter
+from multilora.adapters.adapter import AdapterError, LoRAAdapter
 from multilora.config import NO_ADAPTER
-from multilora.lora.registry import (AdapterConflictError, AdapterRegistry, AdapterUnloadingError,
+from multilora.adapters.registry import (AdapterConflictError, AdapterRegistry, AdapterUnloadingError,
                                      UnknownAdapterError)
 
 

@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 from safetensors.torch import load_file as torch_load_file
 from safetensors.torch import save_file as torch_save_file
 
-from multilora.lora.safetensors_views import Scratch, read_header, read_views
+from multilora.adapters.safetensors_views import Scratch, read_header, read_views
 
 
 def _tensors():

@@ -181,7 +181,7 @@ def test_candidate_thresholds_equal_the_sorted_ones_where_they_decide(v):
     scaled = (rng.standard_normal((b, v)) * rng.uniform(0.5, 6, (b, 1))).astype(np.float32)
     top_k = rng.choice([-1, 0, 1, 5, 50, S.CANDIDATES, S.CANDIDATES + 1, 700, v, v + 3], b).astype(np.int32)
     top_p = rng.choice([1.0, 0.99, 0.9, 0.5, 0.1], b).astype(np.float32)
-    got, decided = jax.jit(S._thresholds_from_candidates)(scaled, top_k, top_p)
+    got, decided = jax.jit(S.thresholds_from_candidates)(scaled, top_k, top_p)
     want = np.asarray(jax.jit(thresholds_sorted)(scaled, top_k, top_p))
     got, decided = np.asarray(got), np.asarray(decided)
     assert decided.any() and not decided.all()  # both kinds of rows in this batch
@@ -195,7 +195,7 @@ def test_candidate_thresholds_equal_the_sorted_ones_where_they_decide(v):
     assert decided[(k == v) & (top_p >= 1.0)].all()
     # the search over whole rows keeps what the sorted rows keep, for every row; so do the
     # step's thresholds, whichever path ran
-    searched = np.asarray(jax.jit(S._thresholds_searched)(scaled, top_k, top_p))
+    searched = np.asarray(jax.jit(S.thresholds_searched)(scaled, top_k, top_p))
     np.testing.assert_array_equal(kept(searched), kept(want))
     np.testing.assert_array_equal(kept(np.asarray(jax.jit(S.thresholds)(scaled, top_k, top_p))), kept(want))
     # no row cuts: nothing is computed, nothing is cut

@@ -660,7 +660,7 @@ def test_lora_requests_info_series():
 def test_sigterm_drains_running_requests(served, tmp_path):
     """`multilora serve` in a subprocess: SIGTERM lets a running stream finish, then exits."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "multilora.server.app", "--model", str(served.model_dir), "--port", "0",
+    cmd = [sys.executable, "-m", "multilora", "serve", "--model", str(served.model_dir), "--port", "0",
            "--max-loras-per-batch", "4", "--max-lora-rank", "16", "--max-num-seqs", "8",
            "--max-num-batched-tokens", "64", "--page-size", "8", "--max-model-len", str(MAX_MODEL_LEN),
            "--lora-modules", f"a={served.lora_root / ADAPTERS['a']}", "--log-level", "warning"]

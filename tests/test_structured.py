@@ -147,7 +147,7 @@ def test_bad_constraints_are_refused_and_lose_nothing(engine):
 
 
 def test_structured_params_cross_processes_as_json():
-    """Several processes send SamplingParams as JSON (engine.distributed.params_dict)."""
-    from multilora.engine.distributed import params_dict
+    """Several processes send SamplingParams as JSON (engine.commands.params_dict)."""
+    from multilora.engine.commands import params_dict
     p = SamplingParams(max_tokens=5, structured=StructuredOutput.json_schema(SCHEMA))
     assert SamplingParams(**json.loads(json.dumps(params_dict(p)))) == p

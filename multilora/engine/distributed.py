@@ -4,10 +4,10 @@ Design: a replicated state machine. Multi-controller JAX needs every process to 
 jitted computation, with the same shapes, in the same order. So every process builds the same
 Engine (same arguments, same model and adapter files on its disk) over one global mesh, and
 process 0, the leader, is the only one that takes requests. Every call that changes the engine's
-state (add_request, abort_request, load_lora_adapter, unload_lora_adapter) is recorded on the
-leader; at the start of each step the leader broadcasts that record (one small collective per
-step, a second one when the record is not empty) and the other processes, the followers, apply
-it in the same order. From the same state and the same inputs, the scheduler, page pool and
+state (add_request, abort_request, load_lora_adapter, unload_lora_adapter, add_mix: the typed
+commands of multilora.engine.commands) is recorded on the leader; at the start of each step the
+leader broadcasts that record (one small collective per step, a second one when the record is not
+empty) and the other processes, the followers, apply it in the same order. From the same state and the same inputs, the scheduler, page pool and
 registry (plain Python, deterministic) pick the same batch, the same adapter slot writes and the
 same bucket everywhere; the sampled tokens come from a replicated array, equal on every device,
 so the next state is the same again. Followers run `Engine.follow()`; the leader ends them with
@@ -37,7 +37,6 @@ covered: an adapter folder readable on the leader but not on a follower (the fol
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -46,6 +45,8 @@ import time
 from typing import Callable, Optional
 
 import numpy as np
+
+from multilora.engine.commands import Command, StopFollowers, from_wire, to_wire
 
 log = logging.getLogger("multilora.distributed")
 
@@ -227,48 +228,25 @@ class StepSync:
             raise RuntimeError(f"{what}: on a multi-process engine only process 0 takes requests and "
                                "adapter changes; the other processes run Engine.follow()")
 
-    def record(self, op: str, **kw) -> None:
+    def record(self, cmd: "Command") -> None:
         """After a state change succeeded on the leader: to be replayed by the followers."""
         if self.leader:
-            self._pending.append([op, kw])
+            self._pending.append(to_wire(cmd))
 
     def exchange(self, engine) -> bool:
         """At the start of a step, on every process: the leader sends its record, the followers
-        apply it. False once the leader has stopped (the step must not run)."""
-        cmds = broadcast_object(self._pending if self.leader else None)
+        apply it (each command through its own apply, as the leader's engine did). False once
+        the leader has stopped (the step must not run)."""
+        items = broadcast_object(self._pending if self.leader else None)
         self._pending = []
+        cmds = [from_wire(item) for item in items]
         if not self.leader:
             self._replaying = True
             try:
-                for op, kw in cmds:
-                    self._apply(engine, op, kw)
+                for cmd in cmds:
+                    cmd.apply(engine)
             finally:
                 self._replaying = False
-        elif any(op == "stop" for op, _ in cmds):
+        if any(isinstance(cmd, StopFollowers) for cmd in cmds):
             self.stopped()
         return self.running
-
-    def _apply(self, engine, op: str, kw: dict) -> None:
-        from multilora.engine.request import SamplingParams
-        if op == "add":
-            engine.add_request(kw["prompt"], SamplingParams(**kw["params"]), kw["lora"], kw["request_id"],
-                               kw.get("follows"))
-        elif op == "mix":
-            engine.add_mix(kw["weights"])
-        elif op == "abort":
-            engine.abort_request(kw["request_id"])
-        elif op == "load":
-            engine.load_lora_adapter(kw["name"], kw["path"], pinned=kw["pinned"])
-        elif op == "unload":
-            engine.unload_lora_adapter(kw["name"])
-        elif op == "stop":
-            self.stopped()
-        else:
-            raise ValueError(f"unknown command {op!r} from the leader")
-
-
-def params_dict(params) -> dict:
-    """SamplingParams -> JSON-able keyword arguments."""
-    d = dataclasses.asdict(params)
-    d["stop"], d["stop_token_ids"] = list(d["stop"]), [int(t) for t in d["stop_token_ids"]]
-    return d

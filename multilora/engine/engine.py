@@ -14,6 +14,11 @@ the plan's adapters are made resident in device slots first), `scheduler.postpro
 deltas. One Request object carries a request's whole state. The engine is single-threaded; the
 server drives it from one thread.
 
+Around this core: build.py sizes what the engine is built with (KV pages, adapter slots and
+pool, compilation cache), commands.py has its state changes as typed commands (replayed by the
+followers of a multi-process engine), residency.py brings a step's adapters from disk into device
+slots, outputs.py defines what it reports.
+
 Several devices: `tensor_parallel_size=N` builds an N-device mesh and places weights, adapter
 slots and the KV cache by the rules table (multilora.model.sharding). Several processes:
 `distributed=dict(coordinator_address=..., num_processes=..., process_id=...)`; process 0 takes
@@ -22,74 +27,38 @@ the requests and the others call `follow()` (multilora.engine.distributed, docs/
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
 import logging
-import os
 import zlib
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from multilora.config import EngineConfig, LoRAConfig, ModelConfig, lora_pool_size, round_to_pages
+from multilora.config import EngineConfig, ModelConfig
 from multilora.engine.batching import SeqChunk
+from multilora.engine.build import (default_max_rank, enable_compilation_cache, generation_eos, kv_cache_pages,
+                                    lora_sizing)
+from multilora.engine.commands import (AbortRequest, AddMix, AddRequest, Command, LoadAdapter, StopFollowers,
+                                       UnloadAdapter)
 from multilora.engine.kv_pages import PagePool
+from multilora.engine.outputs import (Logprob, PromptTooLongError, RequestOutput, StreamDelta,  # noqa: F401
+                                      keep_prompt_logprobs, logprob_of, prompt_next_tokens)
+from multilora.engine.residency import AdapterResidency
 from multilora.engine.request import Request, SamplingParams
 from multilora.engine.runner import Buckets, ModelRunner, ProcessRow, SampleRow
-from multilora.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from multilora.engine.scheduler import Scheduler, SchedulerConfig
 from multilora.engine.structured import Grammars
 from multilora.engine.tokenizer import Detokenizer, load_tokenizer
-from multilora.lora.adapter import AdapterError, LoRAAdapter, load_adapter, probe_adapter
-from multilora.lora.mix import MIX_PREFIX, check_weights, mix_adapters, mix_name, mix_path, read_mix
-from multilora.lora.loader import AdapterLoader
-from multilora.lora.registry import AdapterRegistry
+from multilora.model.loader import Progress
+from multilora.adapters.adapter import LoRAAdapter, load_adapter, probe_adapter
+from multilora.adapters.mix import MIX_PREFIX, check_weights, mix_adapters, mix_name, mix_path, read_mix
+from multilora.adapters.loader import AdapterLoader
+from multilora.adapters.registry import AdapterRegistry
 
 log = logging.getLogger("multilora.engine")
 
 Prompt = Union[str, Sequence[int]]
-
-
-@dataclasses.dataclass
-class Logprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: Optional[str] = None   # "stop" | "length" | "abort" | "error"
-    stop_reason: Optional[object] = None
-    lora: Optional[str] = None
-    logprobs: Optional[list[Logprob]] = None
-    error: Optional[str] = None
-    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
-    prompt_logprobs: Optional[list[Optional[Logprob]]] = None  # params.prompt_logprobs: one per prompt token
-
-
-@dataclasses.dataclass
-class StreamDelta:
-    """What one step added to a request: for streaming."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: Optional[str] = None
-    logprobs: Optional[list[Logprob]] = None
-    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
-    prompt_logprobs: Optional[list[Optional[Logprob]]] = None  # in the first delta, when asked
-
-
-class PromptTooLongError(ValueError):
-    pass
 
 
 class Engine:
@@ -100,9 +69,9 @@ class Engine:
 
         from multilora.engine.runner import jit_slot_writer
         from multilora.lora.backend import BACKEND_CHOICES
-        from multilora.lora.pool import LoRASlots, prepare_slot_layout, rank_row_bytes
+        from multilora.adapters.pool import LoRASlots, prepare_slot_layout
         from multilora.model import projections
-        from multilora.model.llama import kv_heads_major_on, kv_page_bytes, make_kv_cache
+        from multilora.model.llama import kv_heads_major_on, make_kv_cache
         from multilora.model.loader import load_weights, resolve_dtype
         from multilora.model.sharding import KV_AXES, make_mesh, rules_for, sharding
 
@@ -112,13 +81,13 @@ class Engine:
             raise ValueError(f"unknown lora_backend {c.lora_backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
         lora_modules = dict(lora_modules or {})
         page_size = c.page_size
-        _enable_compilation_cache(c.compilation_cache_dir, distributed)
+        enable_compilation_cache(c.compilation_cache_dir, distributed)
         self._sync = None  # set at the end when several processes run
         if distributed:  # before anything touches a device
             from multilora.engine.distributed import initialize
             initialize(**distributed)
         if model is None:
-            from multilora.model.gguf_default import default_model_dir
+            from multilora.default_model import default_model_dir
             model = str(default_model_dir())
         self.model_path = str(model)
         self.model_name = Path(model).name
@@ -128,7 +97,7 @@ class Engine:
         self.rules = rules_for(self.cfg, self.mesh)  # fails early if the heads do not divide
         # Read the adapters given at start before anything big: a bad one fails fast, and the
         # default max_lora_rank follows their ranks.
-        max_lora_rank = c.max_lora_rank or _default_max_rank(lora_modules)
+        max_lora_rank = c.max_lora_rank or default_max_rank(lora_modules)
         _, weights = load_weights(model, self.cfg, c.dtype, self.mesh, progress=progress)
         self.projection_mode = projections.resolve(c.projection_dtype, self.dtype, weights.embed_VD)
         weights = projections.convert(weights, self.projection_mode)
@@ -136,7 +105,7 @@ class Engine:
                                                        c.lora_backend)
         log.info("projections: %s; adapter pool: %s", self.projection_mode, self.lora_dtype.name)
         self.tokenizer = load_tokenizer(model)
-        self.eos_token_ids = set(self.cfg.eos_token_ids) | _generation_eos(model)
+        self.eos_token_ids = set(self.cfg.eos_token_ids) | generation_eos(model)
 
         self.max_model_len = int(c.max_model_len or self.cfg.max_position_embeddings)
         if self.max_model_len > self.cfg.max_position_embeddings:
@@ -145,35 +114,16 @@ class Engine:
         max_num_seqs = c.max_num_seqs
         max_num_batched_tokens = max(c.max_num_batched_tokens, 16)
         max_prefill_seqs = min(c.max_prefill_seqs, max_num_seqs)
-        max_pages_seq = -(-self.max_model_len // page_size)
-        num_pages = c.num_pages
         # on a TPU the cache is made heads-major, the layout its step reads in place (llama.KV_HEADS_MAJOR)
         kv_heads_major = kv_heads_major_on(jax.devices()[0].platform)
-        if num_pages is None:
-            bytes_per_page = kv_page_bytes(self.cfg, page_size, self.dtype, kv_heads_major)
-            by_memory = int(c.kv_cache_memory_gb * 2**30 // bytes_per_page)
-            num_pages = max(min(by_memory, max_num_seqs * max_pages_seq + 1), max_pages_seq + 1)
-        if num_pages < max_pages_seq + 1:
-            raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_model_len="
-                             f"{self.max_model_len} ({max_pages_seq} pages of {page_size} + 1 reserved)")
+        num_pages = kv_cache_pages(self.cfg, c, self.max_model_len, self.dtype, kv_heads_major)
         self.pages = PagePool(num_pages, page_size, enable_prefix_caching=c.enable_prefix_caching)
         # Split by KV heads (replicated when tp does not divide them), created in place.
         kv_sharding = sharding(self.mesh, self.rules, KV_AXES)
         kv = make_kv_cache(self.cfg, num_pages, page_size, self.dtype, kv_sharding, kv_heads_major)
 
-        row_bytes = rank_row_bytes(self.cfg, self.lora_dtype.itemsize)
-        memory_gb = c.lora_memory_gb or _default_lora_memory_gb(jax.devices()[0])
-        max_loras_per_batch, pool_rows = lora_pool_size(
-            c.max_loras_per_batch, c.lora_memory_gb is not None, int(memory_gb * 2**30), row_bytes,
-            max_lora_rank, max_num_seqs)
-        if max_loras_per_batch:
-            log.info("LoRA: %d adapter slots; a pool of %d rank rows (%.2f MB each, %.2f GB): adapters take "
-                     "their true rank (%d of rank %d, %d of rank 8)", max_loras_per_batch, pool_rows,
-                     row_bytes / 2**20, pool_rows * row_bytes / 2**30,
-                     min(max_loras_per_batch, pool_rows // round_to_pages(max_lora_rank)), max_lora_rank,
-                     min(max_loras_per_batch, pool_rows // 8))
-        self.lora_cfg = LoRAConfig(max_loras_per_batch=max_loras_per_batch, max_lora_rank=max_lora_rank,
-                                   pool_rows=pool_rows)
+        self.lora_cfg = lora_sizing(self.cfg, c, self.lora_dtype, max_lora_rank, jax.devices()[0])
+        max_loras_per_batch, pool_rows = self.lora_cfg.max_loras_per_batch, self.lora_cfg.pool_rows
         self.slots = (LoRASlots(self.cfg, self.lora_cfg, self.lora_dtype, self.mesh, jit_writer=jit_slot_writer)
                       if max_loras_per_batch > 0 else None)
         cfg = self.cfg  # not self: the loader's thread must not keep the engine alive
@@ -195,7 +145,6 @@ class Engine:
 
         # host copies read off the engine thread
         self.loader = AdapterLoader(read, prepare if self.slots is not None else None)
-        self._waited_reads: set[str] = set()  # adapters whose read a request waits for (host misses)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_prefill_seqs=max_prefill_seqs),
@@ -206,6 +155,8 @@ class Engine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.max_model_len, page_size=page_size, num_pages=num_pages)
         self.runner = ModelRunner(self.cfg, weights, kv, self.slots, self.buckets, c.lora_backend)
+        self.residency = AdapterResidency(self.registry, self.loader, self.runner, self.scheduler,
+                                          lambda req: self._finish(req, "error"))
         # structured output (llguidance), built on first use; a grammar ends on any EOS token
         self.grammars = (Grammars(self.tokenizer.to_json, self.cfg.vocab_size,
                                   sorted(t for t in self.eos_token_ids if 0 <= t < self.cfg.vocab_size))
@@ -245,7 +196,7 @@ class Engine:
             for name, path in lora_modules.items():
                 self.load_lora_adapter(name, path)
             return
-        bar = _Bar(len(lora_modules), "adapters", progress and len(lora_modules) > 1)
+        bar = Progress(len(lora_modules), "adapters", progress and len(lora_modules) > 1)
         room = self.registry.max_host_bytes
         count = self.registry.max_loaded_loras
         for i, (name, path) in enumerate(lora_modules.items()):
@@ -272,17 +223,15 @@ class Engine:
         bad adapter."""
         if self.slots is None:
             raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
-        if self._sync is not None:
-            self._sync.guard("load_lora_adapter")
+        self._guard("load_lora_adapter")
         self.registry.register(name, str(path), pinned=pinned, adapter=adapter)
-        if self._sync is not None:
-            self._sync.record("load", name=name, path=str(path), pinned=pinned)
+        self._record(LoadAdapter(name, str(path), pinned))
         if pinned:
-            self._write_slots({name})
+            self.residency.write_slots({name})
 
     def add_mix(self, weights: dict) -> str:
         """Register (once) the exact weighted mix of registered adapters, {name: weight}, as an
-        adapter of its own (multilora.lora.mix); returns its name, for add_request's lora. Its
+        adapter of its own (multilora.adapters.mix); returns its name, for add_request's lora. Its
         rank is the sum of the parts' ranks and must fit max_lora_rank."""
         if self.slots is None:
             raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
@@ -301,20 +250,16 @@ class Engine:
         if adapter.rank > self.lora_cfg.max_lora_rank:
             raise ValueError(f"adapters: the mix has rank {adapter.rank} (its parts' ranks add up), more than "
                              f"max_lora_rank={self.lora_cfg.max_lora_rank}; raise --max-lora-rank or mix fewer")
-        if self._sync is not None:
-            self._sync.guard("add_mix")
+        self._guard("add_mix")
         self.registry.register(name, adapter.path, adapter=adapter)
-        if self._sync is not None:
-            self._sync.record("mix", weights=weights)
+        self._record(AddMix(weights))
         return name
 
     def unload_lora_adapter(self, name: str) -> None:
         """New requests for it are refused at once; running ones finish, then it is removed."""
-        if self._sync is not None:
-            self._sync.guard("unload_lora_adapter")
+        self._guard("unload_lora_adapter")
         slots = self.registry.unregister(name)
-        if self._sync is not None:
-            self._sync.record("unload", name=name)
+        self._record(UnloadAdapter(name))
         for slot in slots:
             self.runner.clear_slot(slot)
 
@@ -322,23 +267,6 @@ class Engine:
         return [dict(name=e.name, path=e.path, id=e.id, pinned=e.pinned, rank=e.rank,
                      active_requests=e.refcount, unloading=e.unloading, slot=e.slot)
                 for e in self.registry.entries.values()]
-
-    def _write_slots(self, needed: set[str]) -> None:
-        in_use = self.scheduler.running_adapters() | self.registry.pinned_names()
-        # Host copies first: a copy read again may have another rank, and the rows follow it.
-        adapters = {n: self.registry.host_copy(self.registry.entries[n])
-                    for n in needed if self.registry.entries[n].slot is None}
-        writes = self.registry.assign_slots(needed, in_use)
-        for i, (slot, entry) in enumerate(writes):
-            try:
-                self.runner.write_slot(slot, entry.rows, adapters[entry.name])
-                self.registry.recount_host(entry.name)  # the write took its prepared layout
-            except BaseException:
-                # The registry already counts these as resident, but their rows were never
-                # written: forget them, or a later batch would run on the rows' old contents.
-                for _, e in writes[i:]:
-                    self.registry.drop_slot(e.name)
-                raise
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -368,8 +296,7 @@ class Engine:
         """Queue a request; returns its id. follows: the id of another choice of the same prompt
         (n > 1), whose prefill this one waits for and then shares through the prefix cache."""
         params = params or SamplingParams()
-        if self._sync is not None:
-            self._sync.guard("add_request")
+        self._guard("add_request")
         ids = self._checked_prompt_ids(prompt)
         bad = [t for t, _ in params.logit_bias if t >= self.cfg.vocab_size]
         if bad:
@@ -406,19 +333,20 @@ class Engine:
         self._requests[request_id] = req
         self.scheduler.add(req)
         self.stats["prompt_tokens"] += len(ids)
-        if self._sync is not None:
-            from multilora.engine.distributed import params_dict
-            self._sync.record("add", prompt=ids, params=params_dict(params), lora=lora, request_id=request_id,
-                              follows=follows)
+        self._record(AddRequest(ids, params, lora, request_id, follows))
         return request_id
+
+    def request(self, request_id: str) -> Optional[Request]:
+        """A request's state (its tokens so far, status, pages), while the engine holds it: from
+        add_request until its output is popped. Read it; the engine alone changes it."""
+        return self._requests.get(request_id)
 
     def abort_request(self, request_id: str) -> bool:
         req = self._requests.get(request_id)
         if req is None or req.finished:
             return False
-        if self._sync is not None:
-            self._sync.guard("abort_request")
-            self._sync.record("abort", request_id=request_id)
+        self._guard("abort_request")
+        self._record(AbortRequest(request_id))
         self._finish(req, "abort")
         return True
 
@@ -447,12 +375,12 @@ class Engine:
         if self._sync is not None and not self._sync.exchange(self):
             return []  # several processes, and the leader has stopped
         if self._sync is None:
-            self._fetch_adapters()
+            self.residency.fetch()
         self.loader.hold_background(self.scheduler.has_work)  # speculative reads wait for idle
         plan = self.scheduler.schedule()
         self.stats["preemptions"] += len(plan.preempted)
         if plan.chunks:
-            self._make_resident(plan)
+            self.residency.make_resident(plan)
         if not plan.chunks:
             if self.scheduler.waiting and self.loader.in_flight():
                 self.loader.wait(0.05)  # every waiting request waits for a read: sleep, don't spin
@@ -467,8 +395,8 @@ class Engine:
                           process=self._process_row(c.request) if c.request.params.processes_logits else None,
                           matcher=c.request.matcher if c.completes_prefill else None)
                 for c in plan.chunks]
-        prompt_next = [self._prompt_next(c) for c in plan.chunks]
-        # Reads no request waits for pause while the step runs (multilora.lora.pacing).
+        prompt_next = [prompt_next_tokens(c) for c in plan.chunks]
+        # Reads no request waits for pause while the step runs (multilora.adapters.pacing).
         with self.loader.gate.closed():
             if any(p is not None for p in prompt_next):  # echo: these chunks' token logprobs too
                 result = self.runner.execute(chunks, rows, prompt_next=prompt_next)
@@ -477,7 +405,7 @@ class Engine:
         if result.prompt_logprobs is not None:
             for c, scored in zip(plan.chunks, result.prompt_logprobs):
                 if scored is not None:
-                    self._keep_prompt_logprobs(c, scored)
+                    keep_prompt_logprobs(c, scored)
         sampled = self.scheduler.postprocess(plan, result.tokens)
         self.stats["steps"] += 1
         self.stats[f"{plan.kind}_steps"] += 1
@@ -486,7 +414,7 @@ class Engine:
             i = index[id(req)]
             if result.logprobs is not None and req.params.logprobs is not None:
                 chosen, top_ids, top_vals = result.logprobs
-                req.output_logprobs.append(_logprob(req.output_token_ids[-1], chosen[i], top_ids[i], top_vals[i],
+                req.output_logprobs.append(logprob_of(req.output_token_ids[-1], chosen[i], top_ids[i], top_vals[i],
                                                     req.params.logprobs))
             self.stats["generated_tokens"] += 1
             if req.matcher is not None and not req.matcher.consume_token(req.output_token_ids[-1]):
@@ -495,26 +423,6 @@ class Engine:
                 continue
             self._check_stop(req)
         return self._collect([r.request_id for r in sampled])
-
-    @staticmethod
-    def _prompt_next(c) -> Optional[list[int]]:
-        """For a chunk of a request that wants prompt logprobs and still covers prompt tokens:
-        the token after each of its tokens (0 past the prompt: not kept)."""
-        req = c.request
-        n_prompt = len(req.prompt_token_ids)
-        if req.params.prompt_logprobs is None or c.start >= n_prompt - 1:
-            return None
-        ids = req.prompt_token_ids
-        return [ids[p + 1] if p + 1 < n_prompt else 0 for p in range(c.start, c.start + c.num_tokens)]
-
-    @staticmethod
-    def _keep_prompt_logprobs(c, scored) -> None:
-        req = c.request
-        chosen, top_ids, top_vals = scored
-        k = req.params.prompt_logprobs
-        n_prompt = len(req.prompt_token_ids)
-        for j, p in enumerate(range(c.start, min(c.start + c.num_tokens, n_prompt - 1))):
-            req.prompt_logprobs[p + 1] = _logprob(req.prompt_token_ids[p + 1], chosen[j], top_ids[j], top_vals[j], k)
 
     def _process_row(self, req: Request) -> ProcessRow:
         p = req.params
@@ -531,55 +439,6 @@ class Engine:
         # Several processes must schedule alike: there, reads stay in the step (synchronous)
         # rather than finishing at different times on different processes.
         return self._sync is not None or self.registry.ready(name)
-
-    def _fetch_adapters(self) -> None:
-        """Host copies read in the background: take the finished reads (a failed one fails its
-        waiting requests, nothing else), and start reads for waiting requests whose adapter is
-        neither in a slot nor in host memory. The scheduler admits a request only once its
-        adapter is ready, so a step never waits on a disk."""
-        for name, path, adapter, error in self.loader.poll():
-            self._waited_reads.discard(name)
-            if adapter is not None:
-                self.registry.stats.loads += 1
-                self.registry.put_host(name, path, adapter)
-                entry = self.registry.entries.get(name)
-                if entry is not None:  # its content is known now: waiting requests key pages by it
-                    for req in self.scheduler.waiting:
-                        if req.adapter == name and not req.block_table and not req.num_computed_tokens:
-                            req.lora_hash = entry.content_hash
-                continue
-            self.registry.stats.load_failures += 1
-            log.warning("reading adapter %r from %s failed: %s", name, path, error)
-            for req in list(self.scheduler.waiting):
-                if req.adapter == name:
-                    req.error = str(error)
-                    self._finish(req, "error")
-        for req in self.scheduler.waiting:
-            if req.adapter is not None and not self.registry.ready(req.adapter):
-                entry = self.registry.entries.get(req.adapter)
-                if entry is None:
-                    continue
-                self.loader.prefetch(req.adapter, entry.path, urgent=True)  # started, moved ahead or rushed
-                if req.adapter not in self._waited_reads:  # a request waits for this read (counted once,
-                    self._waited_reads.add(req.adapter)     # a read-ahead already under way included)
-                    self.registry.stats.host_misses += 1
-
-    def _make_resident(self, plan: StepPlan) -> None:
-        """Every adapter of the plan in a device slot. An adapter that cannot be read again (an
-        evicted host copy whose folder went bad) fails its requests, which leave the plan."""
-        needed = {c.request.adapter for c in plan.chunks if c.request.adapter is not None}
-        while needed:  # each failure takes one adapter out, so this ends
-            try:
-                self._write_slots(needed)
-                break
-            except AdapterError as e:
-                bad = e.adapter_name
-                for c in plan.chunks:
-                    if c.request.adapter == bad and not c.request.finished:
-                        c.request.error = str(e)
-                        self._finish(c.request, "error")
-                needed = needed - {bad}
-        plan.chunks = [c for c in plan.chunks if not c.request.finished]
 
     def _check_stop(self, req: Request) -> None:
         p = req.params
@@ -668,7 +527,7 @@ class Engine:
         prompt_ids = [self._checked_prompt_ids(p) for p in prompts]  # all checked before any is queued
         ids = [self.add_request(p, sp, l) for p, sp, l in zip(prompt_ids, params_list, lora_list)]
         pending = set(ids)
-        bar = _Bar(n, "generating", progress)
+        bar = Progress(n, "generating", progress)
         while pending:
             done = {d.request_id for d in self.step() if d.finished} & pending  # each reported once
             if done:
@@ -692,6 +551,17 @@ class Engine:
             self.release_finished(rid)
 
     # ---- several processes ------------------------------------------------------------------
+    def _guard(self, what: str) -> None:
+        """Before a state change: on a multi-process engine only the leader (or a follower
+        replaying the leader's command) may make one."""
+        if self._sync is not None:
+            self._sync.guard(what)
+
+    def _record(self, cmd: Command) -> None:
+        """After a state change succeeded: the followers replay it (multilora.engine.commands)."""
+        if self._sync is not None:
+            self._sync.record(cmd)
+
     @property
     def is_leader(self) -> bool:
         """Whether this process takes requests (always, with one process)."""
@@ -712,7 +582,7 @@ class Engine:
     def stop_followers(self) -> None:
         """On process 0: let the other processes' follow() return (after their last step)."""
         if self._sync is not None and self._sync.leader and self._sync.running:
-            self._sync.record("stop")
+            self._sync.record(StopFollowers())
             self._sync.exchange(self)
             self._sync.stop_barrier()
 
@@ -727,84 +597,3 @@ class Engine:
         only logs (its next collective then raises)."""
         if self._sync is not None:
             self._sync.watch(on_lost)
-
-
-class _Bar:
-    def __init__(self, total: int, desc: str, enabled: bool):
-        from multilora.model.loader import Progress
-        self._p = Progress(total, desc, enabled)
-
-    def update(self, k: int):
-        self._p.update(k)
-
-
-def _finite(logprob) -> float:
-    """A logprob for JSON: -inf (a masked or banned token) as -9999.0, as vLLM reports it."""
-    return max(float(logprob), -9999.0)
-
-
-def _logprob(token_id: int, chosen, top_ids_K, top_vals_K, n: int) -> Logprob:
-    """One token's Logprob from the device's (chosen, top ids, top logprobs), n alternatives."""
-    return Logprob(token_id, _finite(chosen),
-                   [(t, _finite(v)) for t, v in zip(top_ids_K[:n].tolist(), top_vals_K[:n].tolist())])
-
-
-def _default_max_rank(lora_modules: dict[str, str], floor: int = 16) -> int:
-    """The largest rank among the adapters given at start (their adapter_config.json), at least
-    `floor` (vLLM's default max_lora_rank): slots are no wider than what is served."""
-    best = floor
-    for path in lora_modules.values():
-        try:
-            cfg = json.loads((Path(path) / "adapter_config.json").read_text())
-            ranks = [cfg.get("r", 8), *(cfg.get("rank_pattern") or {}).values()]
-            best = max(best, *(int(r) for r in ranks if isinstance(r, int) and not isinstance(r, bool)))
-        except (OSError, ValueError, TypeError, AttributeError):
-            continue  # registering it reports what is wrong
-    return best
-
-
-def _default_lora_memory_gb(device) -> float:
-    """2 GB on a CPU host; on an accelerator 5 % of its memory (what XLA reports), at least 1 GB."""
-    if device.platform == "cpu":
-        return 2.0
-    try:
-        limit = (device.memory_stats() or {}).get("bytes_limit")
-    except Exception:  # noqa: BLE001 - not every backend reports memory
-        limit = None
-    return max(1.0, 0.05 * limit / 2**30) if limit else 2.0
-
-
-def _generation_eos(model_dir: str) -> set[int]:
-    p = Path(model_dir) / "generation_config.json"
-    if not p.is_file():
-        return set()
-    try:
-        eos = json.loads(p.read_text()).get("eos_token_id")
-    except (OSError, json.JSONDecodeError):
-        return set()
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, list) else {int(eos)}
-
-
-def _enable_compilation_cache(path: Optional[str], distributed: Optional[dict] = None) -> None:
-    """JAX's persistent compilation cache, except for an engine over several processes: there
-    an executable read back from the cache (its own process's or another's) disagrees with the
-    peers' about its collectives (measured with JAX 0.10 on CPU: gloo "2048 vs 1024 bytes" at the
-    first step shape read back, every time, where freshly compiled ones agree), so each process
-    compiles afresh."""
-    import jax
-    if distributed and (distributed.get("num_processes") or 1) > 1:
-        log.info("several processes: no persistent compilation cache (see _enable_compilation_cache)")
-        return
-    path = path or os.environ.get("MULTILORA_COMPILATION_CACHE")
-    if path is None:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-        path = os.path.join(base, "multilora", "jax_cache")
-    if path in ("", "off", "0"):
-        return
-    try:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    except Exception as e:  # never fatal: it only saves time
-        log.info("no persistent compilation cache: %s", e)

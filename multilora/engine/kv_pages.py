@@ -22,7 +22,7 @@ The rules
    likely to be shared) are evicted first.
 4. Every mutating call validates first and changes nothing when it raises (`OutOfPagesError`
    from `allocate`/`grow`, `ValueError` from `free`/`register`).
-5. A page's key is a hash chain (DESIGN.md "Prefix cache: the rule"): sha256 over the adapter's
+5. A page's key is a hash chain (docs/design.md, "Prefix cache: the rule"): sha256 over the adapter's
    *content* hash (never its name or id; the base model uses a fixed constant the caller
    supplies), the parent page's key (or an explicit root marker), and the page's token ids
    encoded unambiguously (count + fixed-width little-endian int64). Only FULL pages get keys.
@@ -226,6 +226,16 @@ class PagePool:
         self._key_of.clear()
         self._page_of.clear()
         return len(dropped)
+
+    def snapshot(self) -> tuple[list[int], list[int], dict[int, int], dict[int, bytes]]:
+        """Copies of the bookkeeping: (free list, evictable pages oldest first, refcounts, keys of
+        cached pages). For tests that an operation refused leaves everything as it was."""
+        return list(self._free), list(self._lru), dict(self._refs), dict(self._key_of)
+
+    @property
+    def num_free_uncached(self) -> int:
+        """Free pages that hold no cached prefix (num_free less the evictable ones)."""
+        return len(self._free)
 
     def check_invariants(self) -> None:
         """Assert the pool's bookkeeping is consistent (for tests and debugging)."""

@@ -28,7 +28,7 @@ from multilora.engine.logits_process import MAX_BIAS_ENTRIES, apply_token_bitmas
 from multilora.engine.sampler import NUM_LOGPROBS, sample
 from multilora.engine.structured import allow_all, mask_words
 from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
-from multilora.lora.pool import LoRASlots
+from multilora.adapters.pool import LoRASlots
 from multilora.model.attention import native_attention_usable
 from multilora.model.llama import (KVCache, Weights, forward, is_heads_major, kv_cache_formats, pallas_attention_on,
                                    token_logprobs)
@@ -433,7 +433,7 @@ def jit_slot_writer(write_rows, buffers, buffer_formats, rows_shardings, replica
     write width, multilora.lora.pool.write_widths): its row ids are traced (entries past its rank
     name the zero row); the rows come in the pools' dtype (host copies are read in it:
     multilora.lora.adapter.load_adapter)."""
-    from multilora.lora.pool import blocks_of
+    from multilora.adapters.pool import blocks_of
     fn = jax.jit(write_rows, donate_argnums=0, in_shardings=(buffer_formats, replicated, rows_shardings),
                  out_shardings=buffer_formats)
     rows_abstract = type(buffers)(**{

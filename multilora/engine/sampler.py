@@ -70,7 +70,7 @@ def _largest_key(holds, lo_B, hi_B):
     return lo
 
 
-def _thresholds_searched(scaled_BV, top_k_B, top_p_B):
+def thresholds_searched(scaled_BV, top_k_B, top_p_B):
     """Each row's smallest kept value (vLLM's order: top-k, then top-p over the top-k survivors,
     renormalised; the top token always stays) for any k and p, without sorting: the k-th largest
     value is the largest t with at least k values >= t, and top-p's cut the largest t whose
@@ -92,7 +92,7 @@ def _thresholds_searched(scaled_BV, top_k_B, top_p_B):
     return jnp.where(top_p_B < 1.0, jnp.maximum(kth_B, cut_B), kth_B)
 
 
-def _thresholds_from_candidates(scaled_BV, top_k_B, top_p_B):
+def thresholds_from_candidates(scaled_BV, top_k_B, top_p_B):
     """The same thresholds from each row's C largest values, and per row whether those decide
     it: they do when the top-k survivors are all among them, or (no top-k cut) when their mass
     reaches top_p, so that the first token top-p drops is among them too."""
@@ -123,9 +123,9 @@ def thresholds(scaled_BV, top_k_B, top_p_B):
     v = scaled_BV.shape[-1]
 
     def cut():
-        threshold_B, decided_B = _thresholds_from_candidates(scaled_BV, top_k_B, top_p_B)
+        threshold_B, decided_B = thresholds_from_candidates(scaled_BV, top_k_B, top_p_B)
         return jax.lax.cond(jnp.all(decided_B), lambda: threshold_B,
-                            lambda: _thresholds_searched(scaled_BV, top_k_B, top_p_B))
+                            lambda: thresholds_searched(scaled_BV, top_k_B, top_p_B))
     cuts = jnp.any((_top_k_of(top_k_B, v) < v) | (top_p_B < 1.0))
     return jax.lax.cond(cuts, cut, lambda: jnp.full(top_k_B.shape, -jnp.inf, jnp.float32))
 

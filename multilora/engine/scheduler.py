@@ -165,7 +165,7 @@ class Scheduler:
                 n = min(n, fit)
                 continue
             victim = max((r for r in self.running if id(r) not in served), key=lambda r: r.arrival)
-            self._preempt(victim)
+            self.preempt(victim)
             plan.preempted.append(victim)
             if victim is req:
                 return 0
@@ -249,7 +249,7 @@ class Scheduler:
         req.num_computed_tokens = len(pages) * p
         return req.num_computed_tokens
 
-    def _preempt(self, req: Request) -> None:
+    def preempt(self, req: Request) -> None:
         """Recompute later: drop its page references, put it first in line."""
         self.running.remove(req)
         self._release_pages(req)

@@ -46,7 +46,8 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C++ compiler the kernels are built with ($CXX, else g++, c++ or clang++), or None."""
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
             return shutil.which(name)
@@ -88,11 +89,11 @@ def _load() -> bool:
     if os.environ.get(DISABLE_ENV, "1").lower() in ("0", "false", "no", "off"):
         _state["reason"] = f"disabled by {DISABLE_ENV}"
         return False
-    cxx = _compiler()
+    cxx = compiler()
     if cxx is None:
         _state["reason"] = "no C++ compiler (set CXX, or install g++)"
         return False
-    from multilora.model.gguf_default import user_cache_dir
+    from multilora.default_model import user_cache_dir
 
     so = user_cache_dir() / "native" / _build_key(cxx) / "libmultilora_kernels.so"
     try:

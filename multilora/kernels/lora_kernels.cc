@@ -3,7 +3,7 @@
 // XLA's CPU backend runs a per-token gather (bgmv) as a copy of each token's adapter matrices
 // followed by a batched matrix-vector product: the copy costs more than the product. These
 // kernels read each token's rows straight out of the whole (L, blocks * U, X) pool of rank rows
-// (multilora/lora/pool.py), found through the slot's row table, at the layer given as an operand
+// (multilora/adapters/pool.py), found through the slot's row table, at the layer given as an operand
 // (so the scan over layers copies nothing), visit a step's tokens grouped by slot (a slot's rows
 // stay in cache while its tokens use them), and stop at each slot's true rank.
 //
@@ -18,13 +18,13 @@
 // AVX512-BF16 multiplies bf16 pairs (VDPBF16PS: x rounded to bf16 for the shrink, h for the
 // expand, as a bf16 PEFT layer rounds them; products exact, sums float32), half the instructions
 // and no widening: 0.75x the time of the widened path with one adapter on 64 tokens (compute
-// bound), the same with 40 (memory bound); BENCHMARKS.md. The float32 pool stays the exact path.
+// bound), the same with 40 (memory bound); benchmarks/log/17-2026-12-04-bf16-dot-products-lora-kernel.md. The float32 pool stays the exact path.
 //
 // In a step with tens of adapters an item is one adapter's rows for one or two tokens: it ends
 // before the hardware prefetchers have learnt its streams, and the reads ran at about half the
 // machine's streaming rate. The group call therefore splits its items into contiguous runs, one
 // per core, and each item fetches the next one's rows while it computes (as many lines as it has
-// just read): 0.74-0.80x the time with 40 adapters, float32 or bf16 pools (BENCHMARKS.md).
+// just read): 0.74-0.80x the time with 40 adapters, float32 or bf16 pools (benchmarks/log/17-2026-12-04-bf16-dot-products-lora-kernel.md).
 
 #include <algorithm>
 #include <cstdint>
@@ -179,7 +179,7 @@ void items_fetching_ahead(ffi::ThreadPool& pool, const std::vector<Item>& items,
 // sums never depend on how many tokens of its adapter share its item, and so its results are the
 // same bits whatever else its step holds. (Two chains for fewer than four tokens and one for more
 // made a token's LoRA delta, in its last bits, depend on the batch: a greedy token of the 64-adapter
-// serving run flipped when faster reads admitted requests at other steps; BENCHMARKS.md.) Two where
+// serving run flipped when faster reads admitted requests at other steps; benchmarks/log/26-2026-12-05-adapter-reads-native-pass.md.) Two where
 // 32 vector registers hold N * 2 accumulators (AVX-512); one where there are 16.
 constexpr int kChains = kRows >= 8 ? 2 : 1;
 

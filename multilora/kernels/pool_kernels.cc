@@ -1,4 +1,4 @@
-// Writing an adapter's rank rows into a LoRA pool in place (multilora/lora/pool.py, write_rows).
+// Writing an adapter's rank rows into a LoRA pool in place (multilora/adapters/pool.py, write_rows).
 //
 // XLA's CPU backend runs a bfloat16 scatter, and even a bfloat16 dynamic-update-slice, in float32:
 // it converts the whole pool to float32 and back around every write (seconds per adapter for a
@@ -10,7 +10,7 @@
 //   pool[l, rows[j], :] = round(new[l, j, :])   for every layer l and every j
 //
 // new is the pool's own dtype (rows copied as they are: host copies are read in the pool's dtype,
-// multilora/lora/adapter.py) or float32, which a bfloat16 pool gets rounded to nearest, ties to
+// multilora/adapters/adapter.py) or float32, which a bfloat16 pool gets rounded to nearest, ties to
 // even (NaN stays NaN), as XLA's convert does. Row ids out of [0, U) are refused with an error,
 // nothing written.
 
@@ -84,14 +84,14 @@ ffi::Error PoolWrite(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> rows_R, ffi::Any
 }  // namespace
 
 // n float32 values rounded to bfloat16 as above, for adapters read on the loader's threads
-// (multilora/lora/adapter.py, called through ctypes, which drops the GIL): the loop vectorizes,
+// (multilora/adapters/adapter.py, called through ctypes, which drops the GIL): the loop vectorizes,
 // where numpy's cast through ml_dtypes takes ~0.9 ns a value (4.6 ms of a rank-16 adapter's read).
 extern "C" void multilora_round_to_bf16(const float* src, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
 }
 
 // An adapter's tensors copied out of its file's bytes into its host copy, converted, scaled and
-// checked in one pass (multilora/lora/adapter.py, called through ctypes, which drops the GIL):
+// checked in one pass (multilora/adapters/adapter.py, called through ctypes, which drops the GIL):
 // one call per module instead of a numpy cast, a scaling and a finite check per tensor. A job is
 // eight int64: the tensor's byte offset in src, its dtype (0 float32, 1 bfloat16), its first
 // element in dst, its rows and columns, the row strides of src and dst in elements, and a float32

@@ -22,7 +22,7 @@ class LoRABatchInfo:
     slot_T:       adapter slot of each token (NO_ADAPTER for base rows and padding).
     scalings_S:   per-slot scaling (alpha / r, or alpha / sqrt(r) with rsLoRA).
     ranks_S:      per-slot rank (0 for empty slots).
-    rows_SR:      per-slot row table: the pool row holding rank row r of slot s (multilora.lora.pool),
+    rows_SR:      per-slot row table: the pool row holding rank row r of slot s (multilora.adapters.pool),
                   in aligned runs of PAGE_ROWS (pages) when its width is a multiple of PAGE_ROWS;
                   entries past a slot's pages, and every entry of an empty slot, name page 0
                   (zeros), rows past its rank inside its last page hold zeros.
@@ -53,7 +53,7 @@ class LoRABatchInfo:
 
 
 def stacked_rows(rows_R, blocks: int, num_rows: int):
-    """Row ids of every block of a stacked pool (multilora.lora.pool): rows_R (..., R) ->
+    """Row ids of every block of a stacked pool (multilora.adapters.pool): rows_R (..., R) ->
     (..., blocks * R), block j offset by j * num_rows. numpy or jax arrays alike."""
     if blocks == 1:
         return rows_R

@@ -9,7 +9,7 @@ head), apart from the activations' and the KV cache's.
         read in place inside the layer scan; elsewhere they stay in their (L, K, N) layout and
         XLA's bf16 dot runs them.
     projection_dtype="auto" (the default): bfloat16 where the packed kernel runs (there it is
-        faster than float32: BENCHMARKS.md), else the engine's dtype. The environment variable
+        faster than float32: benchmarks/log/14-2026-12-04-bf16-projections-avx512bf16.md), else the engine's dtype. The environment variable
         MULTILORA_PROJECTION_DTYPE, when set, says what auto means.
 
 Everything else (norms, RoPE, attention, the residual stream, the adapters, the sampler) stays

@@ -50,7 +50,7 @@ BASE_RULES: dict[str, object] = {
 
 # The weights' and LoRA pools' axes are declared on their dataclass fields (multilora.model.arrays,
 # multilora.model.llama). One adapter's rows on their way into the pools
-# (multilora.lora.pool.write_rows) are split like the pools, their rows axis named "rank".
+# (multilora.adapters.pool.write_rows) are split like the pools, their rows axis named "rank".
 LORA_ROWS_RENAME = {"lora_rows": "rank"}
 
 KV_AXES = ("layers", "pages", "page", "kv_heads", "head_dim")

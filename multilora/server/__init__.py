@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP server: protocol (schemas), async_engine (the engine's thread),
-metrics (Prometheus text), app (FastAPI routes, `multilora serve`). See docs/server.md."""
+metrics (Prometheus text), app (FastAPI routes), ray (replicas on Ray Serve). The command lines
+(`multilora serve`, `serve-ray`) are multilora.cli's. See docs/server.md."""
 
 from __future__ import annotations
 
 
 def __getattr__(name):
     # Lazy, like the package root: importing multilora.server stays light until used.
-    if name in ("build_app", "run_serve", "add_serve_args", "serve"):
+    if name in ("build_app", "serve"):
         from multilora.server import app
         return getattr(app, name)
     if name in ("AsyncEngine", "QueueFullError", "EngineStoppedError"):
@@ -15,5 +16,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["AsyncEngine", "EngineStoppedError", "QueueFullError", "add_serve_args", "build_app",
-           "run_serve", "serve"]
+__all__ = ["AsyncEngine", "EngineStoppedError", "QueueFullError", "build_app", "serve"]

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine, the API-key and
-body-size guards, and `run_serve(args)` for `multilora serve`. What the routes share (model
+"""The OpenAI-compatible HTTP server: the FastAPI app over an AsyncEngine (its routers are
+multilora.server.routes), the API-key and body-size guards, OpenAI's error JSON for every error,
+and serve() (uvicorn; `multilora serve` is multilora.cli.serve). What the routes share (model
 resolution, sampling fields, submit and collect) is in multilora.server.service, OpenAI's error
 JSON in multilora.server.errors, the SSE streams in multilora.server.streaming and the OpenAPI
 document in multilora.server.openapi.
@@ -12,33 +13,19 @@ convention); the base model answers to its folder name or its path. See docs/ser
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import contextlib
 import hmac
-import json
 import logging
-import os
-import signal
-import sys
-from pathlib import Path
 from typing import Optional
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from multilora.args import add_distributed_args, add_engine_args, engine_kwargs
-from multilora.lora.registry import AdapterConflictError
-from multilora.server import openapi
-from multilora.server import protocol as P
+from multilora.server import openapi, routes
 from multilora.server.async_engine import AsyncEngine
-from multilora.server.errors import APIError, call_engine, err_text, error_response, parse_body
-from multilora.server.heap import freeze_startup_heap
-from multilora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from multilora.server.service import MAX_ADAPTER_NAME, Server
-from multilora.server.streaming import SSEResponse, chat_stream, completion_stream
+from multilora.server.errors import APIError, error_response
+from multilora.server.service import Server
 
 log = logging.getLogger("multilora.server")
 
@@ -139,235 +126,10 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
         log.exception("unhandled error on %s", request.url.path)
         return error_response(500, f"internal server error: {type(e).__name__}")
 
-    # ---- generation ----------------------------------------------------------------------------
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req: P.CompletionRequest = await parse_body(request, P.CompletionRequest)
-        lora = await srv.request_adapter(req)
-        raw = req.prompt
-        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-            raw = [raw]
-        if not raw:
-            raise APIError(400, "the prompt is empty", "prompt")
-        prompts = await asyncio.to_thread(lambda: [srv.tokenize(p) for p in raw])  # long prompts: off the loop
-        echo = bool(req.echo)
-        # echo with max_tokens 0: score the prompt only (lm-eval's loglikelihood); one token is
-        # generated (the prefill samples it anyway) and dropped
-        score_only = echo and req.max_tokens == 0
-        for ids in prompts:
-            srv.max_tokens_for(1 if score_only else req.max_tokens, len(ids), "max_tokens")
-        # max_tokens null: up to the context, which the engine bounds per prompt
-        max_tokens = 1 if score_only else req.max_tokens if req.max_tokens is not None else srv.engine.max_model_len
-        n = srv.choices(req.n)
-        best_of = srv.best_of(req.best_of, n, bool(req.stream))
-        # best_of: every candidate reports its chosen tokens' logprobs, to be ranked by their sum
-        params = srv.sampling(req, max_tokens, req.logprobs if best_of == n else (req.logprobs or 0),
-                              await srv.structured(req), req.logprobs if echo else None)
-        streams = await srv.submit(prompts, params, lora, req.model, best_of)
-        echo_texts = [srv.prompt_text(p) for p in raw for _ in range(best_of)] if echo else None
-        rid, created = P.random_id("cmpl"), P.now()
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(completion_stream(srv, streams, req.model, rid, created, include_usage, n,
-                                                 echo_texts, score_only), streams)
-        results = await srv.collect(request, streams)
-        if results is None:
-            return Response(status_code=499)
-        for i, r in enumerate(results):
-            r["echo"] = echo_texts[i] if echo else None
-            if score_only:
-                r.update(text="", token_ids=[], logprobs=[], finish_reason="length")
-        usage = _usage(results, best_of)
-        if best_of > n:
-            results = _best(results, best_of, n)
-        choices = []
-        for i, r in enumerate(results):
-            text, lp = r["text"], None
-            if echo:
-                text, lp = srv.echoed(r["echo"], r["prompt_ids"], r["prompt_logprobs"], r["text"], r["logprobs"],
-                                      req.logprobs is not None)
-            elif req.logprobs is not None:
-                lp = srv.completion_logprobs(r["logprobs"], 0)
-            choices.append(P.CompletionChoice(index=i, text=text, finish_reason=r["finish_reason"], logprobs=lp))
-        return P.CompletionResponse(id=rid, created=created, model=req.model, choices=choices,
-                                    usage=usage)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req: P.ChatCompletionRequest = await parse_body(request, P.ChatCompletionRequest)
-        lora = await srv.request_adapter(req)
-        ids = await srv.chat_ids(req.messages, req.add_generation_prompt)
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = srv.max_tokens_for(requested, len(ids), param)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        if req.echo:
-            raise APIError(400, "echo is not supported on /v1/chat/completions (it is on /v1/completions); "
-                                "leave it out or send false", "echo")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = srv.sampling(req, max_tokens, logprobs, await srv.structured(req))
-        n = srv.choices(req.n)
-        streams = await srv.submit([ids], params, lora, req.model, n)
-        rid, created = P.random_id("chatcmpl"), P.now()
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(chat_stream(srv, streams, req.model, rid, created, include_usage,
-                                             bool(req.logprobs), n), streams)
-        results = await srv.collect(request, streams)
-        if results is None:
-            return Response(status_code=499)
-        choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=r["text"]),
-                                finish_reason=r["finish_reason"],
-                                logprobs=srv.chat_logprobs(r["logprobs"]) if req.logprobs else None)
-                   for i, r in enumerate(results)]
-        return P.ChatCompletionResponse(id=rid, created=created, model=req.model, choices=choices,
-                                        usage=_usage(results, n))
-
-    # ---- vLLM's tokenizer routes (also without /v1, where vLLM serves them) ----------------------
-    @app.post("/v1/tokenize")
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        body = await request.body()
-        try:
-            parsed = json.loads(body or b"{}")
-        except ValueError:
-            parsed = None  # parse_body reports the bad JSON
-        is_chat = isinstance(parsed, dict) and "messages" in parsed  # anything but an object: parse_body's 400
-        req = await parse_body(request, P.TokenizeChatRequest if is_chat else P.TokenizeCompletionRequest)
-        if req.model is not None:
-            await srv.known_model(req.model)
-        tok = srv.engine.tokenizer
-        if tok is None:
-            raise APIError(400, "this model has no tokenizer", "prompt")
-        if is_chat:
-            ids = await srv.chat_ids(req.messages, req.add_generation_prompt)
-        else:
-            ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
-        return P.TokenizeResponse(count=len(ids), max_model_len=srv.engine.max_model_len, tokens=ids,
-                                  token_strs=[tok.id_to_token(i) or "" for i in ids])
-
-    @app.post("/v1/detokenize")
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        req: P.DetokenizeRequest = await parse_body(request, P.DetokenizeRequest)
-        if req.model is not None:
-            await srv.known_model(req.model)
-        tok = srv.engine.tokenizer
-        if tok is None:
-            raise APIError(400, "this model has no tokenizer", "tokens")
-        vocab = srv.engine.cfg.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "tokens")
-        return P.DetokenizeResponse(prompt=tok.decode(req.tokens, skip_special_tokens=False))
-
-    # ---- models and adapters -------------------------------------------------------------------
-    @app.get("/v1/models")
-    async def models():
-        adapters = await call_engine(async_engine.list_lora_adapters())
-        cards = [P.ModelCard(id=srv.base_name, root=str(srv.engine.model_path),
-                             max_model_len=srv.engine.max_model_len)]
-        cards += [P.ModelCard(id=a["name"], root=a["path"], parent=srv.base_name,
-                              max_model_len=srv.engine.max_model_len)
-                  for a in adapters if not a.get("unloading")]
-        return P.ModelList(data=cards)
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request):
-        req: P.LoadLoRAAdapterRequest = await parse_body(request, P.LoadLoRAAdapterRequest)
-        name = req.lora_name
-        if not name or len(name) > MAX_ADAPTER_NAME or any(ord(c) < 32 for c in name):
-            raise APIError(400, f"lora_name must be 1 to {MAX_ADAPTER_NAME} printable characters", "lora_name")
-        if name in srv.base_names:
-            raise APIError(409, f"lora_name {name!r} is the base model's name; choose another", "lora_name",
-                           "adapter_conflict")
-        path = srv.check_lora_path(req.lora_path)
-        try:
-            await call_engine(async_engine.load_lora_adapter(name, path, pinned=req.pinned))
-        except AdapterConflictError as e:
-            raise APIError(409, str(e), "lora_name", "adapter_conflict")
-        except ValueError as e:  # AdapterError: the folder is not a servable adapter
-            raise APIError(400, str(e), "lora_path", "invalid_adapter")
-        log.info("loaded LoRA adapter %r from %s", name, path)
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request):
-        req: P.UnloadLoRAAdapterRequest = await parse_body(request, P.UnloadLoRAAdapterRequest)
-        name = req.lora_name
-        if name in srv.base_names:
-            raise APIError(400, "the base model cannot be unloaded", "lora_name")
-        try:
-            await call_engine(async_engine.unload_lora_adapter(name))
-        except KeyError as e:
-            raise APIError(404, err_text(e), "lora_name", "adapter_not_found")
-        log.info("unloading LoRA adapter %r", name)
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
-
-    # ---- operations ----------------------------------------------------------------------------
-    @app.get("/health")
-    async def health():
-        if not async_engine.is_alive:
-            return error_response(503, "the engine is not running", code="unavailable")
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(async_engine.metrics.render(), media_type=METRICS_CONTENT_TYPE)
-
+    for router in (routes.generation, routes.tokenizer, routes.adapters, routes.operations):
+        app.include_router(router)
     openapi.install(app)
     return app
-
-
-def _best(results: list[dict], best_of: int, n: int) -> list[dict]:
-    """Per prompt (best_of candidates each, prompt-major), the n with the highest cumulative
-    logprob of their chosen tokens, best first (vLLM's ranking)."""
-    out = []
-    for i in range(0, len(results), best_of):
-        group = results[i:i + best_of]
-        out += sorted(group, key=lambda r: -sum(lp.logprob for lp in r["logprobs"]))[:n]
-    return out
-
-
-def _usage(results: list[dict], n: int = 1) -> P.UsageInfo:
-    """A prompt counts once however many choices it has (OpenAI's usage with n > 1)."""
-    prompt = sum(r["prompt_tokens"] for r in results[::n])
-    completion = sum(len(r["token_ids"]) for r in results)
-    return P.UsageInfo.of(prompt, completion, sum(r["cached_tokens"] for r in results[::n]))
-
-
-# ---- the command line ----------------------------------------------------------------------------
-def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options of `multilora serve`: engine budgets, then the server's own."""
-    add_engine_args(parser.add_argument_group("model, adapters and engine budgets"))
-    parser.add_argument("--no-demo-adapters", action="store_true",
-                        help="with the embedded default model and no --lora-modules, do not serve the "
-                             "demo adapters 'shout' and 'signoff' (served by default then)")
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(default: $MULTILORA_API_KEY, else no key)")
-    g.add_argument("--lora-root", default=None,
-                   help="folder of adapter folders: /v1/load_lora_adapter may load from it, and a request "
-                        "whose model names a folder in it is loaded on first use")
-    g.add_argument("--allow-any-lora-path", action="store_true",
-                   help="without --lora-root, let /v1/load_lora_adapter load from any path (trusted clients only)")
-    g.add_argument("--max-queue", type=int, default=512,
-                   help="requests that may wait for a place in the batch; more get 503")
-    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for running requests before aborting them")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    add_distributed_args(parser)
-    return parser
-
-
-def engine_from_args(args):
-    from multilora.engine.engine import Engine
-    return Engine(progress=True, **engine_kwargs(args))
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
@@ -390,78 +152,3 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, drain_timeout
     # re-raises at its exit
     app.state.stop_server = lambda: setattr(server, "should_exit", True)
     server.run()
-
-
-def with_demo_adapters(args) -> argparse.Namespace:
-    """args, plus the demo adapters (shout, signoff) as --lora-modules when the embedded default
-    model is served with no adapters named and --no-demo-adapters is not given."""
-    if (args.model or args.lora_modules or getattr(args, "no_demo_adapters", False)
-            or getattr(args, "max_loras_per_batch", 1) == 0):
-        return args
-    from multilora.demo_adapters import demo_lora_modules
-    demos = demo_lora_modules()
-    if not demos:
-        return args
-    print(f"multilora: serving the demo adapters {', '.join(demos)} (name one as the request's "
-          "\"model\"; --no-demo-adapters turns them off)", flush=True)
-    return argparse.Namespace(**{**vars(args), "lora_modules": [f"{n}={p}" for n, p in demos.items()]})
-
-
-def run_serve(args) -> int:
-    # force: `multilora serve` configured logging before parsing reached here; --log-level rules
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    args = with_demo_adapters(args)
-    if args.lora_root and not Path(args.lora_root).is_dir():
-        raise SystemExit(f"--lora-root {args.lora_root!r} is not a folder")
-    if args.max_queue < 0:
-        raise SystemExit("--max-queue must be >= 0")
-    api_key = args.api_key or os.environ.get("MULTILORA_API_KEY") or None
-    engine = engine_from_args(args)
-    if not engine.is_leader:
-        return follow(engine)
-    aengine = AsyncEngine(engine, max_queue=args.max_queue)
-    app = build_app(aengine, api_key=api_key, lora_root=args.lora_root, max_body_bytes=args.max_body_bytes,
-                    allow_any_lora_path=args.allow_any_lora_path, drain_timeout=args.drain_timeout)
-    freeze_startup_heap()  # full collections then skip the start-up heap (multilora.server.heap)
-    if engine.num_processes > 1:  # a process gone: stop serving (with one, a dead engine thread is a 503)
-        def _stop(message: str) -> None:
-            log.error("the engine stopped (%s): the server shuts down", message)
-            app.state.stop_server()
-        aengine.on_death = _stop
-        # uvicorn re-raises the SIGTERM/SIGINT it caught once it has stopped; with the default
-        # handlers that kills this process before jax.distributed's shutdown, where the followers
-        # wait for it
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: None)
-    serve(app, args.host, args.port, args.drain_timeout, args.log_level)
-    if engine.num_processes > 1 and aengine.death is not None:
-        print(f"multilora: the server stopped: {aengine.death}", file=sys.stderr, flush=True)
-        os._exit(1)  # not jax.distributed's shutdown barrier: a process is gone
-    return 0
-
-
-def follow(engine) -> int:
-    """`multilora serve` on a process other than 0: mirror process 0's steps until it stops."""
-    import jax
-    print(f"multilora: process {jax.process_index()} of {engine.num_processes} follows process 0, "
-          "which serves HTTP", flush=True)
-    try:
-        engine.follow()
-    except Exception as e:  # noqa: BLE001 - a collective with a process that is gone
-        log.debug("follow() failed", exc_info=True)
-        print(f"multilora: process {jax.process_index()} stops: {type(e).__name__}: {e}", file=sys.stderr,
-              flush=True)
-        os._exit(1)
-    print(f"multilora: process {jax.process_index()}: process 0 has stopped; done", flush=True)
-    sys.stderr.flush()
-    os._exit(0)  # at once (Engine.follow's last barrier): process 0 exits right after
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = add_serve_args(argparse.ArgumentParser(prog="multilora-serve"))
-    return run_serve(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -30,6 +30,7 @@ import time
 import uuid
 from typing import Any, Callable, Optional, Sequence, Union
 
+from multilora.engine.commands import AddRequest
 from multilora.engine.engine import StreamDelta
 from multilora.engine.request import SamplingParams
 from multilora.server.metrics import LoraInfo, Metrics
@@ -94,13 +95,48 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self.finish_reason = "abort"
-            self._owner._post(("abort", self.request_id))
+            self._owner._post(_Abort(self.request_id))
 
     async def __aenter__(self) -> "RequestStream":
         return self
 
     async def __aexit__(self, *exc) -> None:
         self.abort()
+
+
+# ---- what the asyncio side posts to the engine thread, applied there in order between steps ----
+@dataclasses.dataclass(frozen=True)
+class _Submit:
+    """A new request: its stream, the engine command, and the future that gets its id (or why not)."""
+    stream: "RequestStream"
+    command: AddRequest
+    future: asyncio.Future
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _AbortAll:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fatal:
+    """Another process is gone: the engine thread stops."""
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """fn(engine) between two steps; its result or exception goes to the future."""
+    fn: Callable[[Any], Any]
+    future: asyncio.Future
+
+
+_Post = Union[_Submit, _Abort, _AbortAll, _Fatal, _Call]
 
 
 def _set_future(fut: asyncio.Future, result: Any = None, exc: Optional[BaseException] = None) -> None:
@@ -120,7 +156,7 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.metrics = metrics or Metrics(engine.model_name)
         self._lock = threading.Lock()
-        self._commands: list[tuple] = []
+        self._commands: list[_Post] = []
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}       # engine thread only
         self._pending_adds = 0                              # under _lock
@@ -153,7 +189,7 @@ class AsyncEngine:
     def _peer_lost(self, message: str) -> None:
         """From the heartbeat thread: end the engine thread between two steps; should it be stuck
         in a collective with the lost process, report the death without it after a grace period."""
-        self._post(("fatal", message))
+        self._post(_Fatal(message))
 
         def _late() -> None:
             if self._thread is not None and self._thread.is_alive():
@@ -192,14 +228,14 @@ class AsyncEngine:
     def stop(self) -> None:
         """Abort whatever runs and stop the thread now (blocking; safe from any thread)."""
         self._accepting = False
-        self._post(("abort_all",))
+        self._post(_AbortAll())
         self._stop = True
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
 
     # ---- the asyncio side ------------------------------------------------------------------
-    def _post(self, cmd: tuple) -> None:
+    def _post(self, cmd: _Post) -> None:
         with self._lock:
             self._commands.append(cmd)
         self._wake.set()
@@ -238,11 +274,11 @@ class AsyncEngine:
             raise QueueFullError(f"the server is overloaded: {self.max_queue} requests are already "
                                  "waiting (max_queue); retry later")
         fut = loop.create_future()
-        self._post(("add", stream, prompt_ids, params, fut, follows))
+        self._post(_Submit(stream, AddRequest(prompt_ids, params, lora, request_id, follows), fut))
         try:
             await fut
         except asyncio.CancelledError:
-            self._post(("abort", request_id))   # commands run in order: after its add
+            self._post(_Abort(request_id))   # commands run in order: after its add
             raise
         self.metrics.request_accepted(lora, len(prompt_ids))
         return stream
@@ -252,7 +288,7 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineStoppedError("the engine is not running")
         fut = asyncio.get_running_loop().create_future()
-        self._post(("call", fn, fut))
+        self._post(_Call(fn, fut))
         return await fut
 
     async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> None:
@@ -286,14 +322,14 @@ class AsyncEngine:
             with self._lock:
                 cmds, self._commands = self._commands, []
             for cmd in cmds:  # nobody will run these now: answer their callers
-                if cmd[0] == "add":
+                if isinstance(cmd, _Submit):
                     with self._lock:
                         self._pending_adds -= 1
                         self._inflight -= 1
-                    self._to_loop(cmd[1].loop, _set_future, cmd[4], None,
+                    self._to_loop(cmd.stream.loop, _set_future, cmd.future, None,
                                   EngineStoppedError("the engine has stopped"))
-                elif cmd[0] == "call":
-                    self._to_loop(cmd[2].get_loop(), _set_future, cmd[2], None,
+                elif isinstance(cmd, _Call):
+                    self._to_loop(cmd.future.get_loop(), _set_future, cmd.future, None,
                                   EngineStoppedError("the engine has stopped"))
             self._fail_all("the engine has stopped")
             if self._multiprocess and self._dead is None:
@@ -336,40 +372,38 @@ class AsyncEngine:
             self._wake.wait(0.01)  # nothing could be scheduled: don't spin
         return False
 
-    def _apply(self, cmd: tuple) -> None:
-        kind = cmd[0]
+    def _apply(self, cmd: _Post) -> None:
         eng = self.engine
-        if kind == "add":
-            _, st, prompt_ids, params, fut, follows = cmd
+        if isinstance(cmd, _Submit):
+            st = cmd.stream
             with self._lock:
                 self._pending_adds -= 1
             try:
                 if self._stop:
                     raise EngineStoppedError("the server is shutting down")
-                eng.add_request(prompt_ids, params, lora=st.lora, request_id=st.request_id, follows=follows)
+                cmd.command.apply(eng)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 with self._lock:
                     self._inflight -= 1
-                self._to_loop(st.loop, _set_future, fut, None, e)
+                self._to_loop(st.loop, _set_future, cmd.future, None, e)
                 return
             self._streams[st.request_id] = st
             with self._lock:
                 self._engine_waiting = eng.num_waiting
-            self._to_loop(st.loop, _set_future, fut, st.request_id, None)
-        elif kind == "abort":
-            self._abort(cmd[1], "abort")
-        elif kind == "fatal":
-            self._fatal = cmd[1]
-        elif kind == "abort_all":
+            self._to_loop(st.loop, _set_future, cmd.future, st.request_id, None)
+        elif isinstance(cmd, _Abort):
+            self._abort(cmd.request_id, "abort")
+        elif isinstance(cmd, _Fatal):
+            self._fatal = cmd.message
+        elif isinstance(cmd, _AbortAll):
             for rid in list(self._streams):
                 self._abort(rid, "abort")
-        elif kind == "call":
-            _, fn, fut = cmd
+        elif isinstance(cmd, _Call):
             try:
-                result, exc = fn(eng), None
+                result, exc = cmd.fn(eng), None
             except BaseException as e:  # noqa: BLE001
                 result, exc = None, e
-            self._to_loop(fut.get_loop(), _set_future, fut, result, exc)
+            self._to_loop(cmd.future.get_loop(), _set_future, cmd.future, result, exc)
 
     def _abort(self, rid: str, reason: str, error: Optional[str] = None) -> None:
         try:

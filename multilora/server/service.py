@@ -16,7 +16,7 @@ from fastapi import Request
 
 from multilora.engine.request import SamplingParams
 from multilora.engine.structured import StructuredOutput
-from multilora.lora.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
+from multilora.adapters.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
 from multilora.server import protocol as P
 from multilora.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from multilora.server.errors import APIError, call_engine, err_text
@@ -33,6 +33,24 @@ async def _wait_disconnect(request: Request) -> None:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
             return
+
+
+@dataclasses.dataclass
+class Collected:
+    """One choice run to its end (a non-streamed response): what the route turns into JSON."""
+    text: str
+    token_ids: list[int]
+    logprobs: list                       # engine Logprobs of the chosen tokens (when asked)
+    finish_reason: Optional[str]
+    prompt_tokens: int
+    cached_tokens: int                   # prompt tokens served from the prefix cache
+    prompt_ids: list[int]
+    prompt_logprobs: Optional[list]
+    echo: Optional[str] = None           # /v1/completions with echo: the prompt's text
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs)
 
 
 class Server:
@@ -265,9 +283,9 @@ class Server:
             raise
         return streams
 
-    async def collect(self, request: Request, streams: list[RequestStream]) -> Optional[list[dict]]:
+    async def collect(self, request: Request, streams: list[RequestStream]) -> Optional[list[Collected]]:
         """Run streams to the end (non-streaming); None if the client went away (all aborted)."""
-        async def one(s: RequestStream) -> dict:
+        async def one(s: RequestStream) -> Collected:
             text, ids, lps, reason, prompt_lps = [], [], [], None, None
             async for d in s:
                 text.append(d.text)
@@ -280,9 +298,9 @@ class Server:
                     reason = d.finish_reason
             if reason == "error":
                 raise APIError(500, f"the request failed: {s.error or 'engine error'}", code="engine_error")
-            return dict(text="".join(text), token_ids=ids, logprobs=lps, finish_reason=reason,
-                        prompt_tokens=len(s.prompt_token_ids), cached_tokens=s.num_cached_tokens,
-                        prompt_ids=s.prompt_token_ids, prompt_logprobs=prompt_lps)
+            return Collected(text="".join(text), token_ids=ids, logprobs=lps, finish_reason=reason,
+                             prompt_tokens=len(s.prompt_token_ids), cached_tokens=s.num_cached_tokens,
+                             prompt_ids=s.prompt_token_ids, prompt_logprobs=prompt_lps)
 
         watcher = asyncio.create_task(_wait_disconnect(request))
         work = asyncio.ensure_future(asyncio.gather(*(one(s) for s in streams)))

@@ -1,0 +1,457 @@
+"""Read and validate a PEFT LoRA adapter folder -> host arrays per module, stacked over layers.
+
+Each module's per-layer scaling (alpha / r, or alpha / sqrt(r) with rsLoRA; rank_pattern and
+alpha_pattern respected) is split as: the adapter's default scaling, applied per slot by the
+backend, times a per-module ratio folded into B here (1.0 unless a pattern changes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+import struct
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import ml_dtypes  # bfloat16 for numpy: bf16 adapter files and host copies
+import numpy as np
+
+from multilora.config import LORA_MODULES, LoRAType, ModelConfig
+from multilora.adapters.pacing import checkpoint
+from multilora.adapters.safetensors_views import Scratch, read_header, read_tensors, views
+
+_KEY_RE = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.(?:[\w-]+\.)?weight$")
+_ALL_LINEAR = "all-linear"
+_HASH_CHUNK = 1 << 20  # bytes hashed between two checkpoints (multilora.adapters.pacing)
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+class AdapterError(ValueError):
+    """An adapter folder that cannot be served; the message names the adapter and the reason."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"LoRA adapter {name!r}: {reason}")
+        self.adapter_name = name
+        self.reason = reason
+
+
+@dataclasses.dataclass
+class LoRAAdapter:
+    """Host copy of one adapter, in the dtype of the device pool it is written to (float32: the
+    exact path; bfloat16: half the bytes to read, hash, keep and write, and the values the pool
+    would hold anyway). a_LRI / b_LOR are zero for layers the adapter does not touch."""
+
+    name: str
+    path: str
+    rank: int                      # the largest rank over its modules
+    scaling: float                 # default scaling, applied per slot
+    modules: dict[str, tuple[np.ndarray, np.ndarray]]  # module -> (a_LRI, b_LOR)
+    # (table width, LoRAWeights of host arrays): the rows laid out for a slot write ahead of it,
+    # by a loader thread (multilora.adapters.pool.prepare_slot_layout), until the write takes them
+    slot_layout: Optional[tuple[int, Any]] = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        return tuple(m for m in LORA_MODULES if m in self.modules)
+
+    @property
+    def content_hash(self) -> bytes:
+        """A hash of what the adapter computes (every module's A and B, its rank and scaling),
+        never of its name or path: the root of its requests' prefix-cache keys, so a name
+        reloaded with other weights never reuses stale pages."""
+        cached = self.__dict__.get("_content_hash")
+        if cached is None:
+            h = hashlib.sha256(b"multilora:lora:v1")
+            h.update(struct.pack("<qd", self.rank, self.scaling))
+            for m in sorted(self.modules):
+                a, b = self.modules[m]
+                h.update(m.encode() + b"\0")
+                for arr in (a, b):
+                    arr = np.ascontiguousarray(arr)
+                    h.update(str((arr.dtype.str, arr.shape)).encode())
+                    flat = arr.reshape(-1).view(np.uint8)
+                    for i in range(0, flat.size, _HASH_CHUNK):  # a paced read pauses between chunks
+                        checkpoint()
+                        h.update(flat[i:i + _HASH_CHUNK])
+            cached = self.__dict__["_content_hash"] = h.digest()
+        return cached
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory the copy holds: its modules, and a slot layout prepared for its write
+        (multilora.adapters.pool.prepare_slot_layout) while it waits to be taken."""
+        held = sum(a.nbytes + b.nbytes for a, b in self.modules.values())
+        if self.slot_layout is not None:
+            rows = self.slot_layout[1]
+            arrays = (getattr(rows, f.name) for f in dataclasses.fields(rows))
+            held += sum(int(x.nbytes) for x in arrays if x is not None)
+        return held
+
+
+def _pattern_value(patterns: dict, key: str, default):
+    # PEFT's get_pattern_key: a pattern matches a trailing, dot-separated part of the module name.
+    for pat, val in patterns.items():
+        if re.match(rf"(.*\.)?({pat})$", key):
+            return val
+    return default
+
+
+def _read_config(name: str, folder: Path) -> dict:
+    cfg_path = folder / "adapter_config.json"
+    if not folder.is_dir():
+        raise AdapterError(name, f"adapter folder {str(folder)!r} does not exist")
+    if not cfg_path.is_file():
+        raise AdapterError(name, f"no adapter_config.json in {str(folder)!r}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(name, f"adapter_config.json is not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(name, "adapter_config.json must hold a JSON object")
+    return cfg
+
+
+def _check_config(name: str, cfg: dict) -> None:
+    peft_type = str(cfg.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise AdapterError(name, f"peft_type {peft_type!r} is not supported; only LORA adapters are")
+    if cfg.get("use_dora"):
+        raise AdapterError(name, "use_dora=true (DoRA) is not supported; only plain LoRA is")
+    if cfg.get("modules_to_save"):
+        raise AdapterError(name, f"modules_to_save={cfg['modules_to_save']} is not supported: it replaces "
+                                 "base weights per adapter; only LoRA deltas on "
+                                 f"{', '.join(LORA_MODULES)} are")
+    if cfg.get("bias", "none") != "none":
+        raise AdapterError(name, f"bias={cfg['bias']!r} is not supported; only bias='none' is")
+    if cfg.get("alora_invocation_tokens"):
+        raise AdapterError(name, "activated LoRA (alora_invocation_tokens) is not supported")
+    targets = cfg.get("target_modules")
+    if targets is not None and not isinstance(targets, (list, str)):
+        raise AdapterError(name, f"target_modules must be a list of names or a regex string, got {targets!r}")
+    if isinstance(targets, list):
+        if any(not isinstance(t, str) for t in targets):
+            raise AdapterError(name, f"target_modules must hold module names (strings), got {targets!r}")
+        bad = [t for t in targets if t.split(".")[-1] not in LORA_MODULES and t != _ALL_LINEAR]
+        if bad:
+            raise AdapterError(name, f"target_modules {bad} are outside the supported set "
+                                     f"{', '.join(LORA_MODULES)}")
+    r = cfg.get("r", 8)
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise AdapterError(name, f"r must be a positive integer, got {r!r}")
+    alpha = cfg.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise AdapterError(name, f"lora_alpha must be a positive number, got {alpha!r}")
+    for key, kind in (("rank_pattern", int), ("alpha_pattern", (int, float))):
+        pat = cfg.get(key) or {}
+        if not isinstance(pat, dict) or any(
+                isinstance(v, bool) or not isinstance(v, kind) or not v > 0 for v in pat.values()):
+            raise AdapterError(name, f"{key} must map module patterns to positive numbers, got {pat!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterProbe:
+    """What an adapter folder's config and safetensors header say, read without its weights:
+    enough to register it (its rank, its size), with its data read on first use."""
+
+    name: str
+    path: str
+    rank: int
+    nbytes: int          # of its host copy once read (in the pool's dtype, stacked over layers)
+    fingerprint: bytes   # of the folder as found (config, file size and time): stands in for the
+                         # content hash until the weights are read
+
+
+def _weights_file(name: str, folder: Path) -> Path:
+    weights_file = folder / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        other = " (adapter_model.bin is not read: convert it to safetensors)" if (folder / "adapter_model.bin").exists() else ""
+        raise AdapterError(name, f"no adapter_model.safetensors in {str(folder)!r}{other}")
+    return weights_file
+
+
+def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: ModelConfig,
+          max_lora_rank: int) -> tuple[dict[str, dict[int, tuple[str, str, float]]], int, float]:
+    """Check every tensor's name and shape against the config and the base model (what the
+    header alone tells). Returns module -> layer -> (A key, B key, scaling ratio folded into B),
+    the largest rank and the default scaling."""
+    r_default = int(cfg.get("r", 8))
+    alpha_default = float(cfg.get("lora_alpha", 8))
+    rslora = bool(cfg.get("use_rslora", False))
+    rank_pattern = cfg.get("rank_pattern") or {}
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+
+    def scaling_of(alpha: float, r: int) -> float:
+        return alpha / math.sqrt(r) if rslora else alpha / r
+
+    default_scaling = scaling_of(alpha_default, r_default)
+    found: dict[tuple[int, str], dict[LoRAType, str]] = {}
+    for key in shapes:
+        m = _KEY_RE.search(key)
+        if m is None:
+            raise AdapterError(name, f"tensor {key!r} is not a LoRA A/B weight of "
+                                     f"{', '.join(LORA_MODULES)} (embedding, lm_head and other "
+                                     "targets are not supported)")
+        layer, module, ab = int(m.group(1)), m.group(3), LoRAType(m.group(4))
+        if module not in LORA_MODULES:
+            raise AdapterError(name, f"target module {module!r} is outside the supported set "
+                                     f"{', '.join(LORA_MODULES)}")
+        if layer >= model_cfg.num_layers:
+            raise AdapterError(name, f"tensor {key!r} names layer {layer}, but the base model has "
+                                     f"{model_cfg.num_layers} layers (an adapter for another model?)")
+        found.setdefault((layer, module), {})[ab] = key
+    if not found:
+        raise AdapterError(name, "adapter_model.safetensors holds no LoRA weights")
+
+    plan: dict[str, dict[int, tuple[str, str, float]]] = {}
+    max_rank = 0
+    for (layer, module), ab in sorted(found.items()):
+        if set(ab) != set(LoRAType):
+            raise AdapterError(name, f"layer {layer} {module} has lora_{''.join(t.value for t in ab)} "
+                                     "but not its pair")
+        sa, sb = tuple(shapes[ab[LoRAType.A]]), tuple(shapes[ab[LoRAType.B]])
+        d_in, d_out = model_cfg.module_dims(module)
+        r = sa[0] if sa else 0
+        if len(sa) != 2 or len(sb) != 2 or sa[1] != d_in or sb != (d_out, r):
+            raise AdapterError(name, f"layer {layer} {module}: lora_A {sa} / lora_B {sb} "
+                                     f"do not fit the base model's {module} ({d_in} -> {d_out}); "
+                                     "an adapter for another model?")
+        if r > max_lora_rank:
+            raise AdapterError(name, f"rank {r} ({module}) exceeds max_lora_rank={max_lora_rank}")
+        module_key = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
+        alpha = float(_pattern_value(alpha_pattern, module_key, alpha_default))
+        r_cfg = int(_pattern_value(rank_pattern, module_key, r_default))
+        if r_cfg != r:
+            raise AdapterError(name, f"layer {layer} {module}: weights have rank {r} but the config "
+                                     f"says {r_cfg}")
+        plan.setdefault(module, {})[layer] = (ab[LoRAType.A], ab[LoRAType.B], scaling_of(alpha, r) / default_scaling)
+        max_rank = max(max_rank, r)
+    return plan, max_rank, default_scaling
+
+
+def _host_bytes(plan, shapes, model_cfg: ModelConfig, itemsize: int) -> int:
+    total = 0
+    for module, layers in plan.items():
+        d_in, d_out = model_cfg.module_dims(module)
+        r_mod = max(shapes[ka][0] for ka, _, _ in layers.values())
+        total += itemsize * model_cfg.num_layers * r_mod * (d_in + d_out)
+    return total
+
+
+def probe_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int,
+                  dtype=np.float32) -> AdapterProbe:
+    """Validate an adapter folder from its config and its safetensors header only (names,
+    dtypes, shapes, ranks against the base model and max_lora_rank), reading none of its
+    weights; what only the weights can tell (NaN or Inf) is checked when load_adapter reads them."""
+    folder, cfg, weights_file = _checked_folder(name, path)
+    try:
+        shapes = {k: shape for k, (_, shape) in read_header(weights_file).items()}
+        st = weights_file.stat()
+    except (OSError, ValueError) as e:
+        raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
+    plan, rank, _ = _plan(name, cfg, shapes, model_cfg, max_lora_rank)
+    h = hashlib.sha256(b"multilora:lora-unread:v1")
+    h.update(json.dumps(cfg, sort_keys=True).encode())
+    h.update(struct.pack("<qq", st.st_size, st.st_mtime_ns))
+    h.update(str(weights_file.resolve()).encode())
+    return AdapterProbe(name=name, path=str(folder), rank=rank, nbytes=_host_bytes(plan, shapes, model_cfg, host_dtype(dtype).itemsize),
+                        fingerprint=h.digest())
+
+
+_scratch = threading.local()  # each reading thread's reused buffers (its read, the finite checks' temporaries)
+
+
+def _read_weights(name: str, weights_file: Path):
+    """The file read into this thread's read buffer: (its bytes, its entries, its header's bytes;
+    safetensors_views.read_tensors). load_adapter copies the tensors out (into the host copy's
+    arrays) before the thread reads again."""
+    if not hasattr(_scratch, "buf"):
+        _scratch.buf = Scratch()
+    try:
+        return read_tensors(weights_file, _scratch.buf)
+    except (OSError, ValueError) as e:
+        raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
+
+
+def _checked_folder(name: str, path: str | Path) -> tuple[Path, dict, Path]:
+    """The folder, its checked adapter_config.json and its weights file: what both reads share."""
+    folder = Path(path)
+    cfg = _read_config(name, folder)
+    _check_config(name, cfg)
+    return folder, cfg, _weights_file(name, folder)
+
+
+def _not_finite(name: str, keys, tensors) -> AdapterError:
+    """The error for a module whose float32 copy holds NaN or Inf, naming the first such tensor."""
+    for key in keys:
+        if not np.isfinite(tensors[key].astype(np.float32)).all():
+            return AdapterError(name, f"tensor {key!r} holds NaN or Inf values")
+    return AdapterError(name, f"tensors {sorted(keys)} hold NaN or Inf values")
+
+
+def _all_finite(x: np.ndarray) -> bool:
+    """No NaN or Inf in x. Its temporaries are this thread's reused buffers: fresh ones of a
+    module's size cost more in page faults than the check (4 ms of an adapter's 17 against 0.5)."""
+    n = x.size
+    if getattr(_scratch, "check", np.empty(0, np.uint16)).size < n:
+        _scratch.check = np.empty(n, np.uint16)
+        _scratch.flags = np.empty(n, np.bool_)
+    flags = _scratch.flags[:n].reshape(x.shape)
+    if x.dtype == _BF16:  # by the bits (exponent all ones: Inf or NaN), 4x faster
+        exp = np.bitwise_and(x.view(np.uint16), 0x7F80, out=_scratch.check[:n].reshape(x.shape))
+        return not np.equal(exp, 0x7F80, out=flags).any()
+    return bool(np.isfinite(x, out=flags).all())
+
+
+def _round_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = src, rounded to dst's dtype: float32 into a contiguous bfloat16 block through
+    the native kernels' rounder where this process has loaded them (multilora.kernels: 5-10x
+    faster than numpy's cast, the same values), else numpy's assignment."""
+    kernels = sys.modules.get("multilora.kernels")
+    rounder = kernels.bf16_rounder() if kernels is not None else None
+    if (rounder is not None and dst.dtype == _BF16 and src.dtype == np.float32 and dst.shape == src.shape
+            and dst.flags.c_contiguous and src.flags.c_contiguous):
+        rounder(src.ctypes.data, dst.ctypes.data, src.size)
+    else:
+        dst[...] = src
+
+
+def host_dtype(dtype) -> np.dtype:
+    """The numpy dtype of host copies for a pool of `dtype` (float32, bfloat16 or float16)."""
+    dt = np.dtype(dtype)
+    if dt not in (np.dtype(np.float32), np.dtype(np.float16), _BF16):
+        raise ValueError(f"adapter host copies are float32, bfloat16 or float16, not {dt.name}")
+    return dt
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """Where one module's arrays lie in an adapter's host block, and how its tensors get there."""
+    module: str
+    a_start: int                  # first element of a_LRI in the block
+    a_shape: tuple[int, int, int]
+    b_start: int
+    b_shape: tuple[int, int, int]
+    keys: tuple[str, ...]         # its tensors' names, A and B of every layer
+    # (layer, A key, B key, scaling ratio) for the numpy path
+    layers: tuple[tuple[int, str, str, float], ...]
+    jobs: Optional[np.ndarray]    # (n, 8) int64 for kernels.tensor_copier, None: the numpy path
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    """How a file of one layout becomes a host copy: the same for every adapter trained alike
+    (one header, one config), so it is worked out once (_recipe) and reused."""
+    parts: tuple[_Part, ...]
+    size: int                     # elements of the host block
+    rank: int
+    scaling: float
+
+
+_SRC_KINDS = {np.dtype("<f4"): 0, _BF16: 1}      # tensor dtypes the copier reads
+_DST_KINDS = {np.dtype(np.float32): 0, _BF16: 1}  # host dtypes it writes
+_F32_BITS = lambda v: int(np.float32(v).view(np.uint32))  # noqa: E731  (a job's scale, by its bits)
+_RECIPES: dict[tuple, _Recipe] = {}
+_RECIPES_MAX = 32
+_recipes_lock = threading.Lock()
+
+
+def _make_recipe(name: str, cfg: dict, entries: dict, header: bytes, model_cfg: ModelConfig,
+                 max_lora_rank: int, dtype: np.dtype) -> _Recipe:
+    plan, max_rank, default_scaling = _plan(name, cfg, {k: shape for k, (_, shape, _) in entries.items()},
+                                            model_cfg, max_lora_rank)
+    base = 8 + len(header)  # tensors' offsets in the file's bytes
+    parts, size = [], 0
+    for module, layers in plan.items():
+        d_in, d_out = model_cfg.module_dims(module)
+        r_mod = max(entries[ka][1][0] for ka, _, _ in layers.values())
+        L = model_cfg.num_layers
+        a_start, b_start = size, size + L * r_mod * d_in
+        size = b_start + L * d_out * r_mod
+        native = dtype in _DST_KINDS and all(entries[k][0] in _SRC_KINDS for ka, kb, _ in layers.values()
+                                             for k in (ka, kb))
+        jobs = []  # multilora_copy_tensors' rows: src offset, kind, dst offset, rows, cols, strides, scale
+        for layer, (ka, kb, ratio) in sorted(layers.items()) if native else ():
+            r = entries[ka][1][0]
+            jobs.append((base + entries[ka][2], _SRC_KINDS[entries[ka][0]], a_start + layer * r_mod * d_in,
+                         r, d_in, d_in, d_in, _F32_BITS(1.0)))
+            jobs.append((base + entries[kb][2], _SRC_KINDS[entries[kb][0]], b_start + layer * d_out * r_mod,
+                         d_out, r, r, r_mod, _F32_BITS(ratio)))
+        parts.append(_Part(module=module, a_start=a_start, a_shape=(L, r_mod, d_in), b_start=b_start,
+                           b_shape=(L, d_out, r_mod),
+                           keys=tuple(k for ka, kb, _ in layers.values() for k in (ka, kb)),
+                           layers=tuple((layer, ka, kb, ratio) for layer, (ka, kb, ratio) in sorted(layers.items())),
+                           jobs=np.ascontiguousarray(jobs, np.int64) if native else None))
+    return _Recipe(parts=tuple(parts), size=size, rank=max_rank, scaling=default_scaling)
+
+
+def _recipe(name: str, cfg: dict, entries: dict, header: bytes, model_cfg: ModelConfig, max_lora_rank: int,
+            dtype: np.dtype) -> _Recipe:
+    """_make_recipe, remembered for the last few layouts: checking the names and shapes of
+    hundreds of tensors against the config and the model costs ~1.6 ms an adapter."""
+    key = (header, json.dumps(cfg, sort_keys=True, default=str), model_cfg, max_lora_rank, dtype.str)
+    got = _RECIPES.get(key)
+    if got is None:
+        got = _make_recipe(name, cfg, entries, header, model_cfg, max_lora_rank, dtype)  # raises: nothing kept
+        with _recipes_lock:
+            if len(_RECIPES) >= _RECIPES_MAX:
+                _RECIPES.pop(next(iter(_RECIPES)))
+            _RECIPES[key] = got
+    return got
+
+
+def _bad_values(name: str, part: _Part, tensors: dict, dtype: np.dtype) -> AdapterError:
+    """The error for a module whose host copy holds NaN or Inf: the file's own values, or values
+    its dtype cannot hold."""
+    if all(_all_finite(tensors[k]) for k in part.keys):
+        return AdapterError(name, f"{part.module}: values beyond what the adapter pool's {dtype.name} holds "
+                                  f"(|x| > {float(ml_dtypes.finfo(dtype).max):.3g}, or after a pattern's scaling)")
+    return _not_finite(name, part.keys, tensors)
+
+
+def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int,
+                 dtype=np.float32) -> LoRAAdapter:
+    """Read, validate and lay out one adapter, its host copy in `dtype` (the pool's: each value
+    rounded once, to nearest even, as the pool's write would round it). Raises AdapterError;
+    changes no shared state (a file layout's recipe is remembered, _recipe). Runs beside decoding streams (on the loader's thread), so its work
+    is a few calls that release the GIL rather than many small ones: one read of the file, then
+    per module one call of the native kernels' tensor copier (multilora.kernels.tensor_copier:
+    every tensor converted, scaled and checked for NaN/Inf in one pass), where this process has
+    loaded them; else one converting copy per tensor and one finite check per module (after the
+    conversion, so that a value beyond a bfloat16 pool's range is refused too). The modules'
+    arrays are views of one zeroed block (layers the adapter does not touch, and rows past a
+    layer's rank, stay zero)."""
+    dtype = host_dtype(dtype)
+    folder, cfg, weights_file = _checked_folder(name, path)
+    data, entries, header = _read_weights(name, weights_file)
+    recipe = _recipe(name, cfg, entries, header, model_cfg, max_lora_rank, dtype)
+    kernels = sys.modules.get("multilora.kernels")  # never built from a loader thread
+    copier = kernels.tensor_copier() if kernels is not None else None
+    block = np.zeros(recipe.size, dtype)
+    src = np.frombuffer(data, np.uint8)
+    modules = {}
+    for part in recipe.parts:
+        checkpoint()  # a paced read pauses here while the engine runs a step
+        a_LRI = block[part.a_start:part.a_start + math.prod(part.a_shape)].reshape(part.a_shape)
+        b_LOR = block[part.b_start:part.b_start + math.prod(part.b_shape)].reshape(part.b_shape)
+        if copier is not None and part.jobs is not None:
+            ok = copier(src.ctypes.data, block.ctypes.data, _DST_KINDS[dtype], part.jobs.ctypes.data,
+                        len(part.jobs)) < 0
+            tensors = None
+        else:
+            tensors = views(data, entries, part.keys)
+            for layer, ka, kb, ratio in part.layers:
+                r = tensors[ka].shape[0]
+                _round_into(a_LRI[layer, :r], tensors[ka])
+                # a pattern's scaling ratio, folded into B in float32 before the one rounding
+                _round_into(b_LOR[layer, :, :r], tensors[kb] if ratio == 1.0
+                            else tensors[kb].astype(np.float32) * np.float32(ratio))
+            ok = _all_finite(a_LRI) and _all_finite(b_LOR)
+        if not ok:
+            raise _bad_values(name, part, tensors if tensors is not None else views(data, entries, part.keys), dtype)
+        modules[part.module] = (a_LRI, b_LOR)
+    return LoRAAdapter(name=name, path=str(folder), rank=recipe.rank, scaling=recipe.scaling, modules=modules)

@@ -1,0 +1,114 @@
+"""Start-up sizing: what an Engine is built with, worked out from its EngineConfig, the model and
+the machine: the KV cache's pages, the adapter slots and the pool of rank rows, the default
+max_lora_rank, the model's extra EOS tokens and JAX's persistent compilation cache. Functions of
+their inputs; the Engine (multilora.engine.engine) calls them once, in its constructor."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from multilora.config import EngineConfig, LoRAConfig, ModelConfig, lora_pool_size, round_to_pages
+
+log = logging.getLogger("multilora.engine")
+
+
+def kv_cache_pages(cfg: ModelConfig, c: EngineConfig, max_model_len: int, dtype, heads_major: bool) -> int:
+    """c.num_pages, else as many pages as c.kv_cache_memory_gb holds, no more than max_num_seqs
+    sequences of max_model_len need; at least one such sequence (and the reserved page)."""
+    from multilora.model.llama import kv_page_bytes
+    page_size = c.page_size
+    max_pages_seq = -(-max_model_len // page_size)
+    num_pages = c.num_pages
+    if num_pages is None:
+        bytes_per_page = kv_page_bytes(cfg, page_size, dtype, heads_major)
+        by_memory = int(c.kv_cache_memory_gb * 2**30 // bytes_per_page)
+        num_pages = max(min(by_memory, c.max_num_seqs * max_pages_seq + 1), max_pages_seq + 1)
+    if num_pages < max_pages_seq + 1:
+        raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_model_len="
+                         f"{max_model_len} ({max_pages_seq} pages of {page_size} + 1 reserved)")
+    return num_pages
+
+
+def lora_sizing(cfg: ModelConfig, c: EngineConfig, lora_dtype: np.dtype, max_lora_rank: int, device) -> LoRAConfig:
+    """The adapter slots and the pool of rank rows (multilora.config.lora_pool_size), from
+    c.max_loras_per_batch and c.lora_memory_gb (else the device's default)."""
+    from multilora.adapters.pool import rank_row_bytes
+    row_bytes = rank_row_bytes(cfg, lora_dtype.itemsize)
+    memory_gb = c.lora_memory_gb or default_lora_memory_gb(device)
+    max_loras_per_batch, pool_rows = lora_pool_size(
+        c.max_loras_per_batch, c.lora_memory_gb is not None, int(memory_gb * 2**30), row_bytes,
+        max_lora_rank, c.max_num_seqs)
+    if max_loras_per_batch:
+        log.info("LoRA: %d adapter slots; a pool of %d rank rows (%.2f MB each, %.2f GB): adapters take "
+                 "their true rank (%d of rank %d, %d of rank 8)", max_loras_per_batch, pool_rows,
+                 row_bytes / 2**20, pool_rows * row_bytes / 2**30,
+                 min(max_loras_per_batch, pool_rows // round_to_pages(max_lora_rank)), max_lora_rank,
+                 min(max_loras_per_batch, pool_rows // 8))
+    return LoRAConfig(max_loras_per_batch=max_loras_per_batch, max_lora_rank=max_lora_rank, pool_rows=pool_rows)
+
+
+def default_max_rank(lora_modules: dict[str, str], floor: int = 16) -> int:
+    """The largest rank among the adapters given at start (their adapter_config.json), at least
+    `floor` (vLLM's default max_lora_rank): slots are no wider than what is served."""
+    best = floor
+    for path in lora_modules.values():
+        try:
+            cfg = json.loads((Path(path) / "adapter_config.json").read_text())
+            ranks = [cfg.get("r", 8), *(cfg.get("rank_pattern") or {}).values()]
+            best = max(best, *(int(r) for r in ranks if isinstance(r, int) and not isinstance(r, bool)))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue  # registering it reports what is wrong
+    return best
+
+
+def default_lora_memory_gb(device) -> float:
+    """2 GB on a CPU host; on an accelerator 5 % of its memory (what XLA reports), at least 1 GB."""
+    if device.platform == "cpu":
+        return 2.0
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 - not every backend reports memory
+        limit = None
+    return max(1.0, 0.05 * limit / 2**30) if limit else 2.0
+
+
+def generation_eos(model_dir: str) -> set[int]:
+    p = Path(model_dir) / "generation_config.json"
+    if not p.is_file():
+        return set()
+    try:
+        eos = json.loads(p.read_text()).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        return set()
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
+def enable_compilation_cache(path: Optional[str], distributed: Optional[dict] = None) -> None:
+    """JAX's persistent compilation cache, except for an engine over several processes: there
+    an executable read back from the cache (its own process's or another's) disagrees with the
+    peers' about its collectives (measured with JAX 0.10 on CPU: gloo "2048 vs 1024 bytes" at the
+    first step shape read back, every time, where freshly compiled ones agree), so each process
+    compiles afresh."""
+    import jax
+    if distributed and (distributed.get("num_processes") or 1) > 1:
+        log.info("several processes: no persistent compilation cache (see enable_compilation_cache)")
+        return
+    path = path or os.environ.get("MULTILORA_COMPILATION_CACHE")
+    if path is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        path = os.path.join(base, "multilora", "jax_cache")
+    if path in ("", "off", "0"):
+        return
+    try:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    except Exception as e:  # never fatal: it only saves time
+        log.info("no persistent compilation cache: %s", e)
