@@ -38,8 +38,9 @@ VMEM_LIMIT_BYTES = 64 * 1024 * 1024
 
 def query_block(num_tokens: int) -> int:
     """Rows per query block: 16 for decode-sized steps (a block's rows are 16 sequences, whose
-    pages it reads once), 64 for longer steps (a prefill chunk's keys are read once per block)."""
-    return 16 if num_tokens <= 64 else 64
+    pages it reads once; measured at 64 rows), 64 for longer steps (a prefill chunk's keys are
+    then read once per 64 of its tokens; the runner keeps such steps on XLA's path for now)."""
+    return 16 if num_tokens <= 256 else 64
 
 
 def _ranges(kv_page_seq_X, seq_idx_T, positions_T, page_size, sliding_window):

@@ -41,8 +41,13 @@ VMEM_BUDGET_BYTES = 40 * 1024 * 1024  # what one call's buffers may take (tm is 
 
 
 def chunk_adapters(table_width: int) -> int:
-    """Adapters per chunk: enough that a chunk's rank columns fill the MXU's lanes."""
-    return max(1, LANES // table_width)
+    """Adapters per chunk: enough that a chunk's rank columns fill the MXU's lanes, and an even
+    number where the width is an odd number of pages, so that a chunk's rows are whole (16, 128)
+    tiles of a bfloat16 buffer."""
+    n = max(1, LANES // table_width)
+    if (table_width // PAGE_ROWS) % 2 and n % 2:
+        n = n - 1 if n > 1 else 2
+    return n
 
 
 def token_tile(num_tokens: int, d_in: int, d_out: int, itemsize: int) -> int:
