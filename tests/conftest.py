@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import zlib
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch threads spin on a busy 2-core box
@@ -12,6 +13,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # would take bfloat16 where the CPU has AMX-BF16 or AVX512-BF16. The bfloat16 path is tested where it is asked for
 # by name (test_projections.py, test_model_parity.py, test_engine.py).
 os.environ.setdefault("MULTILORA_PROJECTION_DTYPE", "float32")
+# JAX's persistent compilation cache (which engines turn on) in a folder of this test session's
+# own: runs of other checkouts on the same machine never read or write the same entries (a read
+# racing another process's write crashed a run), and executables that hold host callbacks
+# (Pallas's interpreter, the kernels' CPU tests) never outlive the process that made them.
+os.environ.setdefault("MULTILORA_COMPILATION_CACHE", tempfile.mkdtemp(prefix="multilora-jax-cache-"))
 
 import pytest  # noqa: E402
 

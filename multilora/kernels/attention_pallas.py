@@ -25,6 +25,7 @@ p page size, X the step's pages, J query blocks, C pages per chunk.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,9 @@ def query_block(num_tokens: int) -> int:
     """Rows per query block: 16 for decode-sized steps (a block's rows are 16 sequences, whose
     pages it reads once; measured at 64 rows), 64 for longer steps (a prefill chunk's keys are
     then read once per 64 of its tokens; the runner keeps such steps on XLA's path for now)."""
+    forced = os.environ.get("MULTILORA_PALLAS_QUERY_BLOCK")  # a measurement knob (benchmarks/tpu_steps.sh)
+    if forced:
+        return int(forced)
     return 16 if num_tokens <= 256 else 64
 
 
