@@ -4,7 +4,8 @@
 # projections), 0 / 8 / 64 adapters, multilora's TPU backend beside `dense` (sglang-jax's one-hot
 # product over every slot). Raw output under $OUT. Parts (PARTS="..."): tests atests (the kernels'
 # tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention),
-# trace, pprobe (the Pallas attention's prefill side), offline (the engine's throughput).
+# trace, pprobe (the Pallas attention's prefill side), offline (the engine's throughput), stash and
+# agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py).
 # Try it on the CPU first: JAX_PLATFORMS=cpu QUICK=1 bash benchmarks/tpu_steps.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,5 +48,16 @@ for part in $PARTS; do
                && export PYTHONPATH=${PYTHONPATH:-}:/tmp/site
              timeout 500 python3 benchmarks/engine_throughput.py --adapters 0 8 64 --dtype bfloat16 \
                --workdir /tmp/bench --json "$OUT/offline.json" 2>&1 | tee "$OUT/offline.log" ;;
+    # greedy tokens against the CPU's float32 record: the GGUF's parts carried in .tpu-carry/ by
+    # earlier calls of the same lease (PARTS=stash), the gguf wheel in .whl-tpu/ (not yet tried there)
+    stash) mkdir -p /tmp/gguf && cp .tpu-carry/model.gguf.part* /tmp/gguf/ && ls -l /tmp/gguf ;;
+    agree) PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --only-binary=:all: \
+             --index-url file:///opt/pypi/simple --target /tmp/site safetensors tokenizers jinja2 markupsafe \
+             pyyaml tqdm requests
+           PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --target /tmp/site \
+             .whl-tpu/gguf-*.whl && export PYTHONPATH=${PYTHONPATH:-}:/tmp/site
+           cat /tmp/gguf/model.gguf.part* > /tmp/model.gguf
+           timeout 400 python3 benchmarks/tpu_agreement.py check --ref benchmarks/results/agreement_cpu_f32.json \
+             --gguf /tmp/model.gguf --dtype bfloat16 --json "$OUT/agreement_tpu_bf16.json" 2>&1 | tee "$OUT/agreement.log" ;;
   esac
 done
