@@ -15,8 +15,9 @@ SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
 )
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # The projections a LoRA adapter may target, in the order the model applies them.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -69,6 +70,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    qk_norm: bool = False         # RMSNorm over each head's q and k before RoPE (Qwen3)
 
     @property
     def q_dim(self) -> int:
@@ -104,7 +106,7 @@ class ModelConfig:
             )
         if not arch:
             arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                    "qwen2": "Qwen2ForCausalLM"}[model_type]
+                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
@@ -112,7 +114,8 @@ class ModelConfig:
             raise UnsupportedModelError("mlp_bias=true is not supported (Llama-family MLPs have no bias)")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or hidden // num_heads
+        # Qwen3's config class defaults head_dim to 128, not hidden / heads
+        head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // num_heads)
         num_kv = int(cfg.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv:
             raise UnsupportedModelError(
@@ -124,9 +127,7 @@ class ModelConfig:
         attention_bias = bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        sliding = None
-        if cfg.get("use_sliding_window", model_type == "mistral") and cfg.get("sliding_window"):
-            sliding = int(cfg["sliding_window"])
+        sliding = _sliding_window(cfg, arch, int(cfg["num_hidden_layers"]))
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -146,6 +147,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=sliding,
+            qk_norm=arch == "Qwen3ForCausalLM",
         )
 
     @classmethod
@@ -154,6 +156,30 @@ class ModelConfig:
         if not p.is_file():
             raise FileNotFoundError(f"no config.json in model folder {str(path)!r}")
         return cls.from_hf_dict(json.loads(p.read_text()))
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> int | None:
+    """The window every layer attends within, or None (all layers global). Mistral's window is on
+    every layer; Qwen2/Qwen3's (use_sliding_window) only on the layers that `layer_types` marks,
+    by default those from max_window_layers on, as transformers reads the config. Windowed and
+    global layers in one model are refused."""
+    window = cfg.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        return int(window) if cfg.get("use_sliding_window", True) and window else None
+    if not (cfg.get("use_sliding_window", False) and window):
+        return None
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full_attention"
+        for i in range(num_layers)]
+    kinds = set(types)
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"}:
+        return int(window)
+    raise UnsupportedModelError(
+        f"{arch} with layer_types {sorted(kinds)} (sliding-window layers beside global ones, "
+        f"max_window_layers={cfg.get('max_window_layers')}) is not supported; multilora applies one "
+        "window to every layer or none")
 
 
 def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:

@@ -39,7 +39,11 @@ from tests import reference
 FWD = jax.jit(forward, static_argnames=("cfg", "backend"))
 ATOL = 1e-4
 BACKENDS = ("bgmv", "sgmv", "dense", "reference", "pallas") + (("native",) if kernels.available() else ())
-KINDS = tuple(reference.TINY_CONFIGS)
+KINDS = reference.CORE_KINDS            # every test, every backend
+# Newer architectures (Qwen3's q/k norms): the forward's parity tests through a few backends.
+NEW_KINDS = tuple(k for k in reference.TINY_CONFIGS if k not in KINDS)
+NEW_BACKENDS = ("bgmv", "sgmv") + (("native",) if kernels.available() else ())
+KIND_BACKENDS = list(itertools.product(KINDS, BACKENDS)) + list(itertools.product(NEW_KINDS, NEW_BACKENDS))
 ADAPTERS = tuple(reference.ADAPTER_SPECS)  # in the main slots, adapter i lives in slot i + 1
 MAX_RANK = 16                              # the largest rank among ADAPTER_SPECS
 
@@ -154,8 +158,7 @@ def served(tiny_models, tiny_adapters):
 MAIN_SLOT_NAMES = {i + 1: name for i, name in enumerate(ADAPTERS)}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind,backend", KIND_BACKENDS)
 def test_mixed_prefill_matches_peft(kind, backend, served, peft_refs):
     cfg, weights, slots = served(kind)
     assert slots.num_slots - 1 == len(ADAPTERS)  # every slot full: a base row sits beside them
@@ -187,8 +190,7 @@ def test_split_layers_unrolled_match_peft(kind, served, peft_refs):
         _step(cfg, short, slots, _fresh_kv(cfg), chunks, "bgmv")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind,backend", KIND_BACKENDS)
 def test_chunked_prefill_then_decode_matches_peft(kind, backend, served, peft_refs):
     cfg, weights, slots = served(kind)
     ref = peft_refs[kind]
@@ -222,6 +224,32 @@ def test_chunked_prefill_then_decode_matches_peft(kind, backend, served, peft_re
             want = ref.logits(adapter, MULTI_TOKENS[i])[n + step]
             _check_rows(rows[row], want[None], f"{what} decode step {step}: seq {i} "
                                                f"(slot {slot}, adapter {adapter}, position {n + step})")
+
+
+# Greedy decoding through the forward: (prompt length, slot), base rows beside every adapter.
+GREEDY_SEQS = [(9, 0), (6, 1), (11, 2), (4, 3), (8, 4), (5, 0)]
+GREEDY_NEW = 8
+GREEDY_PROMPTS = [np.random.default_rng(5).integers(3, 256, size=n).tolist() for n, _ in GREEDY_SEQS]
+
+
+@pytest.mark.parametrize("kind", NEW_KINDS)
+def test_greedy_tokens_match_peft(kind, served, tiny_models, tiny_adapters, peft_greedy_cache):
+    """The prompts prefilled in one mixed step, then decode steps each feeding back the argmax:
+    PEFT's greedy tokens (transformers' generate) exactly, for base rows and every adapter."""
+    cfg, weights, slots = served(kind)
+    pages = _page_lists(60, [n + GREEDY_NEW for n, _ in GREEDY_SEQS])
+    kv = _fresh_kv(cfg)
+    chunks = [SeqChunk(p, 0, pg, slot) for p, pg, (_, slot) in zip(GREEDY_PROMPTS, pages, GREEDY_SEQS)]
+    got = [[] for _ in GREEDY_SEQS]
+    for step in range(GREEDY_NEW):
+        rows, kv = _step(cfg, weights, slots, kv, chunks, "bgmv")
+        for i, r in enumerate(rows):
+            got[i].append(int(np.argmax(r[-1])))
+        chunks = [SeqChunk([got[i][-1]], n + step, pages[i], slot) for i, (n, slot) in enumerate(GREEDY_SEQS)]
+    dirs = {slot: tiny_adapters[(kind, name)] for slot, name in MAIN_SLOT_NAMES.items()}
+    want = peft_greedy_cache.many(tiny_models[kind], [(dirs.get(slot), p) for p, (_, slot)
+                                                       in zip(GREEDY_PROMPTS, GREEDY_SEQS)], GREEDY_NEW)
+    assert got == want
 
 
 # A mixed step: sequences decoding one token (position, slot) beside other sequences' prefill
@@ -429,6 +457,47 @@ def test_unsupported_architecture_is_named():
     no_arch = {k: v for k, v in gpt2.items() if k != "architectures"}
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         ModelConfig.from_hf_dict(no_arch)
+
+
+@pytest.mark.parametrize("arch,model_type", [("Qwen3MoeForCausalLM", "qwen3_moe"),
+                                               ("Gemma2ForCausalLM", "gemma2")])
+def test_unimplemented_families_are_refused_by_name(arch, model_type):
+    hf = dict(reference.TINY_CONFIGS["qwen3"], architectures=[arch], model_type=model_type)
+    with pytest.raises(UnsupportedModelError, match=f"unsupported architecture '{arch}'"):
+        ModelConfig.from_hf_dict(hf)
+
+
+def test_qwen3_config():
+    """Qwen3: q/k norms on, head_dim apart from hidden / heads (128 when config.json omits it, as
+    transformers' Qwen3Config), no biases unless attention_bias (then o_proj's too)."""
+    hf = reference.TINY_CONFIGS["qwen3"]
+    cfg = ModelConfig.from_hf_dict(hf)
+    assert cfg.qk_norm and cfg.head_dim == 32 and cfg.q_dim == 128 != cfg.hidden_size
+    assert not cfg.attention_bias and not cfg.o_proj_bias and cfg.sliding_window is None
+    assert cfg.module_dims("o_proj") == (128, 64)
+    biased = ModelConfig.from_hf_dict(dict(hf, attention_bias=True))
+    assert biased.attention_bias and biased.o_proj_bias
+    no_head_dim = {k: v for k, v in hf.items() if k not in ("head_dim", "architectures")}
+    assert ModelConfig.from_hf_dict(no_head_dim).head_dim == 128
+    assert not ModelConfig.from_hf_dict(reference.TINY_CONFIGS["qwen2"]).qk_norm
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_qwen_sliding_window_follows_layer_types(kind):
+    """Qwen2/Qwen3 window only the layers from max_window_layers on (or those layer_types names),
+    as transformers does: all of them, one window; none, none; a mix is refused by name."""
+    hf = dict(reference.TINY_CONFIGS[kind], use_sliding_window=True, sliding_window=8)
+    assert ModelConfig.from_hf_dict(dict(hf, max_window_layers=0)).sliding_window == 8
+    assert ModelConfig.from_hf_dict(dict(hf, max_window_layers=28)).sliding_window is None
+    assert ModelConfig.from_hf_dict(dict(hf, use_sliding_window=False, max_window_layers=0)).sliding_window is None
+    with pytest.raises(UnsupportedModelError, match="sliding_attention.*one window to every layer"):
+        ModelConfig.from_hf_dict(dict(hf, max_window_layers=1))
+    with pytest.raises(UnsupportedModelError, match="full_attention.*sliding_attention"):
+        ModelConfig.from_hf_dict(dict(hf, layer_types=["sliding_attention", "full_attention"]))
+    mistral = dict(reference.TINY_CONFIGS["llama"], architectures=["MistralForCausalLM"], model_type="mistral",
+                   sliding_window=8)
+    mistral.pop("rope_scaling")
+    assert ModelConfig.from_hf_dict(mistral).sliding_window == 8
 
 
 @pytest.mark.parametrize("scaling", [

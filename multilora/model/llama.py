@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) as a pure function of pytrees.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) as a pure function of pytrees.
 
     forward(weights, lora, kv, batch, cfg, backend) -> (logits, kv)   [hidden=True: + x_TD]
 
@@ -38,6 +38,10 @@ def _has_o_bias(cfg: ModelConfig) -> bool:
     return cfg.o_proj_bias
 
 
+def _has_qk_norm(cfg: ModelConfig) -> bool:
+    return cfg.qk_norm
+
+
 def _untied(cfg: ModelConfig) -> bool:
     return not cfg.tie_word_embeddings
 
@@ -62,6 +66,8 @@ class LayerWeights:
     bk_LO: Optional[jax.Array] = weight(("layers", "kv_out"), "self_attn.k_proj.bias", present=_has_qkv_bias)
     bv_LO: Optional[jax.Array] = weight(("layers", "kv_out"), "self_attn.v_proj.bias", present=_has_qkv_bias)
     bo_LD: Optional[jax.Array] = weight(("layers", "embed"), "self_attn.o_proj.bias", present=_has_o_bias)
+    q_norm_LH: Optional[jax.Array] = weight(("layers", "head_dim"), "self_attn.q_norm.weight", present=_has_qk_norm)
+    k_norm_LH: Optional[jax.Array] = weight(("layers", "head_dim"), "self_attn.k_norm.weight", present=_has_qk_norm)
 
 
 @jax.tree_util.register_dataclass
@@ -258,8 +264,12 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         if be is not None:
             q, k, v = with_lora(lambda ll, be: be.run_qkv_lora(
                 hid, ll.qkv_a_LUD, (ll.q_b_LUO, ll.k_b_LUO, ll.v_b_LUO), info), idx, q, k, v)
-        q_TNH = apply_rope(q.reshape(t, n, h), cos_TH, sin_TH)
-        k_TKH = apply_rope(k.reshape(t, kvh, h), cos_TH, sin_TH)
+        q_TNH, k_TKH = q.reshape(t, n, h), k.reshape(t, kvh, h)
+        if lw.q_norm_LH is not None:  # Qwen3: each head's q and k RMS-normed (after LoRA, before RoPE)
+            q_TNH = rms_norm(q_TNH, lw.q_norm_LH, cfg.rms_norm_eps)
+            k_TKH = rms_norm(k_TKH, lw.k_norm_LH, cfg.rms_norm_eps)
+        q_TNH = apply_rope(q_TNH, cos_TH, sin_TH)
+        k_TKH = apply_rope(k_TKH, cos_TH, sin_TH)
         k_cache = write_kv(k_cache, idx, batch.slot_mapping_T, k_TKH, kv_heads_major)
         v_cache = write_kv(v_cache, idx, batch.slot_mapping_T, v.reshape(t, kvh, h), kv_heads_major)
         dec = decode_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
