@@ -34,8 +34,13 @@ TINY_CONFIGS = {
                   intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
                   tie_word_embeddings=False, hidden_act="silu", attention_bias=False, use_sliding_window=False),
+    # a sliding window of 5 keys on every layer: most test prompts are longer
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=256, hidden_size=64,
+                    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=5,
+                    tie_word_embeddings=False, hidden_act="silu"),
 }
-# The kinds every parity test runs on; the others (newer architectures) run in a subset of the
+# The kinds every parity test runs on; the others (Qwen3, Mistral) run in a subset of the
 # tests and backends (tests/test_model_parity.py), which keeps the suite's time in bounds.
 CORE_KINDS = ("llama", "qwen2", "tied")
 

@@ -1,5 +1,7 @@
 """Model parity: multilora's forward against transformers + PEFT at fp32, every row of mixed
-batches (base-model rows beside full adapter slots), for each tiny config and each backend.
+batches (base-model rows beside full adapter slots), for each tiny config (Llama, Qwen2 and a tied
+Llama through every test and backend; Qwen3 and Mistral through the prefill and decode tests, a few
+backends and greedy decoding) and each backend.
 
 Covers one mixed prefill batch, chunked prefill followed by decode steps over shuffled pages, a
 mixed step (decode rows and prefill chunks in one batch) against the same work in separate steps,
@@ -40,7 +42,8 @@ FWD = jax.jit(forward, static_argnames=("cfg", "backend"))
 ATOL = 1e-4
 BACKENDS = ("bgmv", "sgmv", "dense", "reference", "pallas") + (("native",) if kernels.available() else ())
 KINDS = reference.CORE_KINDS            # every test, every backend
-# Newer architectures (Qwen3's q/k norms): the forward's parity tests through a few backends.
+# The other kinds (Qwen3's q/k norms, Mistral's sliding window, shorter than most prompts here):
+# the forward's parity tests and greedy tokens, through a few backends.
 NEW_KINDS = tuple(k for k in reference.TINY_CONFIGS if k not in KINDS)
 NEW_BACKENDS = ("bgmv", "sgmv") + (("native",) if kernels.available() else ())
 KIND_BACKENDS = list(itertools.product(KINDS, BACKENDS)) + list(itertools.product(NEW_KINDS, NEW_BACKENDS))
