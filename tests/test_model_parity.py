@@ -38,7 +38,7 @@ from multilora.model.loader import load_weights
 from multilora.model.sharding import make_mesh
 from tests import reference
 
-FWD = jax.jit(forward, static_argnames=("cfg", "backend"))
+FWD = jax.jit(forward, static_argnames=("cfg", "backend", "native_attention"))
 ATOL = 1e-4
 BACKENDS = ("bgmv", "sgmv", "dense", "reference", "pallas") + (("native",) if kernels.available() else ())
 KINDS = reference.CORE_KINDS            # every test, every backend
@@ -97,9 +97,10 @@ def _page_lists(seed: int, lengths) -> list[list[int]]:
     return out
 
 
-def _step(cfg, weights, slots, kv, chunks, backend):
+def _step(cfg, weights, slots, kv, chunks, backend, native_attention=False):
     """One step of the chunks, in any order (build_batch gets them single-token chunks first).
-    Returns each chunk's logits rows (one per token), in the given order, and the cache."""
+    Returns each chunk's logits rows (one per token), in the given order, and the cache.
+    native_attention: through multilora's CPU attention kernels (as the engine runs on a CPU)."""
     order = decode_first(chunks)
     ordered = [chunks[i] for i in order]
     t = next(t for t in STEP_TOKENS if t >= sum(len(c.token_ids) for c in chunks))
@@ -109,7 +110,7 @@ def _step(cfg, weights, slots, kv, chunks, backend):
                                                                           slots.rows_SR),
                         all_logits=True)
     assert int(batch.num_decode) == sum(len(c.token_ids) == 1 for c in chunks)
-    logits, kv = FWD(weights, slots.weights, kv, batch, cfg=cfg, backend=backend)
+    logits, kv = FWD(weights, slots.weights, kv, batch, cfg=cfg, backend=backend, native_attention=native_attention)
     logits = np.asarray(logits)
     assert logits.shape == (t, cfg.vocab_size)
     ends = np.cumsum([len(c.token_ids) for c in ordered])
@@ -238,14 +239,16 @@ GREEDY_PROMPTS = [np.random.default_rng(5).integers(3, 256, size=n).tolist() for
 @pytest.mark.parametrize("kind", NEW_KINDS)
 def test_greedy_tokens_match_peft(kind, served, tiny_models, tiny_adapters, peft_greedy_cache):
     """The prompts prefilled in one mixed step, then decode steps each feeding back the argmax:
-    PEFT's greedy tokens (transformers' generate) exactly, for base rows and every adapter."""
+    PEFT's greedy tokens (transformers' generate) exactly, for base rows and every adapter. The
+    attention runs through multilora's CPU kernels where they are built, as the engine's would
+    (the logits tests above run XLA's)."""
     cfg, weights, slots = served(kind)
     pages = _page_lists(60, [n + GREEDY_NEW for n, _ in GREEDY_SEQS])
     kv = _fresh_kv(cfg)
     chunks = [SeqChunk(p, 0, pg, slot) for p, pg, (_, slot) in zip(GREEDY_PROMPTS, pages, GREEDY_SEQS)]
     got = [[] for _ in GREEDY_SEQS]
     for step in range(GREEDY_NEW):
-        rows, kv = _step(cfg, weights, slots, kv, chunks, "bgmv")
+        rows, kv = _step(cfg, weights, slots, kv, chunks, "bgmv", native_attention=kernels.available())
         for i, r in enumerate(rows):
             got[i].append(int(np.argmax(r[-1])))
         chunks = [SeqChunk([got[i][-1]], n + step, pages[i], slot) for i, (n, slot) in enumerate(GREEDY_SEQS)]
