@@ -1,7 +1,7 @@
 """Model parity: multilora's forward against transformers + PEFT at fp32, every row of mixed
 batches (base-model rows beside full adapter slots), for each tiny config (Llama, Qwen2 and a tied
-Llama through every test and backend; Qwen3 and Mistral through the prefill and decode tests, a few
-backends and greedy decoding) and each backend.
+Llama through every test and backend; Qwen3, Mistral and Gemma 2 through the prefill and decode
+tests, a few backends and greedy decoding) and each backend.
 
 Covers one mixed prefill batch, chunked prefill followed by decode steps over shuffled pages, a
 mixed step (decode rows and prefill chunks in one batch) against the same work in separate steps,
@@ -42,7 +42,8 @@ FWD = jax.jit(forward, static_argnames=("cfg", "backend", "native_attention"))
 ATOL = 1e-4
 BACKENDS = ("bgmv", "sgmv", "dense", "reference", "pallas") + (("native",) if kernels.available() else ())
 KINDS = reference.CORE_KINDS            # every test, every backend
-# The other kinds (Qwen3's q/k norms, Mistral's sliding window, shorter than most prompts here):
+# The other kinds (Qwen3's q/k norms, Mistral's sliding window, Gemma 2's soft caps and alternating
+# windows; windows shorter than most prompts here):
 # the forward's parity tests and greedy tokens, through a few backends.
 NEW_KINDS = tuple(k for k in reference.TINY_CONFIGS if k not in KINDS)
 NEW_BACKENDS = ("bgmv", "sgmv") + (("native",) if kernels.available() else ())
@@ -173,7 +174,7 @@ def test_mixed_prefill_matches_peft(kind, backend, served, peft_refs):
                    f"{kind}/{backend} mixed prefill")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ("gemma2",))  # gemma2: each unrolled layer's own window
 def test_split_layers_unrolled_match_peft(kind, served, peft_refs):
     """The layers as separate arrays (the forward unrolls them, nothing sliced out of a stack):
     the same logits as PEFT, and as the scan over the stacked layers."""
@@ -241,7 +242,7 @@ def test_greedy_tokens_match_peft(kind, served, tiny_models, tiny_adapters, peft
     """The prompts prefilled in one mixed step, then decode steps each feeding back the argmax:
     PEFT's greedy tokens (transformers' generate) exactly, for base rows and every adapter. The
     attention runs through multilora's CPU kernels where they are built, as the engine's would
-    (the logits tests above run XLA's)."""
+    (the logits tests above run XLA's; Gemma 2's soft-capped scores run XLA's here too)."""
     cfg, weights, slots = served(kind)
     pages = _page_lists(60, [n + GREEDY_NEW for n, _ in GREEDY_SEQS])
     kv = _fresh_kv(cfg)
@@ -466,7 +467,7 @@ def test_unsupported_architecture_is_named():
 
 
 @pytest.mark.parametrize("arch,model_type", [("Qwen3MoeForCausalLM", "qwen3_moe"),
-                                               ("Gemma2ForCausalLM", "gemma2")])
+                                               ("Gemma3ForCausalLM", "gemma3_text")])
 def test_unimplemented_families_are_refused_by_name(arch, model_type):
     hf = dict(reference.TINY_CONFIGS["qwen3"], architectures=[arch], model_type=model_type)
     with pytest.raises(UnsupportedModelError, match=f"unsupported architecture '{arch}'"):
@@ -479,7 +480,7 @@ def test_qwen3_config():
     hf = reference.TINY_CONFIGS["qwen3"]
     cfg = ModelConfig.from_hf_dict(hf)
     assert cfg.qk_norm and cfg.head_dim == 32 and cfg.q_dim == 128 != cfg.hidden_size
-    assert not cfg.attention_bias and not cfg.o_proj_bias and cfg.sliding_window is None
+    assert not cfg.attention_bias and not cfg.o_proj_bias and cfg.hidden_act == "silu"
     assert cfg.module_dims("o_proj") == (128, 64)
     biased = ModelConfig.from_hf_dict(dict(hf, attention_bias=True))
     assert biased.attention_bias and biased.o_proj_bias
@@ -488,22 +489,46 @@ def test_qwen3_config():
     assert not ModelConfig.from_hf_dict(reference.TINY_CONFIGS["qwen2"]).qk_norm
 
 
+def test_gemma2_config():
+    """Gemma 2 as transformers' Gemma2Config reads it, defaults included: every other layer local
+    from layer 0, soft caps 50 and 30, query_pre_attn_scalar 256, tied embeddings, GELU (tanh)."""
+    cfg = ModelConfig.from_hf_dict(reference.TINY_CONFIGS["gemma2"])
+    assert cfg.layer_windows == (5, None, 5) and cfg.attn_logit_softcapping == 2.0
+    assert cfg.final_logit_softcapping == 3.0 and cfg.query_pre_attn_scalar == 24.0
+    assert cfg.gemma_norms and cfg.embed_scale and cfg.hidden_act == "gelu_tanh" and cfg.tie_word_embeddings
+    bare = {k: v for k, v in reference.TINY_CONFIGS["gemma2"].items()
+            if k not in ("architectures", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                         "sliding_window", "tie_word_embeddings", "head_dim", "hidden_activation")}
+    cfg = ModelConfig.from_hf_dict(bare)
+    assert cfg.architecture == "Gemma2ForCausalLM" and cfg.layer_windows == (4096, None, 4096)
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping, cfg.query_pre_attn_scalar) == (50.0, 30.0, 256.0)
+    assert cfg.tie_word_embeddings and cfg.head_dim == 256 and cfg.hidden_act == "gelu_tanh"
+    uncapped = ModelConfig.from_hf_dict(dict(bare, attn_logit_softcapping=None, final_logit_softcapping=None))
+    assert uncapped.attn_logit_softcapping is None and uncapped.final_logit_softcapping is None
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'silu' for Gemma2ForCausalLM"):
+        ModelConfig.from_hf_dict(dict(bare, hidden_activation="silu"))
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf_dict(dict(bare, use_bidirectional_attention=True))
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
 def test_qwen_sliding_window_follows_layer_types(kind):
     """Qwen2/Qwen3 window only the layers from max_window_layers on (or those layer_types names),
-    as transformers does: all of them, one window; none, none; a mix is refused by name."""
+    as transformers does; the others attend globally."""
     hf = dict(reference.TINY_CONFIGS[kind], use_sliding_window=True, sliding_window=8)
-    assert ModelConfig.from_hf_dict(dict(hf, max_window_layers=0)).sliding_window == 8
-    assert ModelConfig.from_hf_dict(dict(hf, max_window_layers=28)).sliding_window is None
+    hf.pop("max_window_layers", None)
+    assert ModelConfig.from_hf_dict(dict(hf, max_window_layers=0)).layer_windows == (8, 8)
+    assert ModelConfig.from_hf_dict(hf).layer_windows == (None, None)   # max_window_layers 28 by default
     assert ModelConfig.from_hf_dict(dict(hf, use_sliding_window=False, max_window_layers=0)).sliding_window is None
-    with pytest.raises(UnsupportedModelError, match="sliding_attention.*one window to every layer"):
-        ModelConfig.from_hf_dict(dict(hf, max_window_layers=1))
-    with pytest.raises(UnsupportedModelError, match="full_attention.*sliding_attention"):
-        ModelConfig.from_hf_dict(dict(hf, layer_types=["sliding_attention", "full_attention"]))
+    assert ModelConfig.from_hf_dict(dict(hf, max_window_layers=1)).layer_windows == (None, 8)
+    cfg = ModelConfig.from_hf_dict(dict(hf, layer_types=["sliding_attention", "full_attention"]))
+    assert cfg.layer_windows == (8, None) and cfg.global_layers == (1,)
+    with pytest.raises(UnsupportedModelError, match="layer_types must name each of the 2 layers"):
+        ModelConfig.from_hf_dict(dict(hf, layer_types=["sliding_attention", "chunked_attention"]))
     mistral = dict(reference.TINY_CONFIGS["llama"], architectures=["MistralForCausalLM"], model_type="mistral",
                    sliding_window=8)
     mistral.pop("rope_scaling")
-    assert ModelConfig.from_hf_dict(mistral).sliding_window == 8
+    assert ModelConfig.from_hf_dict(mistral).layer_windows == (8, 8)
 
 
 @pytest.mark.parametrize("scaling", [
