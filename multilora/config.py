@@ -195,14 +195,14 @@ def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[in
     """(the window, the layers without it), as transformers reads the config: Mistral's window on
     every layer; Qwen2/Qwen3's (use_sliding_window) on the layers `layer_types` marks, by default
     those from max_window_layers on; Gemma 2's on the layers `layer_types` marks, by default every
-    other layer from layer 0."""
+    other layer from layer 0; Llama's nowhere (transformers' Llama has no sliding window)."""
     window = cfg.get("sliding_window")
     if arch == "MistralForCausalLM":
         return (int(window) if cfg.get("use_sliding_window", True) and window else None), ()
     if arch == "Gemma2ForCausalLM":
         window = cfg.get("sliding_window", 4096)
         default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
-    elif cfg.get("use_sliding_window", False):
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window", False):
         default = ["sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full_attention"
                    for i in range(num_layers)]
     else:

@@ -529,6 +529,9 @@ def test_qwen_sliding_window_follows_layer_types(kind):
                    sliding_window=8)
     mistral.pop("rope_scaling")
     assert ModelConfig.from_hf_dict(mistral).layer_windows == (8, 8)
+    llama = dict(mistral, architectures=["LlamaForCausalLM"], model_type="llama", use_sliding_window=True,
+                 max_window_layers=0)
+    assert ModelConfig.from_hf_dict(llama).sliding_window is None  # transformers' Llama has none
 
 
 @pytest.mark.parametrize("scaling", [
