@@ -15,8 +15,11 @@ SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
 )
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+_ARCH_OF_TYPE = dict(zip(SUPPORTED_MODEL_TYPES, SUPPORTED_ARCHITECTURES))
 
 # The projections a LoRA adapter may target, in the order the model applies them.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -69,6 +72,18 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    global_layers: tuple[int, ...] = ()  # layers that attend to every key despite sliding_window
+    qk_norm: bool = False         # RMSNorm over each head's q and k before RoPE (Qwen3)
+    # Gemma 2: RMSNorm weights applied as (1 + w); norms after attention and after the MLP too
+    # (on their outputs, before the residual add); GELU (tanh) in place of SiLU; the embedding
+    # times sqrt(hidden_size); attention scores scaled by query_pre_attn_scalar ** -0.5 instead
+    # of head_dim ** -0.5; attention scores and final logits soft-capped: cap * tanh(x / cap).
+    gemma_norms: bool = False
+    hidden_act: str = "silu"
+    embed_scale: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def q_dim(self) -> int:
@@ -77,6 +92,11 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: it attends to every earlier key)."""
+        return tuple(None if i in self.global_layers else self.sliding_window for i in range(self.num_layers))
 
     def module_dims(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of a projection, as a LoRA adapter must match them."""
@@ -102,17 +122,22 @@ class ModelConfig:
                 f"unsupported architecture {arch or model_type!r}; multilora supports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_type {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        if not arch:
-            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                    "qwen2": "Qwen2ForCausalLM"}[model_type]
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise UnsupportedModelError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+        arch = arch or _ARCH_OF_TYPE[model_type]
+        gemma = arch == "Gemma2ForCausalLM"
+        act = (cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh") if gemma else \
+            cfg.get("hidden_act", "silu")
+        acts = ("gelu_pytorch_tanh", "gelu_tanh") if gemma else ("silu", "swish")
+        if act not in acts:
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r} for {arch}; supported: {', '.join(acts)}")
+        if cfg.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("use_bidirectional_attention=true is not supported (causal LMs only)")
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=true is not supported (Llama-family MLPs have no bias)")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or hidden // num_heads
+        # Qwen3's and Gemma 2's config classes default head_dim to 128 and 256, not hidden / heads
+        head_dim = cfg.get("head_dim") or {"Qwen3ForCausalLM": 128, "Gemma2ForCausalLM": 256}.get(
+            arch, hidden // num_heads)
         num_kv = int(cfg.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv:
             raise UnsupportedModelError(
@@ -124,9 +149,7 @@ class ModelConfig:
         attention_bias = bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        sliding = None
-        if cfg.get("use_sliding_window", model_type == "mistral") and cfg.get("sliding_window"):
-            sliding = int(cfg["sliding_window"])
+        sliding, global_layers = _sliding_window(cfg, arch, int(cfg["num_hidden_layers"]))
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -139,13 +162,21 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             attention_bias=attention_bias,
             o_proj_bias=attention_bias and arch != "Qwen2ForCausalLM",
             architecture=arch,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=sliding,
+            global_layers=global_layers,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            gemma_norms=gemma,
+            hidden_act="gelu_tanh" if gemma else "silu",
+            embed_scale=gemma,
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None,
+            attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping", 50.0)) if gemma else None,
+            final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping", 30.0)) if gemma else None,
         )
 
     @classmethod
@@ -154,6 +185,36 @@ class ModelConfig:
         if not p.is_file():
             raise FileNotFoundError(f"no config.json in model folder {str(path)!r}")
         return cls.from_hf_dict(json.loads(p.read_text()))
+
+
+def _optional_float(x) -> float | None:
+    return None if x is None else float(x)
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(the window, the layers without it), as transformers reads the config: Mistral's window on
+    every layer; Qwen2/Qwen3's (use_sliding_window) on the layers `layer_types` marks, by default
+    those from max_window_layers on; Gemma 2's on the layers `layer_types` marks, by default every
+    other layer from layer 0; Llama's nowhere (transformers' Llama has no sliding window)."""
+    window = cfg.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        return (int(window) if cfg.get("use_sliding_window", True) and window else None), ()
+    if arch == "Gemma2ForCausalLM":
+        window = cfg.get("sliding_window", 4096)
+        default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window", False):
+        default = ["sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full_attention"
+                   for i in range(num_layers)]
+    else:
+        return None, ()
+    types = cfg.get("layer_types") or default
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if len(types) != num_layers or unknown:
+        raise UnsupportedModelError(f"layer_types must name each of the {num_layers} layers "
+                                    f"'sliding_attention' or 'full_attention', got {types!r}")
+    if not window or "sliding_attention" not in types:
+        return None, ()
+    return int(window), tuple(i for i, t in enumerate(types) if t == "full_attention")
 
 
 def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:

@@ -29,7 +29,30 @@ TINY_CONFIGS = {
                  intermediate_size=128, num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3,
                  max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
                  tie_word_embeddings=True, hidden_act="silu", attention_bias=True),  # biases on q/k/v/o
+    # per-head q/k RMSNorm; head_dim 32 apart from hidden / heads = 16 (q_dim 128 > hidden 64); a
+    # sliding window of 5 on the layers from max_window_layers=1 on (layer 0 global, layer 1 local)
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=256, hidden_size=64,
+                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                  tie_word_embeddings=False, hidden_act="silu", attention_bias=False, use_sliding_window=True,
+                  sliding_window=5, max_window_layers=1),
+    # a sliding window of 5 keys on every layer: most test prompts are longer
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=256, hidden_size=64,
+                    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=5,
+                    tie_word_embeddings=False, hidden_act="silu"),
+    # local (window 5) and global layers alternating over 3 layers (a whole pair and one more),
+    # soft caps small enough to bend the scores and logits, query_pre_attn_scalar apart from
+    # head_dim, random (1 + w) norm weights (make_tiny_model), tied embeddings
+    "gemma2": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=256, hidden_size=64,
+                   intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+                   query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                   sliding_window=5, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"),
 }
+# The kinds every parity test runs on; the others (Qwen3, Mistral, Gemma 2) run in a subset of the
+# tests and backends (tests/test_model_parity.py), which keeps the suite's time in bounds.
+CORE_KINDS = ("llama", "qwen2", "tied")
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTER_SPECS = {
@@ -81,6 +104,10 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
                 p.normal_(0.0, 0.08)
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.2)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # ones by default: a no-op to test
+                p.uniform_(0.5, 1.5)
+            if cfg_dict["model_type"] == "gemma2" and name.endswith("norm.weight"):  # zeros: (1 + w) = 1
+                p.normal_(0.0, 0.3)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 

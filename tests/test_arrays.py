@@ -30,7 +30,7 @@ def test_every_field_declares_its_array():
         assert sorted(mods) == sorted(LORA_MODULES), side
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "tied"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "tied", "qwen3", "gemma2"])
 def test_loaded_weights_follow_their_declarations(kind, tiny_models):
     """Shapes from the declared axes, absent arrays None (biases, a tied head), values equal to
     the checkpoint's tensors (transposed where declared), and the LoRA pools' shapes."""
@@ -52,7 +52,10 @@ def test_loaded_weights_follow_their_declarations(kind, tiny_models):
         if got is not None:
             want = tensors[info.key]
             np.testing.assert_array_equal(np.asarray(got), want.T if info.transpose else want)
-    assert (w.layers.bq_LO is not None) == (kind != "llama") and (w.lm_head_DV is None) == (kind == "tied")
+    assert (w.layers.bq_LO is not None) == (kind in ("qwen2", "tied")) and (w.lm_head_DV is None) == (kind in ("tied", "gemma2"))
+    assert (w.layers.q_norm_LH is not None) == (kind == "qwen3")  # (L, head_dim): Qwen3's per-head q/k norms
+    # Gemma 2: its pre-MLP norm in place of mlp_norm_LD, norms after attention and after the MLP
+    assert (w.layers.mlp_norm_LD is None) == (w.layers.post_attn_norm_LD is not None) == (kind == "gemma2")
     # an adapter's module shapes (what adapter.py validates against) agree with the pools
     widths = lora_feature_dims(cfg)
     for module in LORA_MODULES:

@@ -1,5 +1,7 @@
 """Model parity: multilora's forward against transformers + PEFT at fp32, every row of mixed
-batches (base-model rows beside full adapter slots), for each tiny config and each backend.
+batches (base-model rows beside full adapter slots), for each tiny config (Llama, Qwen2 and a tied
+Llama through every test and backend; Qwen3, Mistral and Gemma 2 through the prefill and decode
+tests, a few backends and greedy decoding) and each backend.
 
 Covers one mixed prefill batch, chunked prefill followed by decode steps over shuffled pages, a
 mixed step (decode rows and prefill chunks in one batch) against the same work in separate steps,
@@ -36,10 +38,16 @@ from multilora.model.loader import load_weights
 from multilora.model.sharding import make_mesh
 from tests import reference
 
-FWD = jax.jit(forward, static_argnames=("cfg", "backend"))
+FWD = jax.jit(forward, static_argnames=("cfg", "backend", "native_attention"))
 ATOL = 1e-4
 BACKENDS = ("bgmv", "sgmv", "dense", "reference", "pallas") + (("native",) if kernels.available() else ())
-KINDS = tuple(reference.TINY_CONFIGS)
+KINDS = reference.CORE_KINDS            # every test, every backend
+# The other kinds (Qwen3's q/k norms, Mistral's sliding window, Gemma 2's soft caps and alternating
+# windows; windows shorter than most prompts here):
+# the forward's parity tests and greedy tokens, through a few backends.
+NEW_KINDS = tuple(k for k in reference.TINY_CONFIGS if k not in KINDS)
+NEW_BACKENDS = ("bgmv", "sgmv") + (("native",) if kernels.available() else ())
+KIND_BACKENDS = list(itertools.product(KINDS, BACKENDS)) + list(itertools.product(NEW_KINDS, NEW_BACKENDS))
 ADAPTERS = tuple(reference.ADAPTER_SPECS)  # in the main slots, adapter i lives in slot i + 1
 MAX_RANK = 16                              # the largest rank among ADAPTER_SPECS
 
@@ -90,9 +98,10 @@ def _page_lists(seed: int, lengths) -> list[list[int]]:
     return out
 
 
-def _step(cfg, weights, slots, kv, chunks, backend):
+def _step(cfg, weights, slots, kv, chunks, backend, native_attention=False):
     """One step of the chunks, in any order (build_batch gets them single-token chunks first).
-    Returns each chunk's logits rows (one per token), in the given order, and the cache."""
+    Returns each chunk's logits rows (one per token), in the given order, and the cache.
+    native_attention: through multilora's CPU attention kernels (as the engine runs on a CPU)."""
     order = decode_first(chunks)
     ordered = [chunks[i] for i in order]
     t = next(t for t in STEP_TOKENS if t >= sum(len(c.token_ids) for c in chunks))
@@ -102,7 +111,7 @@ def _step(cfg, weights, slots, kv, chunks, backend):
                                                                           slots.rows_SR),
                         all_logits=True)
     assert int(batch.num_decode) == sum(len(c.token_ids) == 1 for c in chunks)
-    logits, kv = FWD(weights, slots.weights, kv, batch, cfg=cfg, backend=backend)
+    logits, kv = FWD(weights, slots.weights, kv, batch, cfg=cfg, backend=backend, native_attention=native_attention)
     logits = np.asarray(logits)
     assert logits.shape == (t, cfg.vocab_size)
     ends = np.cumsum([len(c.token_ids) for c in ordered])
@@ -154,8 +163,7 @@ def served(tiny_models, tiny_adapters):
 MAIN_SLOT_NAMES = {i + 1: name for i, name in enumerate(ADAPTERS)}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind,backend", KIND_BACKENDS)
 def test_mixed_prefill_matches_peft(kind, backend, served, peft_refs):
     cfg, weights, slots = served(kind)
     assert slots.num_slots - 1 == len(ADAPTERS)  # every slot full: a base row sits beside them
@@ -166,7 +174,7 @@ def test_mixed_prefill_matches_peft(kind, backend, served, peft_refs):
                    f"{kind}/{backend} mixed prefill")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ("gemma2",))  # gemma2: each unrolled layer's own window
 def test_split_layers_unrolled_match_peft(kind, served, peft_refs):
     """The layers as separate arrays (the forward unrolls them, nothing sliced out of a stack):
     the same logits as PEFT, and as the scan over the stacked layers."""
@@ -187,8 +195,7 @@ def test_split_layers_unrolled_match_peft(kind, served, peft_refs):
         _step(cfg, short, slots, _fresh_kv(cfg), chunks, "bgmv")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind,backend", KIND_BACKENDS)
 def test_chunked_prefill_then_decode_matches_peft(kind, backend, served, peft_refs):
     cfg, weights, slots = served(kind)
     ref = peft_refs[kind]
@@ -222,6 +229,34 @@ def test_chunked_prefill_then_decode_matches_peft(kind, backend, served, peft_re
             want = ref.logits(adapter, MULTI_TOKENS[i])[n + step]
             _check_rows(rows[row], want[None], f"{what} decode step {step}: seq {i} "
                                                f"(slot {slot}, adapter {adapter}, position {n + step})")
+
+
+# Greedy decoding through the forward: (prompt length, slot), base rows beside every adapter.
+GREEDY_SEQS = [(9, 0), (6, 1), (11, 2), (4, 3), (8, 4), (5, 0)]
+GREEDY_NEW = 8
+GREEDY_PROMPTS = [np.random.default_rng(5).integers(3, 256, size=n).tolist() for n, _ in GREEDY_SEQS]
+
+
+@pytest.mark.parametrize("kind", NEW_KINDS)
+def test_greedy_tokens_match_peft(kind, served, tiny_models, tiny_adapters, peft_greedy_cache):
+    """The prompts prefilled in one mixed step, then decode steps each feeding back the argmax:
+    PEFT's greedy tokens (transformers' generate) exactly, for base rows and every adapter. The
+    attention runs through multilora's CPU kernels where they are built, as the engine's would
+    (the logits tests above run XLA's; Gemma 2's soft-capped scores run XLA's here too)."""
+    cfg, weights, slots = served(kind)
+    pages = _page_lists(60, [n + GREEDY_NEW for n, _ in GREEDY_SEQS])
+    kv = _fresh_kv(cfg)
+    chunks = [SeqChunk(p, 0, pg, slot) for p, pg, (_, slot) in zip(GREEDY_PROMPTS, pages, GREEDY_SEQS)]
+    got = [[] for _ in GREEDY_SEQS]
+    for step in range(GREEDY_NEW):
+        rows, kv = _step(cfg, weights, slots, kv, chunks, "bgmv", native_attention=kernels.available())
+        for i, r in enumerate(rows):
+            got[i].append(int(np.argmax(r[-1])))
+        chunks = [SeqChunk([got[i][-1]], n + step, pages[i], slot) for i, (n, slot) in enumerate(GREEDY_SEQS)]
+    dirs = {slot: tiny_adapters[(kind, name)] for slot, name in MAIN_SLOT_NAMES.items()}
+    want = peft_greedy_cache.many(tiny_models[kind], [(dirs.get(slot), p) for p, (_, slot)
+                                                       in zip(GREEDY_PROMPTS, GREEDY_SEQS)], GREEDY_NEW)
+    assert got == want
 
 
 # A mixed step: sequences decoding one token (position, slot) beside other sequences' prefill
@@ -429,6 +464,74 @@ def test_unsupported_architecture_is_named():
     no_arch = {k: v for k, v in gpt2.items() if k != "architectures"}
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         ModelConfig.from_hf_dict(no_arch)
+
+
+@pytest.mark.parametrize("arch,model_type", [("Qwen3MoeForCausalLM", "qwen3_moe"),
+                                               ("Gemma3ForCausalLM", "gemma3_text")])
+def test_unimplemented_families_are_refused_by_name(arch, model_type):
+    hf = dict(reference.TINY_CONFIGS["qwen3"], architectures=[arch], model_type=model_type)
+    with pytest.raises(UnsupportedModelError, match=f"unsupported architecture '{arch}'"):
+        ModelConfig.from_hf_dict(hf)
+
+
+def test_qwen3_config():
+    """Qwen3: q/k norms on, head_dim apart from hidden / heads (128 when config.json omits it, as
+    transformers' Qwen3Config), no biases unless attention_bias (then o_proj's too)."""
+    hf = reference.TINY_CONFIGS["qwen3"]
+    cfg = ModelConfig.from_hf_dict(hf)
+    assert cfg.qk_norm and cfg.head_dim == 32 and cfg.q_dim == 128 != cfg.hidden_size
+    assert not cfg.attention_bias and not cfg.o_proj_bias and cfg.hidden_act == "silu"
+    assert cfg.module_dims("o_proj") == (128, 64)
+    biased = ModelConfig.from_hf_dict(dict(hf, attention_bias=True))
+    assert biased.attention_bias and biased.o_proj_bias
+    no_head_dim = {k: v for k, v in hf.items() if k not in ("head_dim", "architectures")}
+    assert ModelConfig.from_hf_dict(no_head_dim).head_dim == 128
+    assert not ModelConfig.from_hf_dict(reference.TINY_CONFIGS["qwen2"]).qk_norm
+
+
+def test_gemma2_config():
+    """Gemma 2 as transformers' Gemma2Config reads it, defaults included: every other layer local
+    from layer 0, soft caps 50 and 30, query_pre_attn_scalar 256, tied embeddings, GELU (tanh)."""
+    cfg = ModelConfig.from_hf_dict(reference.TINY_CONFIGS["gemma2"])
+    assert cfg.layer_windows == (5, None, 5) and cfg.attn_logit_softcapping == 2.0
+    assert cfg.final_logit_softcapping == 3.0 and cfg.query_pre_attn_scalar == 24.0
+    assert cfg.gemma_norms and cfg.embed_scale and cfg.hidden_act == "gelu_tanh" and cfg.tie_word_embeddings
+    bare = {k: v for k, v in reference.TINY_CONFIGS["gemma2"].items()
+            if k not in ("architectures", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                         "sliding_window", "tie_word_embeddings", "head_dim", "hidden_activation")}
+    cfg = ModelConfig.from_hf_dict(bare)
+    assert cfg.architecture == "Gemma2ForCausalLM" and cfg.layer_windows == (4096, None, 4096)
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping, cfg.query_pre_attn_scalar) == (50.0, 30.0, 256.0)
+    assert cfg.tie_word_embeddings and cfg.head_dim == 256 and cfg.hidden_act == "gelu_tanh"
+    uncapped = ModelConfig.from_hf_dict(dict(bare, attn_logit_softcapping=None, final_logit_softcapping=None))
+    assert uncapped.attn_logit_softcapping is None and uncapped.final_logit_softcapping is None
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'silu' for Gemma2ForCausalLM"):
+        ModelConfig.from_hf_dict(dict(bare, hidden_activation="silu"))
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf_dict(dict(bare, use_bidirectional_attention=True))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_qwen_sliding_window_follows_layer_types(kind):
+    """Qwen2/Qwen3 window only the layers from max_window_layers on (or those layer_types names),
+    as transformers does; the others attend globally."""
+    hf = dict(reference.TINY_CONFIGS[kind], use_sliding_window=True, sliding_window=8)
+    hf.pop("max_window_layers", None)
+    assert ModelConfig.from_hf_dict(dict(hf, max_window_layers=0)).layer_windows == (8, 8)
+    assert ModelConfig.from_hf_dict(hf).layer_windows == (None, None)   # max_window_layers 28 by default
+    assert ModelConfig.from_hf_dict(dict(hf, use_sliding_window=False, max_window_layers=0)).sliding_window is None
+    assert ModelConfig.from_hf_dict(dict(hf, max_window_layers=1)).layer_windows == (None, 8)
+    cfg = ModelConfig.from_hf_dict(dict(hf, layer_types=["sliding_attention", "full_attention"]))
+    assert cfg.layer_windows == (8, None) and cfg.global_layers == (1,)
+    with pytest.raises(UnsupportedModelError, match="layer_types must name each of the 2 layers"):
+        ModelConfig.from_hf_dict(dict(hf, layer_types=["sliding_attention", "chunked_attention"]))
+    mistral = dict(reference.TINY_CONFIGS["llama"], architectures=["MistralForCausalLM"], model_type="mistral",
+                   sliding_window=8)
+    mistral.pop("rope_scaling")
+    assert ModelConfig.from_hf_dict(mistral).layer_windows == (8, 8)
+    llama = dict(mistral, architectures=["LlamaForCausalLM"], model_type="llama", use_sliding_window=True,
+                 max_window_layers=0)
+    assert ModelConfig.from_hf_dict(llama).sliding_window is None  # transformers' Llama has none
 
 
 @pytest.mark.parametrize("scaling", [

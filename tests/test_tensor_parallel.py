@@ -3,11 +3,11 @@
 The pytest process has already started JAX with one CPU device, so every engine here runs in a
 subprocess: this file is also that subprocess's script (`python -m tests.test_tensor_parallel
 tp|multihost SPEC.json`). One subprocess with 4 CPU devices builds every single-process engine
-(tp 1, 2, 4 on both LoRA backends; a model with one KV head; tp=3 for 4 heads) and prints JSON;
-then two processes joined by jax.distributed (gloo collectives on 127.0.0.1), 2 CPU devices each,
-run one tp=4 engine in lockstep. The tests assert on those results: same greedy tokens as one
-device for a mixed batch (base rows and three adapters), weights, adapter slots and KV cache split
-as the rules table says (also after slot writes and steps), no all-gather of the cache in a
+(tp 1, 2, 4 on both LoRA backends; a model with one KV head; a Qwen3 and a Gemma 2 on tp=2; tp=3
+for 4 heads) and prints JSON; then two processes joined by jax.distributed (gloo collectives on
+127.0.0.1), 2 CPU devices each, run one tp=4 engine in lockstep. The tests assert on those results:
+same greedy tokens as one device for a mixed batch (base rows and three adapters), weights, adapter
+slots and KV cache split as the rules table says (also after slot writes and steps), no all-gather of the cache in a
 compiled step, no compile after warm-up.
 
 Compiling is the cost: each engine compiles one step shape (BUCKETS: every step, decode, prefill
@@ -41,10 +41,12 @@ LORAS = [None, "a", "b", "c", None, "c", "a", "b"]
 LENGTHS = [5, 13, 9, 20, 3, 17, 30, 11]   # 108 tokens: chunked prefills over several steps
 LLAMA_RUNS = [dict(model="llama", tp=tp, backend=be) for be in ("bgmv", "sgmv") for tp in (1, 2, 4)]
 QWEN_RUNS = [dict(model="qwen2", tp=tp, backend="sgmv") for tp in (1, 2, 4)]
+NEW_RUNS = [dict(model=m, tp=2, backend="bgmv") for m in ("qwen3", "gemma2")]  # against PEFT: no tp=1 run
 ERROR_RUNS = [dict(model="llama", tp=3, backend="bgmv"), dict(model="llama", tp=8, backend="bgmv")]
 
 # The arrays whose per-device pieces are reported: weights, adapter slots, KV cache.
-WEIGHT_FIELDS = ["embed_VD", "lm_head_DV", "wq_LDO", "wk_LDO", "wo_LOD", "w_gate_LDF", "w_down_LFD", "bq_LO"]
+WEIGHT_FIELDS = ["embed_VD", "lm_head_DV", "wq_LDO", "wk_LDO", "wo_LOD", "w_gate_LDF", "w_down_LFD", "bq_LO",
+                 "q_norm_LH", "k_norm_LH", "post_attn_norm_LD"]
 LORA_FIELDS = ["qkv_a_LUD", "q_b_LUO", "k_b_LUO", "v_b_LUO", "o_a_LUO", "o_b_LUD",
                "gate_up_a_LUD", "gate_b_LUF", "up_b_LUF", "down_a_LUF", "down_b_LUD"]
 
@@ -178,7 +180,7 @@ def _parse(stdout: str) -> dict:
 def _spec(tiny_models, tiny_adapters, **kw) -> dict:
     return dict(models={k: str(v) for k, v in tiny_models.items()},
                 adapters={m: {ad: str(tiny_adapters[(m, ad)]) for ad in ADAPTERS.values()}
-                          for m in ("llama", "qwen2")}, **kw)
+                          for m in ("llama", "qwen2", "qwen3", "gemma2")}, **kw)
 
 
 def _launch(mode: str, spec: dict, path: Path) -> subprocess.Popen:
@@ -201,7 +203,7 @@ def _finish(proc: subprocess.Popen, timeout: float) -> dict:
 
 @pytest.fixture(scope="module")
 def tp_runs(tiny_models, tiny_adapters, tmp_path_factory):
-    spec = _spec(tiny_models, tiny_adapters, devices=4, runs=LLAMA_RUNS + QWEN_RUNS + ERROR_RUNS)
+    spec = _spec(tiny_models, tiny_adapters, devices=4, runs=LLAMA_RUNS + QWEN_RUNS + NEW_RUNS + ERROR_RUNS)
     res = _finish(_launch("tp", spec, tmp_path_factory.mktemp("tp") / "spec.json"), timeout=900)
     assert len(res["devices"]) == 4
     return {(r["model"], r["tp"], r["backend"]): r for r in res["runs"]}
@@ -279,6 +281,26 @@ def test_fewer_kv_heads_than_devices_replicates_the_cache(tp_runs):
         assert r["weights"]["wq_LDO"]["piece"][2] == 64 // tp
         assert r["weights"]["bq_LO"]["piece"][1] == 64 // tp
         assert r["compiles_after_warmup"] == 0 and r["lora_kept_sharding"] and r["kv_kept_sharding"]
+
+
+@pytest.mark.parametrize("model", ["qwen3", "gemma2"])
+def test_newer_architectures_on_two_devices_give_peft_tokens(model, tp_runs, tiny_models, tiny_adapters,
+                                                             peft_greedy_cache):
+    """The Qwen3 and Gemma 2 tinies (4 heads of 32, 2 KV heads) on tp=2: PEFT's greedy tokens for
+    the mixed batch, the projections split as Llama's, their own norm weights replicated."""
+    r = tp_runs[(model, 2, "bgmv")]
+    want = peft_greedy_cache.many(tiny_models[model],
+                                  [(None if l is None else tiny_adapters[(model, ADAPTERS[l])], p)
+                                   for l, p in zip(LORAS, prompts())], MAX_NEW)
+    assert r["tokens"] == want
+    w = r["weights"]
+    assert r["mesh"] == {"tp_kv": 2, "tp_rep": 1}
+    assert w["wq_LDO"]["piece"][1:] == [64, 128 // 2] and w["wo_LOD"]["piece"][1:] == [128 // 2, 64]
+    assert w["wk_LDO"]["piece"][1:] == [64, 64 // 2]
+    norms = {"qwen3": ("q_norm_LH", "k_norm_LH"), "gemma2": ("post_attn_norm_LD",)}[model]
+    for f in norms:
+        assert w[f]["piece"] == w[f]["shape"] and w[f]["devices"] == 2, f
+    assert r["compiles_after_warmup"] == 0 and r["lora_kept_sharding"] and r["kv_kept_sharding"]
 
 
 def test_heads_not_divisible_is_a_clear_error(tp_runs):

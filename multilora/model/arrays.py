@@ -25,6 +25,7 @@ _MODEL_DIMS: dict[str, Callable[[ModelConfig], int]] = {
     "q_out": lambda c: c.q_dim,
     "kv_out": lambda c: c.kv_dim,
     "ffn": lambda c: c.intermediate_size,
+    "head_dim": lambda c: c.head_dim,
 }
 
 

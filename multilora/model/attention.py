@@ -58,6 +58,16 @@ def _softmax_attend(scores, v, out_spec, scale):
     return jnp.einsum(out_spec, probs.astype(v.dtype), v)
 
 
+def softcap_logits(x, cap: float):
+    """cap * tanh(x / cap): Gemma 2's soft cap on attention scores and on final logits."""
+    return cap * jnp.tanh(x / cap)
+
+
+def _scaled_scores(s, head_dim: int, logit_softcap: float | None):
+    s = s * head_dim ** -0.5
+    return s if logit_softcap is None else softcap_logits(s, logit_softcap)
+
+
 def _window_ok(key_pos, query_pos, sliding_window):
     if sliding_window is None:
         return True
@@ -70,18 +80,21 @@ KEYS_PER_ITER = 256    # keys each query block scores per loop iteration
 
 def prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, seq_idx_T,
                       positions_T, sliding_window: int | None = None, native: bool = False,
-                      heads_major: bool = False):
+                      heads_major: bool = False, logit_softcap: float | None = None):
     """Packed tokens against the step's pages (the flat list kv_pages_X, each sequence's pages
     one run, in order, tagged by kv_page_seq_X); a token sees the keys of its own sequence at
     positions <= its own. native=True: the same through multilora's CPU kernel, which walks
     each block of a sequence's tokens over its pages in place (float32 caches, one CPU device).
-    heads_major: the caches come as k_LPKpH, v_LPKpH (see `read_pages`).
+    heads_major: the caches come as k_LPKpH, v_LPKpH (see `read_pages`). logit_softcap: the scaled
+    scores soft-capped (softcap_logits; Gemma 2), by XLA only.
 
     Queries go in blocks (J) of QUERY_BLOCK rows (M); block j needs only the page range from its
     first sequence's first page to the last page any of its tokens sees, a range the loop walks
     in chunks of KEYS_PER_ITER keys (Y) with an online softmax. The trip count is the largest range
     of the step (dynamic), so a step of short prompts scores each block against a few pages,
     not against every page of the step, and a long-context chunk costs what causality asks."""
+    if native and logit_softcap is not None:
+        raise ValueError("multilora's CPU attention kernels do not soft-cap scores: native=False")
     if native:
         return kernels.prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, seq_idx_T,
                                          positions_T, sliding_window).astype(q_TNH.dtype)
@@ -123,7 +136,7 @@ def prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X,
                        & _window_ok(key_pos_JY[:, None, :], pos_JM[:, :, None], sliding_window))
         vis = visible_JMY[:, :, None, None, :]
         s = jnp.einsum("jmkgh,jykh->jmkgy", q_JMKGH, k_JYKH, preferred_element_type=jnp.float32)
-        s = jnp.where(vis, s * h ** -0.5, MASKED)
+        s = jnp.where(vis, _scaled_scores(s, h, logit_softcap), MASKED)
         m_new = jnp.maximum(m_JMKG, jnp.max(s, axis=-1))
         probs = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m_JMKG - m_new)
@@ -152,7 +165,7 @@ def kv_page_pos_of(kv_page_seq_X, page_size):
 
 def decode_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, positions_T,
                      num_decode, sliding_window: int | None = None, native: bool = False,
-                     heads_major: bool = False):
+                     heads_major: bool = False, logit_softcap: float | None = None):
     """Single-token sequences of a mixed step: rows 0..num_decode-1 are sequences 0..num_decode-1,
     one query each. Every page of the step's flat page list is scored against the one query of
     its sequence (pages of longer chunks and padding pages against nothing), and the pages of a
@@ -162,7 +175,9 @@ def decode_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, 
     native=True: the same through multilora's CPU kernel (multilora/kernels/attention_kernels.cc),
     which reads each row's pages in place instead of gathering them (float32 caches, one CPU
     device; see `native_attention_usable`). heads_major: the caches come as k_LPKpH, v_LPKpH
-    (see `read_pages`)."""
+    (see `read_pages`). logit_softcap: as prefill_attention's."""
+    if native and logit_softcap is not None:
+        raise ValueError("multilora's CPU attention kernels do not soft-cap scores: native=False")
     if native:
         return kernels.decode_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, positions_T,
                                         num_decode, sliding_window).astype(q_TNH.dtype)
@@ -180,7 +195,7 @@ def decode_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, 
     visible_Xp = (is_dec_X[:, None] & (key_pos_Xp <= q_pos_X[:, None])
                   & _window_ok(key_pos_Xp, q_pos_X[:, None], sliding_window))
     s_XKGp = jnp.einsum("xkgh,xpkh->xkgp", q_XKGH, k_XpKH, preferred_element_type=jnp.float32)
-    s_XKGp = jnp.where(visible_Xp[:, None, None, :], s_XKGp * h ** -0.5, MASKED)
+    s_XKGp = jnp.where(visible_Xp[:, None, None, :], _scaled_scores(s_XKGp, h, logit_softcap), MASKED)
     seg = dict(num_segments=t + 1, indices_are_sorted=True)
     m_TKG = jax.ops.segment_max(jnp.max(s_XKGp, axis=-1), row_X, **seg)
     m_XKG = jnp.take(m_TKG, row_X, axis=0, mode="clip")

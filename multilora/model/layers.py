@@ -1,4 +1,4 @@
-"""Pure building blocks of a Llama-family layer: RMSNorm, rotary embeddings, SwiGLU.
+"""Pure building blocks of a Llama-family layer: RMSNorm, rotary embeddings, SwiGLU (GeGLU for Gemma).
 
 Legend: T tokens, D model dim, N heads, H head dim, F ffn dim.
 """
@@ -14,10 +14,15 @@ import numpy as np
 from multilora.config import ModelConfig
 
 
-def rms_norm(x_TD: jax.Array, w_D: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x_TD: jax.Array, w_D: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+    """RMSNorm over the last axis, times w (Llama: cast back, then times w) or, plus_one, times
+    (1 + w) in float32 before the cast back (Gemma's)."""
     x32 = x_TD.astype(jnp.float32)
     var_T1 = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-    return (x32 * jax.lax.rsqrt(var_T1 + eps)).astype(x_TD.dtype) * w_D
+    normed = x32 * jax.lax.rsqrt(var_T1 + eps)
+    if plus_one:
+        return (normed * (1.0 + w_D.astype(jnp.float32))).astype(x_TD.dtype)
+    return normed.astype(x_TD.dtype) * w_D
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -58,3 +63,8 @@ def apply_rope(x_TNH: jax.Array, cos_TH: jax.Array, sin_TH: jax.Array) -> jax.Ar
 
 def swiglu(gate_TF: jax.Array, up_TF: jax.Array) -> jax.Array:
     return jax.nn.silu(gate_TF) * up_TF
+
+
+def geglu_tanh(gate_TF: jax.Array, up_TF: jax.Array) -> jax.Array:
+    """Gemma's MLP gate: GELU in its tanh approximation (transformers' gelu_pytorch_tanh)."""
+    return jax.nn.gelu(gate_TF, approximate=True) * up_TF

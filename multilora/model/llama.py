@@ -1,9 +1,10 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) as a pure function of pytrees.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, SmolLM2) as a pure function of pytrees.
 
     forward(weights, lora, kv, batch, cfg, backend) -> (logits, kv)   [hidden=True: + x_TD]
 
-Layers are stacked along a leading L axis and run under lax.scan; the KV cache rides in the scan
-carry and is updated in place (the runner donates it). One step packs decode rows and prefill
+Layers are stacked along a leading L axis and run under lax.scan (over groups of layers where
+sliding-window and global layers alternate, each layer's window static: _scan_layers); the KV
+cache rides in the scan carry and is updated in place (the runner donates it). One step packs decode rows and prefill
 chunks together (see Batch); every projection adds its per-token LoRA delta through the backend,
 and a step with no adapter row skips the LoRA ops (slot 0 adds nothing either way).
 
@@ -27,8 +28,8 @@ from multilora.lora.backend import get_backends
 from multilora.lora.backend.base import PoolLayer
 from multilora.lora.batch import NO_LORA, PER_TOKEN, LoRABatchInfo
 from multilora.model.arrays import lora_pool, weight
-from multilora.model.attention import decode_attention, prefill_attention, write_kv
-from multilora.model.layers import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from multilora.model.attention import decode_attention, prefill_attention, softcap_logits, write_kv
+from multilora.model.layers import apply_rope, geglu_tanh, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 from multilora.model.projections import PackedBf16
 
 
@@ -38,6 +39,18 @@ def _has_qkv_bias(cfg: ModelConfig) -> bool:
 
 def _has_o_bias(cfg: ModelConfig) -> bool:
     return cfg.o_proj_bias
+
+
+def _has_qk_norm(cfg: ModelConfig) -> bool:
+    return cfg.qk_norm
+
+
+def _has_mlp_norm(cfg: ModelConfig) -> bool:
+    return not cfg.gemma_norms
+
+
+def _has_gemma_norms(cfg: ModelConfig) -> bool:
+    return cfg.gemma_norms
 
 
 def _untied(cfg: ModelConfig) -> bool:
@@ -56,7 +69,6 @@ class LayerWeights:
     wk_LDO: jax.Array = weight(("layers", "embed", "kv_out"), "self_attn.k_proj.weight", transpose=True)
     wv_LDO: jax.Array = weight(("layers", "embed", "kv_out"), "self_attn.v_proj.weight", transpose=True)
     wo_LOD: jax.Array = weight(("layers", "q_out", "embed"), "self_attn.o_proj.weight", transpose=True)
-    mlp_norm_LD: jax.Array = weight(("layers", "embed"), "post_attention_layernorm.weight")
     w_gate_LDF: jax.Array = weight(("layers", "embed", "ffn"), "mlp.gate_proj.weight", transpose=True)
     w_up_LDF: jax.Array = weight(("layers", "embed", "ffn"), "mlp.up_proj.weight", transpose=True)
     w_down_LFD: jax.Array = weight(("layers", "ffn", "embed"), "mlp.down_proj.weight", transpose=True)
@@ -64,6 +76,18 @@ class LayerWeights:
     bk_LO: Optional[jax.Array] = weight(("layers", "kv_out"), "self_attn.k_proj.bias", present=_has_qkv_bias)
     bv_LO: Optional[jax.Array] = weight(("layers", "kv_out"), "self_attn.v_proj.bias", present=_has_qkv_bias)
     bo_LD: Optional[jax.Array] = weight(("layers", "embed"), "self_attn.o_proj.bias", present=_has_o_bias)
+    q_norm_LH: Optional[jax.Array] = weight(("layers", "head_dim"), "self_attn.q_norm.weight", present=_has_qk_norm)
+    k_norm_LH: Optional[jax.Array] = weight(("layers", "head_dim"), "self_attn.k_norm.weight", present=_has_qk_norm)
+    # The MLP's input norm: Llama's post_attention_layernorm, Gemma 2's pre_feedforward_layernorm
+    # (its post_attention_layernorm normalizes the attention's output).
+    mlp_norm_LD: Optional[jax.Array] = weight(("layers", "embed"), "post_attention_layernorm.weight",
+                                              present=_has_mlp_norm)
+    pre_mlp_norm_LD: Optional[jax.Array] = weight(("layers", "embed"), "pre_feedforward_layernorm.weight",
+                                                  present=_has_gemma_norms)
+    post_attn_norm_LD: Optional[jax.Array] = weight(("layers", "embed"), "post_attention_layernorm.weight",
+                                                    present=_has_gemma_norms)
+    post_mlp_norm_LD: Optional[jax.Array] = weight(("layers", "embed"), "post_feedforward_layernorm.weight",
+                                                   present=_has_gemma_norms)
 
 
 @jax.tree_util.register_dataclass
@@ -226,10 +250,16 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     bes = get_backends(backend) if lora is not None else ()
     be = bes[0] if bes else None
     info = batch.lora
+    softcap = cfg.attn_logit_softcapping
+    native_attention = native_attention and softcap is None  # the CPU kernels do not soft-cap: XLA's do
+    pallas_attention = pallas_attention and softcap is None  # nor does the Pallas kernel (the XLA path reads heads-major too)
     n, kvh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     t = batch.token_ids_T.shape[0]
     cos_TH, sin_TH = rope_cos_sin(batch.positions_T, rope_inv_freq(cfg))
     x_TD = jnp.take(weights.embed_VD, batch.token_ids_T, axis=0, mode="clip")
+    if cfg.embed_scale:  # Gemma: the scale rounded to the embedding's dtype, as transformers does
+        x_TD = x_TD * jnp.asarray(cfg.hidden_size ** 0.5, x_TD.dtype)
+    norm = lambda x, w: rms_norm(x, w, cfg.rms_norm_eps, cfg.gemma_norms)  # noqa: E731
     # Rows with one token this step take the decode path; the prefill kernel sees them as padding.
     is_decode_T = (batch.seq_idx_T >= 0) & (batch.seq_idx_T < batch.num_decode)
     prefill_seq_T = jnp.where(is_decode_T, -1, batch.seq_idx_T)
@@ -262,47 +292,58 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         f.name: getattr(stacked, f.name) for f in dataclasses.fields(stacked)
         if isinstance(getattr(stacked, f.name), PackedBf16)}
 
-    def layer(carry, xs):
+    def layer(carry, xs, window):
+        # window: this layer's sliding window, static (cfg.layer_windows; None: global)
         x_TD, k_cache, v_cache = carry
         lw, idx = xs
         lw = dataclasses.replace(lw, **packed) if packed else lw
-        hid = rms_norm(x_TD, lw.attn_norm_LD, cfg.rms_norm_eps)
+        hid = norm(x_TD, lw.attn_norm_LD)
         q = _proj(hid, lw.wq_LDO, lw.bq_LO, idx)
         k = _proj(hid, lw.wk_LDO, lw.bk_LO, idx)
         v = _proj(hid, lw.wv_LDO, lw.bv_LO, idx)
         if be is not None:
             q, k, v = with_lora(lambda ll, be: be.run_qkv_lora(
                 hid, ll.qkv_a_LUD, (ll.q_b_LUO, ll.k_b_LUO, ll.v_b_LUO), info), idx, q, k, v)
-        q_TNH = apply_rope(q.reshape(t, n, h), cos_TH, sin_TH)
-        k_TKH = apply_rope(k.reshape(t, kvh, h), cos_TH, sin_TH)
+        q_TNH, k_TKH = q.reshape(t, n, h), k.reshape(t, kvh, h)
+        if lw.q_norm_LH is not None:  # Qwen3: each head's q and k RMS-normed (after LoRA, before RoPE)
+            q_TNH = rms_norm(q_TNH, lw.q_norm_LH, cfg.rms_norm_eps)
+            k_TKH = rms_norm(k_TKH, lw.k_norm_LH, cfg.rms_norm_eps)
+        q_TNH = apply_rope(q_TNH, cos_TH, sin_TH)
+        k_TKH = apply_rope(k_TKH, cos_TH, sin_TH)
+        if cfg.query_pre_attn_scalar is not None:  # scores scaled by it ** -0.5, not by h ** -0.5
+            q_TNH = q_TNH * jnp.asarray((h / cfg.query_pre_attn_scalar) ** 0.5, q_TNH.dtype)
         k_cache = write_kv(k_cache, idx, batch.slot_mapping_T, k_TKH, kv_heads_major)
         v_cache = write_kv(v_cache, idx, batch.slot_mapping_T, v.reshape(t, kvh, h), kv_heads_major)
         if pallas_attention:
             attn_TNH = paged_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
-                                       batch.seq_idx_T, batch.positions_T, cfg.sliding_window,
+                                       batch.seq_idx_T, batch.positions_T, window,
                                        interpret=jax.default_backend() != "tpu")
         else:
             dec = decode_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
-                                   batch.positions_T, batch.num_decode, cfg.sliding_window, native_attention,
-                                   kv_heads_major)
+                                   batch.positions_T, batch.num_decode, window, native_attention,
+                                   kv_heads_major, logit_softcap=softcap)
             pre = prefill_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
-                                    prefill_seq_T, batch.positions_T, cfg.sliding_window, native_attention,
-                                    kv_heads_major)
+                                    prefill_seq_T, batch.positions_T, window, native_attention,
+                                    kv_heads_major, logit_softcap=softcap)
             attn_TNH = jnp.where(is_decode_T[:, None, None], dec, pre)
         attn_TO = attn_TNH.reshape(t, n * h)
         o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD, idx)
         if be is not None:
             (o,) = with_lora(lambda ll, be: (be.run_lora(attn_TO, ll.o_a_LUO, ll.o_b_LUD, info),), idx, o)
+        if lw.post_attn_norm_LD is not None:  # Gemma 2: the attention's output normed too
+            o = norm(o, lw.post_attn_norm_LD)
         x_TD = x_TD + o
-        hid = rms_norm(x_TD, lw.mlp_norm_LD, cfg.rms_norm_eps)
+        hid = norm(x_TD, lw.mlp_norm_LD if lw.pre_mlp_norm_LD is None else lw.pre_mlp_norm_LD)
         gate, up = _proj(hid, lw.w_gate_LDF, layer=idx), _proj(hid, lw.w_up_LDF, layer=idx)
         if be is not None:
             gate, up = with_lora(lambda ll, be: be.run_gate_up_lora(
                 hid, ll.gate_up_a_LUD, (ll.gate_b_LUF, ll.up_b_LUF), info), idx, gate, up)
-        act_TF = swiglu(gate, up)
+        act_TF = swiglu(gate, up) if cfg.hidden_act == "silu" else geglu_tanh(gate, up)
         down = _proj(act_TF, lw.w_down_LFD, layer=idx)
         if be is not None:
             (down,) = with_lora(lambda ll, be: (be.run_lora(act_TF, ll.down_a_LUF, ll.down_b_LUD, info),), idx, down)
+        if lw.post_mlp_norm_LD is not None:
+            down = norm(down, lw.post_mlp_norm_LD)
         return (x_TD + down, k_cache, v_cache), None
 
     # (L, P, K, p, H): the order a KV_HEADS_MAJOR cache has in memory, so the swap is free
@@ -313,16 +354,45 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
             raise ValueError(f"weights hold {len(weights.layers)} split layers; the config has "
                              f"num_layers={cfg.num_layers}")
         for i, lw in enumerate(weights.layers):
-            carry, _ = layer(carry, (lw, jnp.int32(i)))
+            carry, _ = layer(carry, (lw, jnp.int32(i)), cfg.layer_windows[i])
     else:
         sliced = dataclasses.replace(stacked, **{name: None for name in packed}) if packed else stacked
-        carry, _ = jax.lax.scan(layer, carry, (sliced, jnp.arange(cfg.num_layers)))
+        carry = _scan_layers(layer, carry, sliced, cfg.layer_windows)
     x_TD, k_cache, v_cache = carry
     k_cache, v_cache = swap(k_cache), swap(v_cache)
     logits = head_logits(weights, cfg, jnp.take(x_TD, batch.logits_idx_Q, axis=0, mode="clip"))
     if hidden:  # float32 whatever the weights' dtype: one scorer shape per token bucket
         return logits, KVCache(k_cache, v_cache), x_TD.astype(jnp.float32)
     return logits, KVCache(k_cache, v_cache)
+
+
+def _window_period(windows) -> int:
+    """The shortest p with windows[i] == windows[i % p] for every layer i."""
+    return next(p for p in range(1, len(windows) + 1) if all(w == windows[i % p] for i, w in enumerate(windows)))
+
+
+def _scan_layers(layer, carry, stacked, windows):
+    """layer(carry, (weights of layer i, i), windows[i]) for every layer, under one lax.scan over
+    groups of p layers, p the period of the windows (1 where every layer has the same; Gemma 2's
+    alternating local and global layers: 2): inside a group each layer's window is static. The
+    layers past the last whole group run after it, unrolled."""
+    p, num = _window_period(windows), len(windows)
+    g = num // p
+
+    def group(c, xs):
+        lw_P, idx_P = xs
+        for j in range(p):
+            c, _ = layer(c, (jax.tree.map(lambda a: a[j], lw_P), idx_P[j]), windows[j])
+        return c, None
+
+    if p == 1:
+        carry, _ = jax.lax.scan(lambda c, xs: layer(c, xs, windows[0]), carry, (stacked, jnp.arange(num)))
+        return carry
+    grouped = jax.tree.map(lambda a: a[:g * p].reshape((g, p) + a.shape[1:]), stacked)
+    carry, _ = jax.lax.scan(group, carry, (grouped, jnp.arange(g * p).reshape(g, p)))
+    for i in range(g * p, num):
+        carry, _ = layer(carry, (jax.tree.map(lambda a: a[i], stacked), jnp.int32(i)), windows[i])
+    return carry
 
 
 def split_layers(weights: Weights) -> Weights:
@@ -333,12 +403,15 @@ def split_layers(weights: Weights) -> Weights:
 
 def head_logits(weights: Weights, cfg: ModelConfig, x_QD) -> jax.Array:
     """The final norm and the LM head: float32 logits (Q, V) of last hidden states x_QD."""
-    x_QD = rms_norm(x_QD, weights.final_norm_D, cfg.rms_norm_eps)
+    x_QD = rms_norm(x_QD, weights.final_norm_D, cfg.rms_norm_eps, cfg.gemma_norms)
     if weights.lm_head_DV is None:
         logits = jnp.einsum("qd,vd->qv", x_QD, weights.embed_VD, preferred_element_type=jnp.float32)
     else:  # an untied head, or the projections' copy of the tied one (multilora.model.projections)
         logits = _proj(x_QD.astype(jnp.float32), weights.lm_head_DV, layer=0)
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    if cfg.final_logit_softcapping is not None:
+        logits = softcap_logits(logits, cfg.final_logit_softcapping)
+    return logits
 
 
 def token_logprobs(weights: Weights, x_TD, next_T, cfg: ModelConfig, k: int):
