@@ -701,13 +701,14 @@ def test_a_prepared_layout_counts_in_the_host_tier_until_its_write_takes_it(tiny
     assert reg.host_bytes == 0
 
 
-def test_heads_major_cache_steps_match_the_default_layout(tiny_models):
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])  # qwen3: q/k norms, a window on one layer
+def test_heads_major_cache_steps_match_the_default_layout(tiny_models, kind):
     """A cache made heads-major (llama.KV_HEADS_MAJOR, a TPU's; the CPU can hold that layout too)
     and a step compiled with its formats in and out: the layout survives the step, and logits and
     cache equal the default layout's over a mixed step and the decode step after it (to 1e-5 at
     float32: XLA's CPU fuses the two differently, so sums may round in another order; on a TPU
     v5e, bf16, the two were bit-equal: benchmarks/log/25-2026-12-05-tpu-v5e-kv-heads-major.md)."""
-    cfg, weights = load_weights(tiny_models[KINDS[0]], mesh=MESH)
+    cfg, weights = load_weights(tiny_models[kind], mesh=MESH)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     lengths = [n for n, _ in MIXED]
     pages = _page_lists(5, [n + 1 for n in lengths])
