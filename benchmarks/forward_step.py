@@ -144,6 +144,9 @@ def main(argv=None):
                     help="the KV cache's layout: the device's default, or heads-major (multilora.model.llama."
                          "KV_HEADS_MAJOR; auto: as the engine makes it, heads-major on a TPU); several: side by "
                          "side (heads-major cases are labelled ',kvhm')")
+    ap.add_argument("--pallas-attention", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                    help="heads-major caches: attend through the Pallas kernel (on) or XLA's gathers (off); "
+                         "auto: as the engine, the kernel on a TPU; several: side by side (',pa' cases)")
     ap.add_argument("--trace", type=Path, default=None, metavar="DIR",
                     help="profile each case and print its op time by kind")
     args = ap.parse_args(argv)
@@ -177,13 +180,17 @@ def main(argv=None):
                 ldt = projections.lora_pool_dtype(ld, dt, "bfloat16-packed" if asked == "bf16-packed" else dt).name
                 suffix = "" if ld == args.lora_dtypes[0] else f"+{short[ldt]}"  # adapters' pool dtype
                 for hm in kv_hms:
-                    kvs = ",kvhm" if hm else ""
-                    layouts[f"{lay}/{short[asked]}{kvs}{suffix}"] = (split_layers(w) if lay == "split" else w,
-                                                                      dt, ldt, hm)
+                    pas = dict.fromkeys((platform == "tpu" if a == "auto" else a == "on") and hm
+                                        for a in args.pallas_attention) if hm else {False: None}
+                    for pa in pas:
+                        kvs = (",kvhm" if hm else "") + (",pa" if pa else "")
+                        layouts[f"{lay}/{short[asked]}{kvs}{suffix}"] = (split_layers(w) if lay == "split" else w,
+                                                                          dt, ldt, hm, pa)
     page_size = 16
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     # heads-major: the cache returned in the format it came in (as the runner), so every step reads it in place
-    fwds = {hm: jax.jit(forward, static_argnames=("cfg", "backend", "native_attention", "kv_heads_major"),
+    fwds = {hm: jax.jit(forward, static_argnames=("cfg", "backend", "native_attention", "kv_heads_major",
+                                                  "pallas_attention"),
                         donate_argnames=("kv",),
                         **(dict(out_shardings=(one, kv_cache_formats(KVCache(one, one), True))) if hm else {}))
             for hm in (False, True)}
@@ -194,7 +201,7 @@ def main(argv=None):
     for mode in args.modes:
         for k in args.adapters:
             for nat in natives:
-                for lay, (_, dt, _, hm) in layouts.items():
+                for lay, (_, dt, _, hm, _) in layouts.items():
                     on = nat and dt == "float32" and not hm  # the attention kernel reads float32 (L, P, p, K, H) caches
                     if k == 0 and "+" in lay:
                         continue  # the pool's dtype does not matter without adapters
@@ -205,7 +212,7 @@ def main(argv=None):
     cases = list(dict.fromkeys(cases))
     state, pools = {}, {}
     for mode, k, be, nat, lay in cases:
-        weights, dtype, lora_dtype, hm = layouts[lay]
+        weights, dtype, lora_dtype, hm, pa = layouts[lay]
         s = max(k, args.slots or 0) + 1
         if mode == "decode":
             chunks = workload_chunks(mode, args.decode_seqs, args.decode_ctx, page_size, k, rng)
@@ -248,16 +255,18 @@ def main(argv=None):
               else init_kv_cache(cfg, num_cache_pages, page_size, dtype))
         fwd = fwds[hm]
         t0 = time.perf_counter()
-        logits, kv = fwd(weights, lora, kv, batch, cfg=cfg, backend=backend, native_attention=nat, kv_heads_major=hm)
+        logits, kv = fwd(weights, lora, kv, batch, cfg=cfg, backend=backend, native_attention=nat, kv_heads_major=hm,
+                         pallas_attention=pa)
         logits.block_until_ready()
         state[(mode, k, be, nat, lay)] = dict(weights=weights, batch=batch, lora=lora, kv=kv, backend=backend,
-                                              native=nat, hm=hm, fwd=fwd, times=[],
+                                              native=nat, hm=hm, pa=pa, fwd=fwd, times=[],
                                     tokens=t, pages=x, compile_s=time.perf_counter() - t0)
     for _ in range(args.repeats):
         for key, st in state.items():
             t0 = time.perf_counter()
             logits, st["kv"] = st["fwd"](st["weights"], st["lora"], st["kv"], st["batch"], cfg=cfg,
-                                         backend=st["backend"], native_attention=st["native"], kv_heads_major=st["hm"])
+                                         backend=st["backend"], native_attention=st["native"], kv_heads_major=st["hm"],
+                                         pallas_attention=st["pa"])
             logits.block_until_ready()
             st["times"].append(time.perf_counter() - t0)
     rows = []
@@ -270,7 +279,7 @@ def main(argv=None):
         med = statistics.median(st["times"])
         key = (mode, nat, lay.split("+")[0])
         rel = med / base[key] if key in base else float("nan")
-        att = "native" if nat else "xla"
+        att = "native" if nat else ("pallas" if st["pa"] else "xla")
         print(f"{mode:8} {st['tokens']:>5} {st['pages']:>5} {att:>9} {lay:>18} {k:>8} {st['backend']:>8} "
               f"{1e3 * med:10.1f} {rel:6.2f} {st['compile_s']:9.1f}")
         rows.append(dict(mode=mode, tokens=st["tokens"], pages=st["pages"], adapters=k, backend=st["backend"],
@@ -293,7 +302,8 @@ def main(argv=None):
 
 def trace_case(folder: Path, fwd, weights, st, cfg, steps: int = 3) -> dict[str, float]:
     """Op time per step (ms) by kind: XLA op name family + the jnp op it was made from."""
-    kw = dict(cfg=cfg, backend=st["backend"], native_attention=st["native"], kv_heads_major=st["hm"])
+    kw = dict(cfg=cfg, backend=st["backend"], native_attention=st["native"], kv_heads_major=st["hm"],
+              pallas_attention=st["pa"])
     hlo = fwd.lower(weights, st["lora"], st["kv"], st["batch"], **kw).compile().as_text()
     jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
     for _ in range(steps):

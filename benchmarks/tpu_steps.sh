@@ -2,7 +2,10 @@
 # On a lent TPU: the Pallas kernels' tests compiled on the chip, then model steps at both of the
 # issue's shapes (SmolLM2-135M, Llama-3.2-1B; random bf16 weights, rank-16 adapters on all seven
 # projections), 0 / 8 / 64 adapters, multilora's TPU backend beside `dense` (sglang-jax's one-hot
-# product over every slot). Raw output under $OUT. Parts: PARTS="tests small slots big trace".
+# product over every slot). Raw output under $OUT. Parts (PARTS="..."): tests atests (the kernels'
+# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention),
+# trace, pprobe (the Pallas attention's prefill side), offline (the engine's throughput), stash and
+# agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py).
 # Try it on the CPU first: JAX_PLATFORMS=cpu QUICK=1 bash benchmarks/tpu_steps.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +20,12 @@ python3 -c "import jax, sys; print(sys.version); print('jax', jax.__version__, j
 for part in $PARTS; do
   case $part in
     tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider --noconftest tests/test_lora_pallas.py 2>&1 | tee "$OUT/tests.log" ;;
+    atests) timeout 150 python3 -m pytest -q -x -p no:cacheprovider --noconftest tests/test_attention_pallas.py \
+              -k "${ATESTS_K:-bfloat16}" 2>&1 | tee "$OUT/attention_tests.log" || PA=off ;;
+    pa)    timeout 300 $FS --modes decode prefill --adapters 0 8 64 --pallas-attention ${PA:-off on} \
+             --json "$OUT/steps_small_pa.json" 2>&1 | tee "$OUT/steps_small_pa.log" ;;
+    pa1b)  timeout 240 $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters 0 64 \
+             --pallas-attention ${PA:-off on} --json "$OUT/steps_1b_pa.json" 2>&1 | tee "$OUT/steps_1b_pa.log" ;;
     small) timeout 300 $FS --modes decode prefill --adapters 0 8 64 --backends auto dense \
              --json "$OUT/steps_small.json" 2>&1 | tee "$OUT/steps_small.log" ;;
     slots) timeout 240 $FS --modes decode prefill --adapters 0 8 64 --slots 256 --backends auto \
@@ -27,5 +36,28 @@ for part in $PARTS; do
              --trace /tmp/fs-trace 2>&1 | tee "$OUT/steps_trace.log"
            timeout 200 $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters 0 --repeats 3 \
              --trace /tmp/fs-trace-1b 2>&1 | tee "$OUT/steps_trace_1b.log" ;;
+    # next: the prefill side of the Pallas attention (query blocks of 16 and 64 rows; its profile)
+    pprobe) for qb in 16 64; do MULTILORA_PALLAS_QUERY_BLOCK=$qb timeout 150 $FS --modes prefill --adapters 0 \
+               --pallas-attention off on --json "$OUT/prefill_qb$qb.json" 2>&1 | tee "$OUT/prefill_qb$qb.log"; done
+            timeout 150 $FS --modes prefill decode --adapters 0 --pallas-attention on --repeats 3 \
+              --trace /tmp/fs-trace-pa 2>&1 | tee "$OUT/steps_trace_pa.log" ;;
+    # offline throughput through the engine (64 requests x 64 new tokens), its packages from the
+    # machine's own index (not yet tried there)
+    offline) PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --only-binary=:all: \
+               --index-url file:///opt/pypi/simple --target /tmp/site safetensors tokenizers jinja2 markupsafe \
+               && export PYTHONPATH=${PYTHONPATH:-}:/tmp/site
+             timeout 500 python3 benchmarks/engine_throughput.py --adapters 0 8 64 --dtype bfloat16 \
+               --workdir /tmp/bench --json "$OUT/offline.json" 2>&1 | tee "$OUT/offline.log" ;;
+    # greedy tokens against the CPU's float32 record: the GGUF's parts carried in .tpu-carry/ by
+    # earlier calls of the same lease (PARTS=stash), the gguf wheel in .whl-tpu/ (not yet tried there)
+    stash) mkdir -p /tmp/gguf && cp .tpu-carry/model.gguf.part* /tmp/gguf/ && ls -l /tmp/gguf ;;
+    agree) PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --only-binary=:all: \
+             --index-url file:///opt/pypi/simple --target /tmp/site safetensors tokenizers jinja2 markupsafe \
+             pyyaml tqdm requests
+           PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --target /tmp/site \
+             .whl-tpu/gguf-*.whl && export PYTHONPATH=${PYTHONPATH:-}:/tmp/site
+           cat /tmp/gguf/model.gguf.part* > /tmp/model.gguf
+           timeout 400 python3 benchmarks/tpu_agreement.py check --ref benchmarks/results/agreement_cpu_f32.json \
+             --gguf /tmp/model.gguf --dtype bfloat16 --json "$OUT/agreement_tpu_bf16.json" 2>&1 | tee "$OUT/agreement.log" ;;
   esac
 done

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import zlib
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch threads spin on a busy 2-core box
@@ -12,6 +13,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # would take bfloat16 where the CPU has AMX-BF16 or AVX512-BF16. The bfloat16 path is tested where it is asked for
 # by name (test_projections.py, test_model_parity.py, test_engine.py).
 os.environ.setdefault("MULTILORA_PROJECTION_DTYPE", "float32")
+# JAX's persistent compilation cache (which engines turn on) in a folder of this test session's
+# own: runs of other checkouts on the same machine never read or write the same entries (a read
+# racing another process's write crashed a run), and executables that hold host callbacks
+# (Pallas's interpreter, the kernels' CPU tests) never outlive the process that made them.
+os.environ.setdefault("MULTILORA_COMPILATION_CACHE", tempfile.mkdtemp(prefix="multilora-jax-cache-"))
 
 import pytest  # noqa: E402
 
@@ -58,7 +64,7 @@ def peft_greedy_cache():
 #   server  the HTTP server (and Ray Serve's) in this process, through an OpenAI client
 #   e2e     real processes: `multilora serve`, several engine processes, the default model
 TIERS = {
-    "unit": ["test_arrays", "test_attention", "test_backends", "test_capabilities", "test_docs",
+    "unit": ["test_arrays", "test_attention", "test_attention_pallas", "test_backends", "test_capabilities", "test_docs",
              "test_imports", "test_cli", "test_kv_pages", "test_lora_pallas", "test_loader", "test_logits_process", "test_lora_slots",
              "test_pacing", "test_projections", "test_registry", "test_safetensors_views",
              "test_sampler", "test_scheduler", "test_adapter_errors"],

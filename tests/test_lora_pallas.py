@@ -63,6 +63,7 @@ CASES = [  # (T, D, O, slot ranks (slot 0 first), table width, max step adapters
     (64, 128, 384, [0] + [16] * 20, 16, 24, "random"),           # 3 chunks of 8 adapters
     (100, 128, 128, [0, 24, 8, 32, 16, 32], 32, 6, "prefill"),    # table of 32: chunks of 4
     (40, 256, 128, [0, 16, 16, 8], 16, 8, "all_base"),
+    (30, 128, 128, [0, 24, 8, 16, 24, 8], 24, 6, "random"),       # a table of 3 pages: chunks of 4
 ]
 
 
@@ -131,6 +132,8 @@ def test_step_adapters_in_order_of_first_appearance():
 def test_chunks_fill_the_lanes():
     assert chunk_adapters(16) == 8 and chunk_adapters(8) == 16 and chunk_adapters(128) == 1
     assert chunk_adapters(256) == 1
+    assert chunk_adapters(24) == 4 and chunk_adapters(40) == 2 and chunk_adapters(72) == 2  # whole (16, 128) tiles
+    assert all(chunk_adapters(w) * w % 16 == 0 for w in range(8, 512, 8))
 
 
 def test_pallas_backend_refuses_more_adapters_than_compiled_for():

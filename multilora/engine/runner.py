@@ -30,7 +30,8 @@ from multilora.engine.structured import allow_all, mask_words
 from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
 from multilora.adapters.pool import LoRASlots
 from multilora.model.attention import native_attention_usable
-from multilora.model.llama import KVCache, Weights, forward, is_heads_major, kv_cache_formats, token_logprobs
+from multilora.model.llama import (KVCache, Weights, forward, is_heads_major, kv_cache_formats, pallas_attention_on,
+                                   token_logprobs)
 
 log = logging.getLogger("multilora.runner")
 
@@ -165,13 +166,15 @@ class ModelRunner:
         # The cache comes back in the format it went in: heads-major on a TPU (llama.KV_HEADS_MAJOR),
         # so the next step, compiled for it, reads it in place too.
         self.kv_heads_major = is_heads_major(kv.k_LPpKH)
+        # a heads-major cache (a TPU's): decode-sized steps attend through the Pallas kernel (attention_for)
+        self.pallas_attention = self.kv_heads_major and pallas_attention_on(kv.k_LPpKH)
         kv_shardings = kv_cache_formats(jax.tree.map(lambda a: a.sharding, kv), self.kv_heads_major)
         # Replicated over the cache's devices: the batch, the logits and the sampler's rows.
         self.replicated = _replicated_like(kv.k_LPpKH.sharding)
         # The step is compiled, like every jit here, for the layouts its committed arguments have: the LoRA
         # pools' is rows-major (multilora.lora.pool.POOL_LAYOUT), so the step reads them in place.
         self._fwd = jax.jit(forward, static_argnames=("cfg", "backend", "hidden", "native_attention",
-                                                      "kv_heads_major"),
+                                                      "kv_heads_major", "pallas_attention"),
                             donate_argnames=("kv",),
                             out_shardings=(self.replicated, kv_shardings, self.replicated))
         self._score = jax.jit(token_logprobs, static_argnames=("cfg", "k"), out_shardings=self.replicated)
@@ -199,6 +202,14 @@ class ModelRunner:
         return choose_backend(self.lora_backend, num_tokens, num_tokens <= self.buckets.max_num_seqs,
                               self.lora.num_slots if self.lora is not None else None, self._native,
                               self._platform)
+
+    def pallas_attention_for(self, num_tokens: int) -> bool:
+        """Whether a step of num_tokens tokens attends through the Pallas kernel: on a TPU, for
+        decode-sized steps (at most max_num_seqs tokens). Measured on a TPU v5e (BENCHMARKS.md's
+        TPU log, SmolLM2-135M's shape): a 64-row decode step 8.2 -> 4.7 ms, but a 512-token
+        prefill 11.2 -> 14.5 ms, so longer steps keep XLA's prefill path until the kernel's
+        prefill side is profiled."""
+        return self.pallas_attention and num_tokens <= self.buckets.max_num_seqs
 
     def lora_batch_preparer(self, num_tokens: int):
         """What a step of num_tokens tokens builds its LoRABatchInfo with: slot_T -> info, through
@@ -231,7 +242,8 @@ class ModelRunner:
         lora_w = self.lora.weights if self.lora is not None else None
         return self._fwd.lower(self.weights, lora_w, self.kv, self._abstract(self._dummy_batch(t, x)),
                                cfg=self.cfg, backend=self.backend_for(t), hidden=True,
-                               native_attention=self.native_attention, kv_heads_major=self.kv_heads_major)
+                               native_attention=self.native_attention, kv_heads_major=self.kv_heads_major,
+                               pallas_attention=self.pallas_attention_for(t))
 
     def _compiled(self, table: dict, lower, key, what: str):
         """The compiled executable for key (compiled now, with a warning, after warm-up)."""

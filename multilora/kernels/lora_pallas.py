@@ -41,8 +41,13 @@ VMEM_BUDGET_BYTES = 40 * 1024 * 1024  # what one call's buffers may take (tm is 
 
 
 def chunk_adapters(table_width: int) -> int:
-    """Adapters per chunk: enough that a chunk's rank columns fill the MXU's lanes."""
-    return max(1, LANES // table_width)
+    """Adapters per chunk: enough that a chunk's rank columns fill the MXU's lanes, and an even
+    number where the width is an odd number of pages, so that a chunk's rows are whole (16, 128)
+    tiles of a bfloat16 buffer."""
+    n = max(1, LANES // table_width)
+    if (table_width // PAGE_ROWS) % 2 and n % 2:
+        n = n - 1 if n > 1 else 2
+    return n
 
 
 def token_tile(num_tokens: int, d_in: int, d_out: int, itemsize: int) -> int:
@@ -68,8 +73,7 @@ def _kernel(layer_ref, pages_ref, lo_ref, n_ref, start_ref,      # scalar prefet
             x_ref, local_ref, scale_ref, a_hbm, b_hbm,           # inputs
             y_ref,                                                # output
             abuf, bbuf, sem, acc,                                 # scratch
-            *, pages_per_chunk: int, a_off: int, b_off: int, rank_cols: int, per_chunk: int,
-            num_tiles: int):
+            *, pages_per_chunk: int, a_off: int, rank_cols: int, per_chunk: int, num_tiles: int):
     i, j = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
 
@@ -81,7 +85,7 @@ def _kernel(layer_ref, pages_ref, lo_ref, n_ref, start_ref,      # scalar prefet
             dst = pl.ds(q * PAGE_ROWS, PAGE_ROWS)
             out.append(pltpu.make_async_copy(a_hbm.at[layer, pl.ds(a_off + row, PAGE_ROWS)],
                                              abuf.at[slot, dst], sem.at[0, slot]))
-            out.append(pltpu.make_async_copy(b_hbm.at[layer, pl.ds(b_off + row, PAGE_ROWS)],
+            out.append(pltpu.make_async_copy(b_hbm.at[layer, pl.ds(row, PAGE_ROWS)],
                                              bbuf.at[slot, dst], sem.at[1, slot]))
         return out
 
@@ -168,8 +172,8 @@ def lora_delta(x_TD, a_pool_LUD, b_pool_LUO, layer, step_slots_A, local_T, rows_
     lo = jnp.where(lo >= num_chunks, 0, lo).astype(jnp.int32)
     n = jnp.maximum(hi - lo + 1, 1).astype(jnp.int32)
     start = (jnp.cumsum(n) - n).astype(jnp.int32)
-    kernel = functools.partial(
-        _kernel, pages_per_chunk=w // PAGE_ROWS, a_off=a_block * (a_pool_LUD.shape[1] // a_blocks), b_off=0, rank_cols=r, per_chunk=per_chunk, num_tiles=nt)
+    kernel = functools.partial(_kernel, pages_per_chunk=w // PAGE_ROWS, a_off=a_block * (a_pool_LUD.shape[1] // a_blocks),
+                               rank_cols=r, per_chunk=per_chunk, num_tiles=nt)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(nt, num_chunks),

@@ -14,6 +14,7 @@ P pages, p page size, X the step's pages, Q logits rows, U adapter pool rows, O 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import jax
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 
 from multilora.config import ModelConfig
+from multilora.kernels.attention_pallas import paged_attention
 from multilora.lora.backend import get_backends
 from multilora.lora.backend.base import PoolLayer
 from multilora.lora.batch import NO_LORA, PER_TOKEN, LoRABatchInfo
@@ -158,6 +160,14 @@ def kv_heads_major_on(platform: str) -> bool:
     return platform == "tpu"
 
 
+def pallas_attention_on(cache: jax.Array) -> bool:
+    """Whether steps over this (heads-major) cache attend through the Pallas kernel: on a TPU,
+    unless MULTILORA_PALLAS_ATTENTION=0 (XLA's gathers instead, for comparison)."""
+    devices = getattr(getattr(cache, "sharding", None), "device_set", ())
+    return (bool(devices) and all(d.platform == "tpu" for d in devices)
+            and os.environ.get("MULTILORA_PALLAS_ATTENTION", "1") != "0")
+
+
 def is_heads_major(cache: jax.Array) -> bool:
     """Whether this cache array is laid out KV_HEADS_MAJOR (forward's kv_heads_major)."""
     layout = getattr(getattr(cache, "format", None), "layout", None)
@@ -199,15 +209,20 @@ def _proj(x, w, b=None, layer=None):
 
 def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: Batch,
             cfg: ModelConfig, backend: str = "bgmv", hidden: bool = False, native_attention: bool = False,
-            kv_heads_major: bool = False):
+            kv_heads_major: bool = False, pallas_attention: bool = False):
     """Logits (Q, V) in float32 for the rows batch.logits_idx_Q, and the updated cache; with
     hidden=True also every token's last hidden state x_TD (before the final norm, float32), for
     token_logprobs (prompt logprobs). native_attention: decode rows attend through multilora's
     CPU kernel, reading the cache's pages in place (attention.native_attention_usable).
     kv_heads_major: the cache is laid out KV_HEADS_MAJOR, and the layer loop reads and writes it
-    as k_LPKpH (compile the step with the cache's formats in and out, or XLA converts it)."""
+    as k_LPKpH (compile the step with the cache's formats in and out, or XLA converts it).
+    pallas_attention: every token (decode rows and prefill chunks) attends through the Pallas
+    ragged paged-attention kernel (multilora.kernels.attention_pallas), which reads the
+    heads-major cache's pages in place (a TPU's path; needs kv_heads_major)."""
     if kv_heads_major and native_attention:
         raise ValueError("the native attention kernels read (L, P, p, K, H) caches: kv_heads_major is for XLA's")
+    if pallas_attention and not kv_heads_major:
+        raise ValueError("pallas_attention reads the heads-major cache: it needs kv_heads_major=True")
     bes = get_backends(backend) if lora is not None else ()
     be = bes[0] if bes else None
     info = batch.lora
@@ -262,13 +277,19 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         k_TKH = apply_rope(k.reshape(t, kvh, h), cos_TH, sin_TH)
         k_cache = write_kv(k_cache, idx, batch.slot_mapping_T, k_TKH, kv_heads_major)
         v_cache = write_kv(v_cache, idx, batch.slot_mapping_T, v.reshape(t, kvh, h), kv_heads_major)
-        dec = decode_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
-                               batch.positions_T, batch.num_decode, cfg.sliding_window, native_attention,
-                               kv_heads_major)
-        pre = prefill_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
-                                prefill_seq_T, batch.positions_T, cfg.sliding_window, native_attention,
-                                kv_heads_major)
-        attn_TO = jnp.where(is_decode_T[:, None, None], dec, pre).reshape(t, n * h)
+        if pallas_attention:
+            attn_TNH = paged_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
+                                       batch.seq_idx_T, batch.positions_T, cfg.sliding_window,
+                                       interpret=jax.default_backend() != "tpu")
+        else:
+            dec = decode_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
+                                   batch.positions_T, batch.num_decode, cfg.sliding_window, native_attention,
+                                   kv_heads_major)
+            pre = prefill_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
+                                    prefill_seq_T, batch.positions_T, cfg.sliding_window, native_attention,
+                                    kv_heads_major)
+            attn_TNH = jnp.where(is_decode_T[:, None, None], dec, pre)
+        attn_TO = attn_TNH.reshape(t, n * h)
         o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD, idx)
         if be is not None:
             (o,) = with_lora(lambda ll, be: (be.run_lora(attn_TO, ll.o_a_LUO, ll.o_b_LUD, info),), idx, o)

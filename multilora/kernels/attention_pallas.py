@@ -1,0 +1,222 @@
+"""Ragged paged attention as a Pallas TPU kernel over the heads-major KV cache, for decode rows,
+prefill chunks and mixed steps alike, reading the step's pages in place.
+
+The step's batch already lists its pages as one flat run per sequence (Batch.kv_pages_X, tagged
+by kv_page_seq_X, in sequence order), so a token of sequence s at position pos sees exactly the
+flat key indices [start_s * p, start_s * p + pos] (start_s: the first of its sequence's pages in
+that list, p the page size), cut to the last `sliding_window` of them. The kernel takes query
+tokens in blocks of tq rows; block j walks the page range its rows need, a chunk of C pages at a
+time, DMA'd from the cache at the step's layer (cache_LPKpH: one page of one head is a
+contiguous (p, H) tile there) into VMEM, double-buffered (the next chunk, or the next block's
+first, in flight while this one is scored), with an online softmax per query row. Per kv head
+the block's G query heads go as one (G * tq, H) x (H, C * p) product on the MXU.
+
+Decode rows (one token per sequence, listed first) are blocks of tq sequences: a block scores
+its rows against all of its sequences' pages, the masks keep each row to its own; the MXU's
+extra work is small next to the pages' bytes, which are read once. What XLA's path did with
+gathers, segment scatters and a loop over every page (multilora.model.attention, kept for the
+CPU) is here one kernel per layer, whose cost follows the pages the step's tokens read.
+
+Legend: T tokens, N query heads, K kv heads, G = N / K, H head dim, L layers, P cache pages,
+p page size, X the step's pages, J query blocks, C pages per chunk.
+`paged_attention_reference` is the same in plain jnp, for the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+MASKED = -1e30
+KEYS_PER_CHUNK = 256   # keys a chunk scores (C = this // p pages)
+VMEM_LIMIT_BYTES = 64 * 1024 * 1024
+
+
+def query_block(num_tokens: int) -> int:
+    """Rows per query block: 16 for decode-sized steps (a block's rows are 16 sequences, whose
+    pages it reads once; measured at 64 rows), 64 for longer steps (a prefill chunk's keys are
+    then read once per 64 of its tokens; the runner keeps such steps on XLA's path for now)."""
+    forced = os.environ.get("MULTILORA_PALLAS_QUERY_BLOCK")  # a measurement knob (benchmarks/tpu_steps.sh)
+    if forced:
+        return int(forced)
+    return 16 if num_tokens <= 256 else 64
+
+
+def _ranges(kv_page_seq_X, seq_idx_T, positions_T, page_size, sliding_window):
+    """Each token's visible flat key indices [lo_T, hi_T] (lo > hi for padding tokens) and the
+    first page and end page (exclusive) of X each token needs."""
+    x = kv_page_seq_X.shape[0]
+    real_T = seq_idx_T >= 0
+    start_T = jnp.searchsorted(kv_page_seq_X, seq_idx_T, side="left").astype(jnp.int32)
+    lo_T = start_T * page_size
+    hi_T = lo_T + positions_T
+    if sliding_window is not None:
+        lo_T = jnp.maximum(lo_T, hi_T - sliding_window + 1)
+    lo_T = jnp.where(real_T, lo_T, 1).astype(jnp.int32)
+    hi_T = jnp.where(real_T, hi_T, 0).astype(jnp.int32)
+    first_T = jnp.where(real_T, lo_T // page_size, x)
+    end_T = jnp.where(real_T, hi_T // page_size + 1, 0)
+    return lo_T, hi_T, first_T, end_T
+
+
+def _kernel(layer_ref, pages_ref, blk_start_ref, n_chunks_ref, base_ref,   # scalar prefetch
+            q_ref, lo_ref, hi_ref, k_hbm, v_hbm,                           # inputs
+            o_ref,                                                          # output
+            kbuf, vbuf, sem, m_ref, l_ref, acc_ref,                         # scratch
+            *, pages_per_chunk: int, num_pages: int, num_blocks: int, scale: float):
+    j = pl.program_id(0)
+    layer = layer_ref[0]
+    num_kv, g, tq, h = q_ref.shape
+    p = kbuf.shape[3]
+    cp = pages_per_chunk * p
+
+    def copies(blk, c, slot):
+        x0 = blk_start_ref[blk] + c * pages_per_chunk
+        out = []
+        for i in range(pages_per_chunk):
+            page = pages_ref[jnp.minimum(x0 + i, num_pages - 1)]
+            out.append(pltpu.make_async_copy(k_hbm.at[layer, page], kbuf.at[slot, i], sem.at[0, slot]))
+            out.append(pltpu.make_async_copy(v_hbm.at[layer, page], vbuf.at[slot, i], sem.at[1, slot]))
+        return out
+
+    @pl.when(j == 0)
+    def _():
+        for cp_ in copies(0, 0, 0):
+            cp_.start()
+
+    m_ref[...] = jnp.full_like(m_ref, MASKED)
+    l_ref[...] = jnp.zeros_like(l_ref)
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+    lo = jnp.tile(lo_ref[...], (g, 1))   # (g * tq, 1): row r is token r % tq
+    hi = jnp.tile(hi_ref[...], (g, 1))
+    n = n_chunks_ref[j]
+
+    def body(c, carry):
+        slot = (base_ref[j] + c) % 2
+
+        @pl.when(c + 1 < n)
+        def _():
+            for cp_ in copies(j, c + 1, 1 - slot):
+                cp_.start()
+
+        @pl.when((c + 1 >= n) & (j + 1 < num_blocks))
+        def _():
+            for cp_ in copies(j + 1, 0, 1 - slot):
+                cp_.start()
+
+        for cp_ in copies(j, c, slot):
+            cp_.wait()
+
+        f0 = (blk_start_ref[j] + c * pages_per_chunk) * p
+        f = f0 + jax.lax.broadcasted_iota(jnp.int32, (1, cp), 1)
+        visible = (f >= lo) & (f <= hi)                                   # (g * tq, cp)
+        for k in range(num_kv):
+            keys = kbuf[slot, :, k].reshape(cp, h)
+            vals = vbuf[slot, :, k].reshape(cp, h)
+            q = q_ref[k].reshape(g * tq, h)
+            s = jax.lax.dot_general(q, keys.astype(q.dtype), (((1,), (1,)), ((), ())),
+                                    precision=_precision(q), preferred_element_type=jnp.float32) * scale
+            s = jnp.where(visible, s, MASKED)
+            m_prev = m_ref[k]
+            m_cur = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            probs = jnp.where(visible, jnp.exp(s - m_cur), 0.0)
+            alpha = jnp.exp(m_prev - m_cur)
+            l_ref[k] = alpha * l_ref[k] + jnp.sum(probs, axis=1, keepdims=True)
+            acc_ref[k] = alpha * acc_ref[k] + jnp.dot(probs.astype(vals.dtype), vals, precision=_precision(vals),
+                                                      preferred_element_type=jnp.float32)
+            m_ref[k] = m_cur
+        return carry
+
+    jax.lax.fori_loop(0, n, body, 0)
+    for k in range(num_kv):
+        l_k = l_ref[k]
+        out = acc_ref[k] / jnp.where(l_k == 0.0, 1.0, l_k)
+        o_ref[k] = out.reshape(g, tq, h).astype(o_ref.dtype)
+
+
+def _precision(operand):
+    return jax.lax.Precision.HIGHEST if operand.dtype == jnp.float32 else None
+
+
+def paged_attention(q_TNH, k_LPKpH, v_LPKpH, layer, kv_pages_X, kv_page_seq_X, seq_idx_T, positions_T,
+                    sliding_window: int | None = None, interpret: bool = False, block_rows: int | None = None):
+    """Attention (T, N, H) of every token of the step (decode rows and prefill chunks) against
+    its own sequence's keys at positions <= its own, read from the heads-major caches
+    (L, P, K, p, H) at `layer` through the step's flat page list. Padding tokens (seq_idx -1)
+    get zeros. interpret: Pallas's TPU interpreter (any platform; the tests' path)."""
+    t, n, h = q_TNH.shape
+    _, _, num_kv, p, _ = k_LPKpH.shape
+    g = n // num_kv
+    x = kv_pages_X.shape[0]
+    tq = block_rows or query_block(t)
+    nb = -(-t // tq)
+    pad = nb * tq - t
+    c = max(1, min(x, KEYS_PER_CHUNK // p))
+    lo_T, hi_T, first_T, end_T = _ranges(kv_page_seq_X, seq_idx_T, positions_T, p, sliding_window)
+    lo_T = jnp.pad(lo_T, (0, pad), constant_values=1)
+    hi_T = jnp.pad(hi_T, (0, pad), constant_values=0)
+    blk_start = jnp.min(jnp.pad(first_T, (0, pad), constant_values=x).reshape(nb, tq), axis=1)
+    blk_end = jnp.max(jnp.pad(end_T, (0, pad), constant_values=0).reshape(nb, tq), axis=1)
+    blk_start = jnp.where(blk_start >= x, 0, blk_start).astype(jnp.int32)
+    n_chunks = jnp.maximum(-(-(blk_end - blk_start) // c), 1).astype(jnp.int32)   # >= 1: every block is written
+    base = (jnp.cumsum(n_chunks) - n_chunks).astype(jnp.int32)
+    q_KGTH = jnp.pad(q_TNH, ((0, pad), (0, 0), (0, 0))).reshape(nb * tq, num_kv, g, h).transpose(1, 2, 0, 3)
+    kernel = functools.partial(_kernel, pages_per_chunk=c, num_pages=x, num_blocks=nb, scale=h ** -0.5)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(nb,),
+        in_specs=[
+            pl.BlockSpec((num_kv, g, tq, h), lambda j, *_: (0, 0, j, 0)),
+            pl.BlockSpec((tq, 1), lambda j, *_: (j, 0)),
+            pl.BlockSpec((tq, 1), lambda j, *_: (j, 0)),
+            pl.BlockSpec(memory_space=pl.ANY),
+            pl.BlockSpec(memory_space=pl.ANY),
+        ],
+        out_specs=pl.BlockSpec((num_kv, g, tq, h), lambda j, *_: (0, 0, j, 0)),
+        scratch_shapes=[
+            pltpu.VMEM((2, c, num_kv, p, h), k_LPKpH.dtype),
+            pltpu.VMEM((2, c, num_kv, p, h), v_LPKpH.dtype),
+            pltpu.SemaphoreType.DMA((2, 2)),
+            pltpu.VMEM((num_kv, g * tq, 1), jnp.float32),
+            pltpu.VMEM((num_kv, g * tq, 1), jnp.float32),
+            pltpu.VMEM((num_kv, g * tq, h), jnp.float32),
+        ],
+    )
+    out_KGTH = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((num_kv, g, nb * tq, h), q_TNH.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                             vmem_limit_bytes=VMEM_LIMIT_BYTES),
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), kv_pages_X.astype(jnp.int32), blk_start, n_chunks, base,
+      q_KGTH, lo_T[:, None], hi_T[:, None], k_LPKpH, v_LPKpH)
+    return out_KGTH.transpose(2, 0, 1, 3).reshape(nb * tq, n, h)[:t]
+
+
+def paged_attention_reference(q_TNH, k_LPKpH, v_LPKpH, layer, kv_pages_X, kv_page_seq_X, seq_idx_T,
+                              positions_T, sliding_window: int | None = None):
+    """paged_attention in plain jnp: every token against every key of the step's pages, masked."""
+    t, n, h = q_TNH.shape
+    _, _, num_kv, p, _ = k_LPKpH.shape
+    g = n // num_kv
+    lo_T, hi_T, _, _ = _ranges(kv_page_seq_X, seq_idx_T, positions_T, p, sliding_window)
+    k_XKpH = k_LPKpH[layer][kv_pages_X]
+    v_XKpH = v_LPKpH[layer][kv_pages_X]
+    x = kv_pages_X.shape[0]
+    k_FKH = k_XKpH.transpose(0, 2, 1, 3).reshape(x * p, num_kv, h).astype(jnp.float32)
+    v_FKH = v_XKpH.transpose(0, 2, 1, 3).reshape(x * p, num_kv, h).astype(jnp.float32)
+    q_TKGH = q_TNH.reshape(t, num_kv, g, h).astype(jnp.float32)
+    s = jnp.einsum("tkgh,fkh->tkgf", q_TKGH, k_FKH, precision=jax.lax.Precision.HIGHEST) * h ** -0.5
+    f = jnp.arange(x * p)
+    vis = (f[None, :] >= lo_T[:, None]) & (f[None, :] <= hi_T[:, None])
+    s = jnp.where(vis[:, None, None, :], s, MASKED)
+    e = jnp.where(vis[:, None, None, :], jnp.exp(s - s.max(-1, keepdims=True)), 0.0)
+    den = e.sum(-1, keepdims=True)
+    out = jnp.einsum("tkgf,fkh->tkgh", e / jnp.where(den == 0, 1.0, den), v_FKH, precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(t, n, h).astype(q_TNH.dtype)
