@@ -84,3 +84,18 @@ def pytest_collection_modifyitems(config, items):
         if module not in TIER_OF:
             raise pytest.UsageError(f"tests/{module}.py is in no tier: add it to TIERS in tests/conftest.py")
         item.add_marker(getattr(pytest.mark, TIER_OF[module]))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test file: drop JAX's caches of compiled programs. Each XLA CPU executable holds
+    memory mappings of its JIT code; the whole suite in one process compiles enough of them to
+    pass the kernel's limit on mappings (vm.max_map_count, 65530), and then LLVM's next
+    compilation fails ("Cannot allocate memory") and the process dies. Engines a file still
+    holds keep their own executables; the next file compiles what it needs again."""
+    yield
+    import gc
+
+    import jax
+    jax.clear_caches()
+    gc.collect()
