@@ -102,7 +102,7 @@ def _report(eng) -> dict:
     out["weight_bytes_total"] = int(sum(a.nbytes for a in leaves))
     # The compiled steps: which collectives, and the largest all-gather (elements).
     gathers, reduces = [], 0
-    for fn in eng.runner._steps.values():
+    for fn in eng.runner.compiled_steps().values():
         for shape in re.findall(r"= \(?(\w+\[[\d,]*\])[^=]*? all-gather(?:-start)?\(", fn.as_text()):
             gathers.append(int(np.prod([int(d) for d in shape.split("[")[1].rstrip("]").split(",") if d])))
         reduces += len(re.findall(r" all-reduce(?:-start)?\(", fn.as_text()))

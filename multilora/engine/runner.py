@@ -172,7 +172,7 @@ class ModelRunner:
         # Replicated over the cache's devices: the batch, the logits and the sampler's rows.
         self.replicated = _replicated_like(kv.k_LPpKH.sharding)
         # The step is compiled, like every jit here, for the layouts its committed arguments have: the LoRA
-        # pools' is rows-major (multilora.lora.pool.POOL_LAYOUT), so the step reads them in place.
+        # pools' is rows-major (multilora.adapters.pool.POOL_LAYOUT), so the step reads them in place.
         self._fwd = jax.jit(forward, static_argnames=("cfg", "backend", "hidden", "native_attention",
                                                       "kv_heads_major", "pallas_attention"),
                             donate_argnames=("kv",),
@@ -205,8 +205,8 @@ class ModelRunner:
 
     def pallas_attention_for(self, num_tokens: int) -> bool:
         """Whether a step of num_tokens tokens attends through the Pallas kernel: on a TPU, for
-        decode-sized steps (at most max_num_seqs tokens). Measured on a TPU v5e (BENCHMARKS.md's
-        TPU log, SmolLM2-135M's shape): a 64-row decode step 8.2 -> 4.7 ms, but a 512-token
+        decode-sized steps (at most max_num_seqs tokens). Measured on a TPU v5e
+        (benchmarks/log/27-2026-12-05-tpu-v5e-pallas-kernels.md, SmolLM2-135M's shape): a 64-row decode step 8.2 -> 4.7 ms, but a 512-token
         prefill 11.2 -> 14.5 ms, so longer steps keep XLA's prefill path until the kernel's
         prefill side is profiled."""
         return self.pallas_attention and num_tokens <= self.buckets.max_num_seqs
@@ -221,7 +221,8 @@ class ModelRunner:
         # A run-time switch: tiles sized for the step's few adapters, whatever the pool holds.
         # Otherwise tiles for as many adapters as a step can have: one per sequence, at most
         # max_num_seqs (a pool sized by memory holds hundreds of slots: tiles for all of them made
-        # a 512-token prefill on a TPU 2.2x as long as tiles for 64; BENCHMARKS.md).
+        # a 512-token prefill on a TPU 2.2x as long as tiles for 64;
+        # benchmarks/log/22-2026-12-05-tpu-v5e-pool-by-memory.md).
         cap = grouped_cap(num_tokens) if SWITCH in name else self.buckets.max_num_seqs
         s, r, rows = self.lora.scalings_S, self.lora.ranks_S, self.lora.rows_SR
         return lambda slot_T: be.prepare_lora_batch(slot_T, s, r, rows, cap)
@@ -344,6 +345,11 @@ class ModelRunner:
     def num_compiled_steps(self) -> int:
         return len(self._steps)
 
+    def compiled_steps(self) -> dict:
+        """(tokens, pages) -> the compiled step executable, for every shape compiled so far (its
+        HLO through .as_text(): what collectives a sharded step runs)."""
+        return dict(self._steps)
+
     def warmup(self, progress: bool = False, threads: int = 2) -> float:
         """Compile every bucket now (and run none): no compile happens after this. XLA compiles
         release the GIL, so two threads keep both cores of a small machine busy."""
@@ -424,15 +430,15 @@ class ModelRunner:
 
 
 def jit_slot_writer(write_rows, buffers, buffer_formats, rows_shardings, replicated, max_rank: int):
-    """The LoRA pool writer (multilora.lora.pool.write_rows) compiled now for one set of pools
+    """The LoRA pool writer (multilora.adapters.pool.write_rows) compiled now for one set of pools
     (so that the first adapter written after warm-up compiles nothing): donated, so rows are
     rewritten in place, and pinned to the pools' shardings and layout in and out (the new rows
     arrive split like the pools, the row ids replicated; a pool written back in the device's
-    default layout would be converted whole by every step: multilora.lora.pool.POOL_LAYOUT). One
+    default layout would be converted whole by every step: multilora.adapters.pool.POOL_LAYOUT). One
     compile serves every adapter written `max_rank` rows wide (LoRASlots compiles one per
-    write width, multilora.lora.pool.write_widths): its row ids are traced (entries past its rank
+    write width, multilora.adapters.pool.write_widths): its row ids are traced (entries past its rank
     name the zero row); the rows come in the pools' dtype (host copies are read in it:
-    multilora.lora.adapter.load_adapter)."""
+    multilora.adapters.adapter.load_adapter)."""
     from multilora.adapters.pool import blocks_of
     fn = jax.jit(write_rows, donate_argnums=0, in_shardings=(buffer_formats, replicated, rows_shardings),
                  out_shardings=buffer_formats)

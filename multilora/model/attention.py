@@ -46,7 +46,8 @@ def read_pages(cache_LPpKH: jax.Array, layer, pages: jax.Array, heads_major: boo
     back. Read and written in the order that memory has (and written a row of H at a time:
     `write_kv`), the layer loop works on the cache in place: read (L, P, p, K, H) there, XLA
     converted the whole cache between layouts inside the loop, four copies of the cache per layer
-    (a 64-row decode step 59.2 ms, 8.4 ms heads-major; BENCHMARKS.md)."""
+    (a 64-row decode step 59.2 ms, 8.4 ms heads-major;
+    benchmarks/log/25-2026-12-05-tpu-v5e-kv-heads-major.md)."""
     l, num_pages = cache_LPpKH.shape[:2]
     flat = cache_LPpKH.reshape((l * num_pages,) + cache_LPpKH.shape[2:])
     pages = jnp.take(flat, layer * num_pages + pages, axis=0, mode="clip")

@@ -103,7 +103,7 @@ class Weights:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LoRAWeights:
-    """The adapters' pools of rank rows (multilora.lora.pool), stacked along L: A rows in PEFT's
+    """The adapters' pools of rank rows (multilora.adapters.pool), stacked along L: A rows in PEFT's
     layout (one rank x in row each), B rows transposed from PEFT's (one out row per rank).
     A slot's rows are LoRABatchInfo.rows_SR; row 0 is zeros. The q/k/v and gate/up A pools hold
     one block of U rows per projection (in the order of their modules)."""
@@ -170,7 +170,7 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV
 # TPU's default for (L, P, p, K, H) tiles the two minor dims (K, H), and the loop's page gathers
 # and row scatters want (p, H) tiles; read through the default, a compiled step converted the
 # whole cache between the two inside its layer loop, four times per layer (a 64-row decode step
-# 59 ms, 485 ms over a 527 MB cache; BENCHMARKS.md). Made in this order and read as k_LPKpH (a
+# 59 ms, 485 ms over a 527 MB cache; benchmarks/log/25-2026-12-05-tpu-v5e-kv-heads-major.md). Made in this order and read as k_LPKpH (a
 # swap of axes that is free in this layout) and written a row of H at a time (attention.write_kv),
 # the step reads and writes the cache in place (59.2 -> 8.4 ms, logits bit-equal).
 # With H=64 the (p, H) tiles pad H to 128 lanes on a TPU (SmolLM2: twice the logical bytes;

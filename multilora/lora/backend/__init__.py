@@ -63,11 +63,11 @@ def choose_backend(name: str, num_tokens: int, is_decode: bool, num_slots: int |
     when the adapters are still few next to the tokens (4 * adapters <= T); with more slots
     than that (a pool sized by memory), the shape carries both `sgmv` (tiles sized for the few
     adapters a step may use) and `bgmv`, and each step's distinct adapters pick one at run time;
-    below one tile of rows it gathers per token (`bgmv`). Measured in BENCHMARKS.md (forward_step: 64 rows with 8
+    below one tile of rows it gathers per token (`bgmv`). Measured in benchmarks/log/01-2026-11-29-lora-op-micro-benchmark.md (forward_step: 64 rows with 8
     adapters sgmv 6 % ahead of dense; 32 rows dense 6 % ahead; 64 rows with 64 slots bgmv).
     On a TPU (`platform`), every shape with adapter slots takes `pallas`: XLA's gathers cost far
     more than their bytes there, and its kernel reads only the step's own adapters in place
-    (BENCHMARKS.md, "TPU v5e: LoRA that follows the step's adapters": a 64-row decode step with
+    (benchmarks/log/27-2026-12-05-tpu-v5e-pallas-kernels.md: a 64-row decode step with
     64 adapters 50.2 ms with `dense`, 10.8 with `pallas`; the same at 257 slots)."""
     if name != "auto":
         get_backends(name)

@@ -1,7 +1,7 @@
 """The LoRA compute interface, kept by name from sglang-jax.
 
 Legend: T tokens, D in features, O out features, S adapter slots, R the row table's width
-(max_lora_rank), U pool rows (see multilora.lora.pool).
+(max_lora_rank), U pool rows (see multilora.adapters.pool).
 The weights a backend receives are one layer of a pool of rank rows, shared by every slot:
 lora_a_UD holds A's rows (PEFT's rank x in layout, one row per unit of rank), lora_b_UO holds B's
 rows (PEFT's out x rank, transposed: one (out,) row per unit of rank, so that every expand reads
