@@ -158,6 +158,9 @@ class ModelRunner:
         self._native = (lora_backend == "auto" and a is not None
                         and native_usable(a.dtype, a.sharding.device_set))
         self._platform = next(iter(a.sharding.device_set)).platform if a is not None else "cpu"
+        if lora_backend == "pallas" and a is not None and self._platform != "tpu":
+            log.warning("lora_backend 'pallas' is a TPU kernel: on %s it runs in Pallas's interpreter, "
+                        "many times slower (use auto)", self._platform)
         # decode attention through multilora's CPU kernel, where it can read this cache
         self.native_attention = native_attention_usable(kv.k_LPpKH)
         self.page_size = kv.page_size
