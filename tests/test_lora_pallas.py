@@ -143,3 +143,34 @@ def test_pallas_backend_refuses_more_adapters_than_compiled_for():
     with pytest.raises(ValueError, match="more distinct adapters than the 2"):
         be.prepare_lora_batch(np.array([1, 2, 3, 4], np.int32), np.ones(5, np.float32),
                               np.full(5, 8, np.int32), rows, max_grouped=2)
+
+
+def test_pallas_backend_shrink_and_expand_alone_never_read_slot_0():
+    """The interface's separate run_lora_a_gemm / run_lora_b_gemm (dense's one-hot arithmetic over
+    the step's adapters): padding entries of step_slots_A are slot 0, whose table here names rows
+    of NaN; the results stay finite and match the per-token definition."""
+    from multilora.lora.backend import get_backend
+    from multilora.lora.backend.base import PoolLayer
+    rng = np.random.default_rng(5)
+    ranks = [0, 16, 8, 16]
+    a_pool, rows, a_dense = paged_pool(rng, 1, 1, ranks, 64, "float32", 16)
+    b_pool = np.zeros((1, a_pool.shape[1], 48), np.float32)
+    b_pool[:, PAGE_ROWS:] = np.nan
+    b_dense = rng.standard_normal((1, 1, len(ranks), 16, 48)).astype(np.float32)
+    for i, k in enumerate(ranks):
+        b_dense[:, :, i, k:] = 0.0
+        for r in range(-(-k // PAGE_ROWS) * PAGE_ROWS):
+            b_pool[:, rows[i, r]] = b_dense[:, 0, i, r]
+    b_dense[:, :, NO_ADAPTER] = 0.0
+    spare = [r for r in range(PAGE_ROWS, a_pool.shape[1], PAGE_ROWS) if r not in set(rows.ravel())][0]
+    rows[NO_ADAPTER] = spare + np.arange(16) % PAGE_ROWS   # slot 0 names a page of NaN
+    scal = np.array([5.0, 0.5, 1.5, 2.0], np.float32)
+    slot_T = np.array([0, 2, 2, 0, 1, 2, 0], np.int32)     # slot 3 unused: step_slots_A has padding
+    be = get_backend("pallas")
+    info = be.prepare_lora_batch(slot_T, scal, np.asarray(ranks, np.int32), rows, max_grouped=3)
+    assert NO_ADAPTER in info.step_slots_A.tolist()
+    x = rng.standard_normal((len(slot_T), 64)).astype(np.float32)
+    a, b = PoolLayer(a_pool, jnp.int32(0)), PoolLayer(jnp.asarray(b_pool), jnp.int32(0))
+    got = np.asarray(be.run_lora_b_gemm(be.run_lora_a_gemm(x, a, info), b, info))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, np_delta(x, a_dense, b_dense, 0, 0, scal, slot_T), atol=1e-4, rtol=1e-4)

@@ -22,26 +22,33 @@ def _adapter_slots(info: LoRABatchInfo) -> jax.Array:
     return jnp.arange(NO_ADAPTER + 1, info.rows_SR.shape[0])
 
 
-def _slot_onehot_TS(info: LoRABatchInfo, dtype) -> jax.Array:
-    """Over the adapter slots 1..S-1 only: base rows are all zero (one_hot of -1)."""
-    return jax.nn.one_hot(info.slot_T - 1, info.rows_SR.shape[0] - 1, dtype=dtype)
+def onehot_shrink(x_TD, a_NRD, index_T, scalings_N):
+    """Every token against each of N adapters' A in one GEMM, each token keeping its own
+    (index_T; N or -1: none): h_TR, scaled. A select, not a product, picks, so rows of an
+    adapter no token uses never reach the result, whatever they hold."""
+    n, r, d = a_NRD.shape
+    h_TNR = (x_TD @ a_NRD.reshape(n * r, d).astype(x_TD.dtype).T).reshape(-1, n, r)
+    onehot_TN = jax.nn.one_hot(index_T, n, dtype=h_TNR.dtype)
+    scale_T1 = (onehot_TN @ scalings_N.astype(h_TNR.dtype))[:, None]
+    return jnp.sum(jnp.where(onehot_TN[:, :, None] > 0, h_TNR, 0.0), axis=1) * scale_T1
+
+
+def onehot_expand(h_TR, b_NRO, index_T):
+    """h_TR expanded through each token's own adapter's B (index_T) as one GEMM over N adapters."""
+    n, r, o = b_NRO.shape
+    onehot_TN = jax.nn.one_hot(index_T, n, dtype=h_TR.dtype)
+    h_TX = (onehot_TN[:, :, None] * h_TR[:, None, :]).reshape(-1, n * r)
+    return h_TX @ b_NRO.reshape(n * r, o).astype(h_TR.dtype)
 
 
 class DenseLoRABackend(BaseLoRABackend):
     name = "dense"
 
     def run_lora_a_gemm(self, x_TD, lora_a_UD, info: LoRABatchInfo, blocks: int = 1):
+        # over the adapter slots 1..S-1 only: base rows (slot 0) are one_hot(-1), all zero
         a_SRD = slot_rows(lora_a_UD, info, _adapter_slots(info), blocks)
-        s, r, d = a_SRD.shape
-        h_TSR = (x_TD @ a_SRD.reshape(s * r, d).astype(x_TD.dtype).T).reshape(-1, s, r)
-        onehot_TS = _slot_onehot_TS(info, h_TSR.dtype)
-        scale_T1 = (onehot_TS @ info.scalings_S[NO_ADAPTER + 1:].astype(h_TSR.dtype))[:, None]
-        picked_TSR = jnp.where(onehot_TS[:, :, None] > 0, h_TSR, 0.0)
-        return jnp.sum(picked_TSR, axis=1) * scale_T1
+        return onehot_shrink(x_TD, a_SRD, info.slot_T - 1, info.scalings_S[NO_ADAPTER + 1:])
 
     def run_lora_b_gemm(self, h_TR, lora_b_UO, info: LoRABatchInfo, base_output_TO=None):
         b_SRO = slot_rows(lora_b_UO, info, _adapter_slots(info))
-        s, r, o = b_SRO.shape
-        onehot_TS = _slot_onehot_TS(info, h_TR.dtype)
-        h_TX = (onehot_TS[:, :, None] * h_TR[:, None, :]).reshape(-1, s * r)
-        return add_base(h_TX @ b_SRO.reshape(s * r, o).astype(h_TR.dtype), base_output_TO)
+        return add_base(onehot_expand(h_TR, b_SRO, info.slot_T - 1), base_output_TO)

@@ -9,7 +9,7 @@ slot (sglang-jax's, `dense` here) reads the whole pool every step.
 
 Off a TPU the kernel runs in Pallas's TPU interpreter (slow; the tests' path): `auto` takes this
 backend on TPUs only. run_lora_a_gemm / run_lora_b_gemm alone (the interface kept from
-sglang-jax) go through the `dense` arithmetic over the step's adapters in plain XLA; the model
+sglang-jax) go through `dense`'s one-hot arithmetic over the step's adapters in plain XLA; the model
 calls the fused run_lora / run_qkv_lora / run_gate_up_lora.
 """
 
@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from multilora.kernels.lora_pallas import lora_delta
 from multilora.lora.backend.base import BaseLoRABackend, add_base, pool_layer, slot_rows
-from multilora.lora.batch import PAGE_ROWS, PER_TOKEN, LoRABatchInfo
+from multilora.lora.backend.dense import onehot_expand, onehot_shrink
+from multilora.lora.batch import NO_ADAPTER, PAGE_ROWS, PER_TOKEN, LoRABatchInfo
 
 
 def _paged(info: LoRABatchInfo) -> bool:
@@ -59,20 +60,19 @@ class PallasLoRABackend(BaseLoRABackend):
             return super()._stacked(x_TD, a_UD, lora_b, info)
         return tuple(self._delta(x_TD, a_UD, b_UO, info, i, len(lora_b)) for i, b_UO in enumerate(lora_b))
 
-    # The interface's separate shrink and expand: the one-hot arithmetic over the step's adapters.
+    # The interface's separate shrink and expand: dense's one-hot arithmetic over the step's
+    # adapters (padding entries, slot 0, read as zeros).
     def run_lora_a_gemm(self, x_TD, lora_a_UD, info: LoRABatchInfo, blocks: int = 1):
         a = pool_layer(lora_a_UD)
-        a_ARD = slot_rows(a.pool[a.layer], info, info.step_slots_A, blocks).astype(x_TD.dtype)
-        n, r, d = a_ARD.shape
-        h_TAR = (x_TD @ a_ARD.reshape(n * r, d).T).reshape(-1, n, r)
-        onehot_TA = jax.nn.one_hot(info.local_T, n, dtype=h_TAR.dtype)
-        scale_T1 = (onehot_TA @ jnp.take(info.scalings_S, info.step_slots_A).astype(h_TAR.dtype))[:, None]
-        return jnp.einsum("tar,ta->tr", h_TAR, onehot_TA) * scale_T1
+        a_ARD = _step_rows(slot_rows(a.pool[a.layer], info, info.step_slots_A, blocks), info)
+        return onehot_shrink(x_TD, a_ARD, info.local_T, jnp.take(info.scalings_S, info.step_slots_A))
 
     def run_lora_b_gemm(self, h_TR, lora_b_UO, info: LoRABatchInfo, base_output_TO=None):
         b = pool_layer(lora_b_UO)
-        b_ARO = slot_rows(b.pool[b.layer], info, info.step_slots_A).astype(h_TR.dtype)
-        n, r, o = b_ARO.shape
-        onehot_TA = jax.nn.one_hot(info.local_T, n, dtype=h_TR.dtype)
-        y_TO = (onehot_TA[:, :, None] * h_TR[:, None, :]).reshape(-1, n * r) @ b_ARO.reshape(n * r, o)
-        return add_base(y_TO, base_output_TO)
+        b_ARO = _step_rows(slot_rows(b.pool[b.layer], info, info.step_slots_A), info)
+        return add_base(onehot_expand(h_TR, b_ARO, info.local_T), base_output_TO)
+
+
+def _step_rows(w_ARX, info: LoRABatchInfo):
+    """The step's adapters' rows, zeros for the padding entries (never slot 0's rows)."""
+    return jnp.where((info.step_slots_A == NO_ADAPTER)[:, None, None], 0, w_ARX)
