@@ -47,6 +47,21 @@ def paged_pool(rng, num_layers, blocks, slot_ranks, width, dtype, table_width):
     return pool, rows, np.asarray(jnp.asarray(dense).astype(dtype).astype(jnp.float32))
 
 
+def b_pool_by_table(rng, num_layers, slot_ranks, rows, u, width, dtype):
+    """(pool (L, U, O), dense (L, 1, S, R, O)): B laid out by A's row table, as the engine shares
+    one table between a module's A and B; page 0 zero, rows no slot names NaN."""
+    dense = rng.standard_normal((num_layers, 1, len(slot_ranks), rows.shape[1], width)).astype(np.float32)
+    pool = np.full((num_layers, u, width), np.nan, np.float32)
+    pool[:, :PAGE_ROWS] = 0.0
+    for i, k in enumerate(slot_ranks):
+        dense[:, :, i, k:] = 0.0
+        for r in range(-(-k // PAGE_ROWS) * PAGE_ROWS):
+            pool[:, rows[i, r]] = dense[:, 0, i, r]
+    dense[:, :, NO_ADAPTER] = 0.0
+    pool = jnp.asarray(pool).astype(dtype)
+    return pool, np.asarray(jnp.asarray(dense).astype(dtype).astype(jnp.float32))
+
+
 def np_delta(x_TD, a_dense, b_dense, layer, block, scalings_S, slot_T):
     """y_t = ((x_t @ A[s].T) * scaling[s]) @ B[s] for token t in slot s, zeros for slot 0."""
     y = np.zeros((x_TD.shape[0], b_dense.shape[-1]), np.float64)
@@ -85,15 +100,8 @@ def test_lora_delta_matches_the_per_token_definition(case, dtype):
     rng = np.random.default_rng(t * 7 + d)
     layers, blocks = 2, 3
     a_pool, rows, a_dense = paged_pool(rng, layers, blocks, ranks, d, dtype, width)
-    rng_b = np.random.default_rng(1)
-    b_pool, rows_b, b_dense = paged_pool(rng_b, layers, 1, ranks, o, dtype, width)
-    # A and B share one row table in the engine: lay B out by A's table
-    b_pool = np.zeros(np.shape(b_pool)[:1] + (np.shape(a_pool)[1] // blocks, o), np.float32)
-    b_pool[:, PAGE_ROWS:] = np.nan
-    for i in range(len(ranks)):
-        for r in range(-(-ranks[i] // PAGE_ROWS) * PAGE_ROWS):
-            b_pool[:, rows[i, r]] = b_dense[:, 0, i, r]
-    b_pool = jnp.asarray(b_pool).astype(dtype)
+    b_pool, b_dense = b_pool_by_table(np.random.default_rng(1), layers, ranks, rows, a_pool.shape[1] // blocks,
+                                      o, dtype)
     scalings = rng.uniform(0.25, 2.0, len(ranks)).astype(np.float32)
     scalings[NO_ADAPTER] = 0.0
     slot_T = make_tokens(rng, pattern, t, len(ranks))
@@ -104,21 +112,20 @@ def test_lora_delta_matches_the_per_token_definition(case, dtype):
     run = jax.jit(lora_delta, static_argnames=("a_block", "a_blocks", "interpret", "tile_rows"))
     # the first layer's first block, and the last layer's last block as one tile and in tiles of 8 rows
     for layer, block, tiles in ((0, 0, (None,)), (layers - 1, blocks - 1, (None, 8))):
-        if True:
-            for tile_rows in tiles:
-                got = run(x, a_pool, b_pool, jnp.int32(layer), info.step_slots_A, info.local_T, rows,
-                          scalings, a_block=block, a_blocks=blocks, interpret=not ON_TPU, tile_rows=tile_rows)
-                got = np.asarray(jnp.asarray(got).astype(jnp.float32))
-                want = np_delta(x_np, a_dense, b_dense, layer, block, scalings, slot_T)
-                what = f"layer {layer} block {block} tile_rows {tile_rows}"
-                assert np.isfinite(got).all(), f"{what}: read a row no adapter names"
-                assert np.all(got[slot_T == NO_ADAPTER] == 0.0), f"{what}: base rows got a delta"
-                scale = max(1.0, float(np.abs(want).max()))
-                err = float(np.abs(got - want).max())
-                assert err <= tol * scale, f"{what}: max |err| {err:.3e} > {tol * scale:.3e}"
-            ref = lora_delta_reference(x, a_pool, b_pool, layer, info.step_slots_A, info.local_T, rows,
-                                       scalings, block, blocks)
-            assert np.allclose(np.asarray(ref.astype(jnp.float32)), want, atol=tol * scale)
+        for tile_rows in tiles:
+            got = run(x, a_pool, b_pool, jnp.int32(layer), info.step_slots_A, info.local_T, rows,
+                      scalings, a_block=block, a_blocks=blocks, interpret=not ON_TPU, tile_rows=tile_rows)
+            got = np.asarray(jnp.asarray(got).astype(jnp.float32))
+            want = np_delta(x_np, a_dense, b_dense, layer, block, scalings, slot_T)
+            what = f"layer {layer} block {block} tile_rows {tile_rows}"
+            assert np.isfinite(got).all(), f"{what}: read a row no adapter names"
+            assert np.all(got[slot_T == NO_ADAPTER] == 0.0), f"{what}: base rows got a delta"
+            scale = max(1.0, float(np.abs(want).max()))
+            err = float(np.abs(got - want).max())
+            assert err <= tol * scale, f"{what}: max |err| {err:.3e} > {tol * scale:.3e}"
+        ref = lora_delta_reference(x, a_pool, b_pool, layer, info.step_slots_A, info.local_T, rows,
+                                   scalings, block, blocks)
+        assert np.allclose(np.asarray(ref.astype(jnp.float32)), want, atol=tol * scale)
 
 
 def test_step_adapters_in_order_of_first_appearance():
@@ -154,14 +161,7 @@ def test_pallas_backend_shrink_and_expand_alone_never_read_slot_0():
     rng = np.random.default_rng(5)
     ranks = [0, 16, 8, 16]
     a_pool, rows, a_dense = paged_pool(rng, 1, 1, ranks, 64, "float32", 16)
-    b_pool = np.zeros((1, a_pool.shape[1], 48), np.float32)
-    b_pool[:, PAGE_ROWS:] = np.nan
-    b_dense = rng.standard_normal((1, 1, len(ranks), 16, 48)).astype(np.float32)
-    for i, k in enumerate(ranks):
-        b_dense[:, :, i, k:] = 0.0
-        for r in range(-(-k // PAGE_ROWS) * PAGE_ROWS):
-            b_pool[:, rows[i, r]] = b_dense[:, 0, i, r]
-    b_dense[:, :, NO_ADAPTER] = 0.0
+    b_pool, b_dense = b_pool_by_table(rng, 1, ranks, rows, a_pool.shape[1], 48, "float32")
     spare = [r for r in range(PAGE_ROWS, a_pool.shape[1], PAGE_ROWS) if r not in set(rows.ravel())][0]
     rows[NO_ADAPTER] = spare + np.arange(16) % PAGE_ROWS   # slot 0 names a page of NaN
     scal = np.array([5.0, 0.5, 1.5, 2.0], np.float32)
@@ -170,7 +170,7 @@ def test_pallas_backend_shrink_and_expand_alone_never_read_slot_0():
     info = be.prepare_lora_batch(slot_T, scal, np.asarray(ranks, np.int32), rows, max_grouped=3)
     assert NO_ADAPTER in info.step_slots_A.tolist()
     x = rng.standard_normal((len(slot_T), 64)).astype(np.float32)
-    a, b = PoolLayer(a_pool, jnp.int32(0)), PoolLayer(jnp.asarray(b_pool), jnp.int32(0))
+    a, b = PoolLayer(a_pool, jnp.int32(0)), PoolLayer(b_pool, jnp.int32(0))
     got = np.asarray(be.run_lora_b_gemm(be.run_lora_a_gemm(x, a, info), b, info))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, np_delta(x, a_dense, b_dense, 0, 0, scal, slot_T), atol=1e-4, rtol=1e-4)
