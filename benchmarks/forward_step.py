@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import glob
 import gzip
+import itertools
 import json
 import re
 import statistics
@@ -43,8 +44,9 @@ from multilora.config import ModelConfig  # noqa: E402
 from multilora.engine.batching import SeqChunk, build_batch, pages_needed  # noqa: E402
 from multilora.adapters.pool import (blocks_of, lora_feature_dims, rows_major, slot_major_pool,  # noqa: E402
                                  slot_major_rows)
-from multilora.model.llama import (KVCache, LayerWeights, LoRAWeights, Weights, forward, init_kv_cache,  # noqa: E402
-                                   kv_cache_formats, kv_heads_major_on, make_kv_cache, split_layers)
+from multilora.model.llama import (KV_WRITES, KVCache, LayerWeights, LoRAWeights, Weights, forward,  # noqa: E402
+                                   init_kv_cache, kv_cache_formats, kv_heads_major_on, kv_write_mode, make_kv_cache,
+                                   split_layers)
 
 
 def random_weights(cfg, seed=0):
@@ -147,9 +149,13 @@ def main(argv=None):
     ap.add_argument("--pallas-attention", nargs="+", default=["auto"], choices=["auto", "on", "off"],
                     help="heads-major caches: attend through the Pallas kernel (on) or XLA's gathers (off); "
                          "auto: as the engine, the kernel on a TPU; several: side by side (',pa' cases)")
+    ap.add_argument("--kv-writes", nargs="+", default=[None], choices=list(KV_WRITES),
+                    help="heads-major caches: how the step's K/V rows are written (multilora.model.llama."
+                         "KV_WRITES; default: as the engine, kv_write_mode()); several: side by side")
     ap.add_argument("--trace", type=Path, default=None, metavar="DIR",
                     help="profile each case and print its op time by kind")
     args = ap.parse_args(argv)
+    args.kv_writes = [kw or kv_write_mode() for kw in args.kv_writes]
 
     from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
     from multilora.model import projections
@@ -182,15 +188,15 @@ def main(argv=None):
                 for hm in kv_hms:
                     pas = dict.fromkeys((platform == "tpu" if a == "auto" else a == "on") and hm
                                         for a in args.pallas_attention) if hm else {False: None}
-                    for pa in pas:
-                        kvs = (",kvhm" if hm else "") + (",pa" if pa else "")
+                    for pa, kw in itertools.product(pas, args.kv_writes if hm else ["rows"]):
+                        kvs = (",kvhm" if hm else "") + (",pa" if pa else "") + (f",{kw}" if len(args.kv_writes) > 1 else "")
                         layouts[f"{lay}/{short[asked]}{kvs}{suffix}"] = (split_layers(w) if lay == "split" else w,
-                                                                          dt, ldt, hm, pa)
+                                                                          dt, ldt, hm, pa, kw)
     page_size = 16
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     # heads-major: the cache returned in the format it came in (as the runner), so every step reads it in place
     fwds = {hm: jax.jit(forward, static_argnames=("cfg", "backend", "native_attention", "kv_heads_major",
-                                                  "pallas_attention"),
+                                                  "pallas_attention", "kv_write"),
                         donate_argnames=("kv",),
                         **(dict(out_shardings=(one, kv_cache_formats(KVCache(one, one), True))) if hm else {}))
             for hm in (False, True)}
@@ -201,7 +207,7 @@ def main(argv=None):
     for mode in args.modes:
         for k in args.adapters:
             for nat in natives:
-                for lay, (_, dt, _, hm, _) in layouts.items():
+                for lay, (_, dt, _, hm, _, _) in layouts.items():
                     on = nat and dt == "float32" and not hm  # the attention kernel reads float32 (L, P, p, K, H) caches
                     if k == 0 and "+" in lay:
                         continue  # the pool's dtype does not matter without adapters
@@ -212,7 +218,7 @@ def main(argv=None):
     cases = list(dict.fromkeys(cases))
     state, pools = {}, {}
     for mode, k, be, nat, lay in cases:
-        weights, dtype, lora_dtype, hm, pa = layouts[lay]
+        weights, dtype, lora_dtype, hm, pa, kw = layouts[lay]
         s = max(k, args.slots or 0) + 1
         if mode == "decode":
             chunks = workload_chunks(mode, args.decode_seqs, args.decode_ctx, page_size, k, rng)
@@ -256,17 +262,17 @@ def main(argv=None):
         fwd = fwds[hm]
         t0 = time.perf_counter()
         logits, kv = fwd(weights, lora, kv, batch, cfg=cfg, backend=backend, native_attention=nat, kv_heads_major=hm,
-                         pallas_attention=pa)
+                         pallas_attention=pa, kv_write=kw)
         logits.block_until_ready()
         state[(mode, k, be, nat, lay)] = dict(weights=weights, batch=batch, lora=lora, kv=kv, backend=backend,
-                                              native=nat, hm=hm, pa=pa, fwd=fwd, times=[],
+                                              native=nat, hm=hm, pa=pa, kw=kw, fwd=fwd, times=[],
                                     tokens=t, pages=x, compile_s=time.perf_counter() - t0)
     for _ in range(args.repeats):
         for key, st in state.items():
             t0 = time.perf_counter()
             logits, st["kv"] = st["fwd"](st["weights"], st["lora"], st["kv"], st["batch"], cfg=cfg,
                                          backend=st["backend"], native_attention=st["native"], kv_heads_major=st["hm"],
-                                         pallas_attention=st["pa"])
+                                         pallas_attention=st["pa"], kv_write=st["kw"])
             logits.block_until_ready()
             st["times"].append(time.perf_counter() - t0)
     rows = []
@@ -301,25 +307,48 @@ def main(argv=None):
 
 
 def trace_case(folder: Path, fwd, weights, st, cfg, steps: int = 3) -> dict[str, float]:
-    """Op time per step (ms) by kind: XLA op name family + the jnp op it was made from."""
+    """Op self time per step (ms) by kind: XLA op name family + the jnp op it was made from (an
+    op's time less the ops nested in it on the same line of the trace, so a loop's own line is
+    its overhead, not its body). Also writes the compiled HLO and the top ops by their full jnp
+    path (with counts per step) into `folder`."""
     kw = dict(cfg=cfg, backend=st["backend"], native_attention=st["native"], kv_heads_major=st["hm"],
-              pallas_attention=st["pa"])
+              pallas_attention=st["pa"], kv_write=st["kw"])
     hlo = fwd.lower(weights, st["lora"], st["kv"], st["batch"], **kw).compile().as_text()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "step.hlo.txt").write_text(hlo)
     jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
     for _ in range(steps):
         logits, st["kv"] = fwd(weights, st["lora"], st["kv"], st["batch"], **kw)
         logits.block_until_ready()
     jax.profiler.stop_trace()
     trace = json.load(gzip.open(sorted(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))[-1]))
-    origin = {m.group(1): m.group(2).rsplit("/", 1)[-1]
-              for m in re.finditer(r"^\s*%(\S+) = .*?op_name=\"([^\"]+)\"", hlo, re.M)}
+    origin = {m.group(1): m.group(2) for m in re.finditer(r"^\s*%(\S+) = .*?op_name=\"([^\"]+)\"", hlo, re.M)}
+    events = sorted((ev for ev in trace["traceEvents"] if ev.get("ph") == "X" and ev.get("name", "") in origin),
+                    key=lambda ev: (ev.get("pid"), ev.get("tid"), ev["ts"], -ev["dur"]))
+    self_us = [ev["dur"] for ev in events]
+    stack: list[int] = []
+    for i, ev in enumerate(events):   # subtract each op's time from the op it is nested in
+        while stack and (events[stack[-1]].get("pid"), events[stack[-1]].get("tid")) == (ev.get("pid"), ev.get("tid")) \
+                and ev["ts"] >= events[stack[-1]]["ts"] + events[stack[-1]]["dur"]:
+            stack.pop()
+        if stack and (events[stack[-1]].get("pid"), events[stack[-1]].get("tid")) != (ev.get("pid"), ev.get("tid")):
+            stack = []
+        if stack:
+            self_us[stack[-1]] -= ev["dur"]
+        stack.append(i)
     by_kind: collections.Counter = collections.Counter()
-    for ev in trace["traceEvents"]:
-        name = ev.get("name", "")
-        if ev.get("ph") != "X" or name not in origin:
-            continue  # runtime frames (executor, thread pool, Python), not XLA ops
+    by_path: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for ev, us in zip(events, self_us):
+        name = ev["name"]
         family = "matmul" if name.startswith("ynn_fusion") else re.sub(r"\.\d+$", "", name)
-        by_kind[f"{family}: {origin[name]}"] += ev["dur"] / 1e3 / steps
+        by_kind[f"{family}: {origin[name].rsplit('/', 1)[-1]}"] += us / 1e3 / steps
+        path = re.sub(r"^jit\(\w+\)/", "", origin[name])
+        by_path[path] += us / 1e3 / steps
+        count[path] += 1 / steps
+    with open(folder / "top_ops.txt", "w") as f:
+        for path, ms in by_path.most_common(40):
+            f.write(f"{ms:8.3f} ms {count[path]:6.0f}x  {path[-150:]}\n")
     return dict(by_kind.most_common())
 
 

@@ -4,7 +4,7 @@
 # projections), 0 / 8 / 64 adapters, multilora's TPU backend beside `dense` (sglang-jax's one-hot
 # product over every slot). Raw output under $OUT. Parts (PARTS="..."): tests atests (the kernels'
 # tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention),
-# trace, pprobe (the Pallas attention's prefill side), offline (the engine's throughput), stash and
+# trace, optrace, pprobe (the Pallas attention's prefill side), offline (the engine's throughput), stash and
 # agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py).
 # Try it on the CPU first: JAX_PLATFORMS=cpu QUICK=1 bash benchmarks/tpu_steps.sh
 set -uo pipefail
@@ -36,6 +36,18 @@ for part in $PARTS; do
              --trace /tmp/fs-trace 2>&1 | tee "$OUT/steps_trace.log"
            timeout 200 $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters 0 --repeats 3 \
              --trace /tmp/fs-trace-1b 2>&1 | tee "$OUT/steps_trace_1b.log" ;;
+    # how the step's K/V rows are written (multilora.model.llama.KV_WRITES): alone, then in whole steps
+    kvw) ls /opt/pypi/simple > "$OUT/pypi_index.txt" 2>/dev/null
+         timeout 150 python3 -m pytest -q -p no:cacheprovider --noconftest tests/test_kv_write.py 2>&1 | tee "$OUT/kv_write_tests.log"
+         timeout 200 python3 benchmarks/kv_write_probe.py --json "$OUT/kv_write_probe.json" 2>&1 | tee "$OUT/kv_write_probe.log"
+         timeout 240 $FS --modes decode prefill --adapters 0 --pallas-attention on off --kv-writes ${KVW:-rows pages pallas-pages} \
+           --json "$OUT/steps_kvw.json" 2>&1 | tee "$OUT/steps_kvw.log" ;;
+    # profiles by op (self time; the top ops by their jnp path, and the compiled HLO) of both attentions
+    optrace) timeout 300 $FS --modes decode prefill --adapters 0 64 --pallas-attention on off --repeats 3 \
+               --trace /tmp/fs-optrace 2>&1 | tee "$OUT/steps_optrace.log"
+             for f in $(find /tmp/fs-optrace -name top_ops.txt); do
+               n=$(echo "$f" | sed 's|/tmp/fs-optrace/||; s|/top_ops.txt||; s|[^A-Za-z0-9_.-]|_|g'); echo "== $n" >> "$OUT/top_ops.txt"
+               cat "$f" >> "$OUT/top_ops.txt"; done ;;
     # next: the prefill side of the Pallas attention (query blocks of 16 and 64 rows; its profile)
     pprobe) for qb in 16 64; do MULTILORA_PALLAS_QUERY_BLOCK=$qb timeout 150 $FS --modes prefill --adapters 0 \
                --pallas-attention off on --json "$OUT/prefill_qb$qb.json" 2>&1 | tee "$OUT/prefill_qb$qb.log"; done

@@ -701,13 +701,17 @@ def test_a_prepared_layout_counts_in_the_host_tier_until_its_write_takes_it(tiny
     assert reg.host_bytes == 0
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])  # qwen3: q/k norms, a window on one layer
-def test_heads_major_cache_steps_match_the_default_layout(tiny_models, kind):
+# qwen3: q/k norms, a window on one layer; kv_write: how the heads-major cache takes the new rows
+@pytest.mark.parametrize("kind,kv_write", [("llama", "rows"), ("qwen3", "rows"), ("llama", "pages"),
+                                           ("qwen3", "pallas-pages"), ("llama", "pallas-rows")])
+def test_heads_major_cache_steps_match_the_default_layout(tiny_models, kind, kv_write):
     """A cache made heads-major (llama.KV_HEADS_MAJOR, a TPU's; the CPU can hold that layout too)
     and a step compiled with its formats in and out: the layout survives the step, and logits and
     cache equal the default layout's over a mixed step and the decode step after it (to 1e-5 at
     float32: XLA's CPU fuses the two differently, so sums may round in another order; on a TPU
-    v5e, bf16, the two were bit-equal: benchmarks/log/25-2026-12-05-tpu-v5e-kv-heads-major.md)."""
+    v5e, bf16, the two were bit-equal: benchmarks/log/25-2026-12-05-tpu-v5e-kv-heads-major.md).
+    Each way of writing the step's K/V rows into the heads-major cache (llama.KV_WRITES) gives the
+    same."""
     cfg, weights = load_weights(tiny_models[kind], mesh=MESH)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     lengths = [n for n, _ in MIXED]
@@ -724,13 +728,14 @@ def test_heads_major_cache_steps_match_the_default_layout(tiny_models, kind):
     for hm, pa in ((False, False), (True, False), (True, True)):
         kv = make_kv_cache(cfg, NUM_PAGES, PAGE_SIZE, jnp.float32, one, hm)
         assert is_heads_major(kv.k_LPpKH) == hm
-        formats = {} if pa else dict(out_shardings=(one, kv_cache_formats(KVCache(one, one), hm)))
-        fwd = jax.jit(forward, static_argnames=("cfg", "backend", "kv_heads_major", "pallas_attention"),
+        interpreted = pa or (hm and kv_write.startswith("pallas"))  # likewise the Pallas K/V writes
+        formats = {} if interpreted else dict(out_shardings=(one, kv_cache_formats(KVCache(one, one), hm)))
+        fwd = jax.jit(forward, static_argnames=("cfg", "backend", "kv_heads_major", "pallas_attention", "kv_write"),
                       donate_argnames=("kv",), **formats)
         logits = []
         for batch in batches:
-            lg, kv = fwd(weights, None, kv, batch, cfg=cfg, kv_heads_major=hm, pallas_attention=pa)
-            assert is_heads_major(kv.k_LPpKH) == hm or pa
+            lg, kv = fwd(weights, None, kv, batch, cfg=cfg, kv_heads_major=hm, pallas_attention=pa, kv_write=kv_write)
+            assert is_heads_major(kv.k_LPpKH) == hm or interpreted
             logits.append(np.asarray(lg))
         outs[hm, pa] = logits, np.asarray(kv.k_LPpKH), np.asarray(kv.v_LPpKH)
     for key, tol in (((True, False), 1e-5), ((True, True), 1e-4)):

@@ -30,8 +30,8 @@ from multilora.engine.structured import allow_all, mask_words
 from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
 from multilora.adapters.pool import LoRASlots
 from multilora.model.attention import native_attention_usable
-from multilora.model.llama import (KVCache, Weights, forward, is_heads_major, kv_cache_formats, pallas_attention_on,
-                                   token_logprobs)
+from multilora.model.llama import (KVCache, Weights, forward, is_heads_major, kv_cache_formats, kv_write_mode,
+                                   pallas_attention_on, token_logprobs)
 
 log = logging.getLogger("multilora.runner")
 
@@ -171,13 +171,14 @@ class ModelRunner:
         self.kv_heads_major = is_heads_major(kv.k_LPpKH)
         # a heads-major cache (a TPU's): decode-sized steps attend through the Pallas kernel (attention_for)
         self.pallas_attention = self.kv_heads_major and pallas_attention_on(kv.k_LPpKH)
+        self.kv_write = kv_write_mode() if self.kv_heads_major else "rows"   # how its steps write K/V rows
         kv_shardings = kv_cache_formats(jax.tree.map(lambda a: a.sharding, kv), self.kv_heads_major)
         # Replicated over the cache's devices: the batch, the logits and the sampler's rows.
         self.replicated = _replicated_like(kv.k_LPpKH.sharding)
         # The step is compiled, like every jit here, for the layouts its committed arguments have: the LoRA
         # pools' is rows-major (multilora.adapters.pool.POOL_LAYOUT), so the step reads them in place.
         self._fwd = jax.jit(forward, static_argnames=("cfg", "backend", "hidden", "native_attention",
-                                                      "kv_heads_major", "pallas_attention"),
+                                                      "kv_heads_major", "pallas_attention", "kv_write"),
                             donate_argnames=("kv",),
                             out_shardings=(self.replicated, kv_shardings, self.replicated))
         self._score = jax.jit(token_logprobs, static_argnames=("cfg", "k"), out_shardings=self.replicated)
@@ -247,7 +248,7 @@ class ModelRunner:
         return self._fwd.lower(self.weights, lora_w, self.kv, self._abstract(self._dummy_batch(t, x)),
                                cfg=self.cfg, backend=self.backend_for(t), hidden=True,
                                native_attention=self.native_attention, kv_heads_major=self.kv_heads_major,
-                               pallas_attention=self.pallas_attention_for(t))
+                               pallas_attention=self.pallas_attention_for(t), kv_write=self.kv_write)
 
     def _compiled(self, table: dict, lower, key, what: str):
         """The compiled executable for key (compiled now, with a warning, after warm-up)."""

@@ -134,16 +134,13 @@ def _kernel(layer_ref, pages_ref, lo_ref, n_ref, start_ref,      # scalar prefet
             y_ref[...] = acc[...].astype(y_ref.dtype)
 
 
-def lora_delta(x_TD, a_pool_LUD, b_pool_LUO, layer, step_slots_A, local_T, rows_SR, scalings_S,
-               a_block: int = 0, a_blocks: int = 1, interpret: bool = False, tile_rows: int | None = None):
-    """One projection's LoRA delta (T, O) in x's dtype, for the step's adapters step_slots_A
-    (slots, 0 = padding) and each token's index into them local_T (A or more: no adapter).
-    a_pool_LUD / b_pool_LUO: the whole pools (L layers), read at `layer` in place; a_block: which
-    block of a stacked A pool (q/k/v, gate/up: a_blocks blocks of equal rows) holds this
-    projection's A rows. interpret: Pallas's TPU interpreter (any platform; the tests' path).
-    tile_rows: rows per token tile (default: token_tile's pick)."""
-    t, d = x_TD.shape
-    o = b_pool_LUO.shape[2]
+def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles) -> dict:
+    """What lora_delta derives from the step's adapters, the same for every layer and projection:
+    the pages of each chunk, the rank columns' scalings, and for each token tile size in `tiles`
+    the tokens' padded chunk columns and each tile's run of chunks. Made once per step
+    (PallasLoRABackend.plan_step): each small op of it costs a TPU a few microseconds per call, and
+    inside the step's branches XLA does not hoist them out of the layer loop."""
+    t = local_T.shape[0]
     r = rows_SR.shape[1]
     if r % PAGE_ROWS:
         raise ValueError(f"the row table's width {r} is not whole pages of {PAGE_ROWS}")
@@ -155,23 +152,47 @@ def lora_delta(x_TD, a_pool_LUD, b_pool_LUO, layer, step_slots_A, local_T, rows_
     # padding entries (slot 0) read the zero page, never slot 0's rows
     pages = jnp.where(slots[:, None] == NO_ADAPTER, 0, rows_AR[:, ::PAGE_ROWS] // PAGE_ROWS)
     pages = pages.reshape(-1).astype(jnp.int32)                                       # (C * Q,)
-    w = per_chunk * r
     scale_C1W = jnp.repeat(jnp.take(scalings_S, slots, mode="clip").astype(jnp.float32), r).reshape(
-        num_chunks, 1, w)
+        num_chunks, 1, per_chunk * r)
+    local_T = jnp.where(local_T < a_cnt, local_T, num_chunks * per_chunk).astype(jnp.int32)
+    by_tile = {}
+    for tm in sorted(set(tiles)):
+        nt = -(-t // tm)
+        local_pad = jnp.pad(local_T, (0, nt * tm - t), constant_values=num_chunks * per_chunk)
+        # each tile's run of chunks: from the first to the last its tokens use (one, if none)
+        chunk_T = local_pad.reshape(nt, tm) // per_chunk
+        used = chunk_T < num_chunks
+        lo = jnp.min(jnp.where(used, chunk_T, num_chunks), axis=1)
+        hi = jnp.max(jnp.where(used, chunk_T, -1), axis=1)
+        lo = jnp.where(lo >= num_chunks, 0, lo).astype(jnp.int32)
+        n = jnp.maximum(hi - lo + 1, 1).astype(jnp.int32)
+        by_tile[tm] = dict(local=local_pad[:, None], lo=lo, n=n, start=(jnp.cumsum(n) - n).astype(jnp.int32))
+    return dict(pages=pages, scale=scale_C1W, tiles=by_tile)
+
+
+def lora_delta(x_TD, a_pool_LUD, b_pool_LUO, layer, step_slots_A, local_T, rows_SR, scalings_S,
+               a_block: int = 0, a_blocks: int = 1, interpret: bool = False, tile_rows: int | None = None,
+               plan: dict | None = None):
+    """One projection's LoRA delta (T, O) in x's dtype, for the step's adapters step_slots_A
+    (slots, 0 = padding) and each token's index into them local_T (A or more: no adapter).
+    a_pool_LUD / b_pool_LUO: the whole pools (L layers), read at `layer` in place; a_block: which
+    block of a stacked A pool (q/k/v, gate/up: a_blocks blocks of equal rows) holds this
+    projection's A rows. interpret: Pallas's TPU interpreter (any platform; the tests' path).
+    tile_rows: rows per token tile (default: token_tile's pick). plan: lora_plan's for the same
+    step (made here where not given, or where it lacks this call's tile size)."""
+    t, d = x_TD.shape
+    o = b_pool_LUO.shape[2]
+    r = rows_SR.shape[1]
     tm = tile_rows or token_tile(t, d, o, jnp.dtype(x_TD.dtype).itemsize)
+    if plan is None or tm not in plan["tiles"]:
+        plan = lora_plan(step_slots_A, local_T, rows_SR, scalings_S, (tm,))
+    per_chunk = chunk_adapters(r)
+    num_chunks = -(-step_slots_A.shape[0] // per_chunk)
+    w = per_chunk * r
     nt = -(-t // tm)
     pad = nt * tm - t
-    local_T = jnp.where(local_T < a_cnt, local_T, num_chunks * per_chunk).astype(jnp.int32)
-    local_pad = jnp.pad(local_T, (0, pad), constant_values=num_chunks * per_chunk)
     x_pad = jnp.pad(x_TD, ((0, pad), (0, 0))) if pad else x_TD
-    # each tile's run of chunks: from the first to the last its tokens use (one, if none)
-    chunk_T = local_pad.reshape(nt, tm) // per_chunk
-    used = chunk_T < num_chunks
-    lo = jnp.min(jnp.where(used, chunk_T, num_chunks), axis=1)
-    hi = jnp.max(jnp.where(used, chunk_T, -1), axis=1)
-    lo = jnp.where(lo >= num_chunks, 0, lo).astype(jnp.int32)
-    n = jnp.maximum(hi - lo + 1, 1).astype(jnp.int32)
-    start = (jnp.cumsum(n) - n).astype(jnp.int32)
+    tile = plan["tiles"][tm]
     kernel = functools.partial(_kernel, pages_per_chunk=w // PAGE_ROWS, a_off=a_block * (a_pool_LUD.shape[1] // a_blocks),
                                rank_cols=r, per_chunk=per_chunk, num_tiles=nt)
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -199,11 +220,9 @@ def lora_delta(x_TD, a_pool_LUD, b_pool_LUO, layer, step_slots_A, local_T, rows_
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
                                              vmem_limit_bytes=VMEM_LIMIT_BYTES),
         interpret=pltpu.InterpretParams() if interpret else False,
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), pages, lo, n, start,
-      x_pad, local_pad[:, None], scale_C1W, a_pool_LUD, b_pool_LUO)
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), plan["pages"], tile["lo"], tile["n"], tile["start"],
+      x_pad, tile["local"], plan["scale"], a_pool_LUD, b_pool_LUO)
     return y[:t] if pad else y
-
-
 
 
 def lora_delta_reference(x_TD, a_pool_LUD, b_pool_LUO, layer, step_slots_A, local_T, rows_SR, scalings_S,

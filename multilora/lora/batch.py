@@ -7,6 +7,7 @@ Slot NO_ADAPTER (0) means "base model only": its buffers are all zeros and both 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -38,6 +39,8 @@ class LoRABatchInfo:
                   runs), GROUPED (the tiles above hold every adapter row) or PER_TOKEN (more
                   distinct adapters than the tiles were sized for: the tiles are empty and a
                   per-token backend runs).
+    kernel_plan:  what a backend derives from the fields above once per step, inside the step,
+                  for every layer's calls (BaseLoRABackend.plan_step; None until then).
     """
 
     slot_T: jax.Array
@@ -50,6 +53,7 @@ class LoRABatchInfo:
     step_slots_A: jax.Array
     local_T: jax.Array
     mode: jax.Array
+    kernel_plan: Any = None
 
 
 def stacked_rows(rows_R, blocks: int, num_rows: int):

@@ -36,6 +36,45 @@ def write_kv(cache_LPpKH: jax.Array, layer: jax.Array, slot_mapping_T: jax.Array
     return cache_LPpKH.at[layer, page_T, off_T].set(new_TKH.astype(cache_LPpKH.dtype))
 
 
+def max_pages_written(num_tokens: int, num_seqs: int, page_size: int) -> int:
+    """A static bound on the distinct pages a step's writes touch: a sequence's n new slots are
+    one run, over at most n // p + 2 pages; padding tokens all write the trash page."""
+    return min(num_tokens, num_tokens // page_size + 2 * num_seqs + 1)
+
+
+def kv_page_writes(slot_mapping_T: jax.Array, page_size: int, max_pages: int):
+    """The step's K/V writes grouped by page, once per step (every layer writes the same slots):
+    page_U the distinct pages written, in ascending order, the entries past the last repeating
+    it; how many pages; and src_Up the token that writes each slot of those pages (-1: none).
+    Any arrangement of slots is allowed (tokens of one page need not be adjacent)."""
+    page_T = slot_mapping_T // page_size
+    order_T = jnp.argsort(page_T, stable=True)
+    sorted_T = page_T[order_T]
+    new_T = jnp.concatenate([jnp.ones((1,), bool), sorted_T[1:] != sorted_T[:-1]])
+    u_T = jnp.cumsum(new_T.astype(jnp.int32)) - 1
+    num_pages = u_T[-1] + 1
+    page_U = jnp.zeros((max_pages,), jnp.int32).at[u_T].set(sorted_T.astype(jnp.int32), mode="drop")
+    page_U = jnp.where(jnp.arange(max_pages) < num_pages, page_U, page_U[jnp.maximum(num_pages - 1, 0)])
+    src_Up = jnp.full((max_pages, page_size), -1, jnp.int32).at[u_T, (slot_mapping_T % page_size)[order_T]].set(
+        order_T.astype(jnp.int32), mode="drop")
+    return page_U, num_pages, src_Up
+
+
+def write_kv_pages(cache_LPKpH: jax.Array, layer: jax.Array, page_U: jax.Array, num_pages: jax.Array,
+                   src_Up: jax.Array, new_TKH: jax.Array) -> jax.Array:
+    """write_kv for a heads-major cache, by whole pages (kv_page_writes): each page written is
+    read, its written slots replaced, and put back; one scatter of U pages of (K, p, H), not
+    T x K rows of H (XLA's scatter costs per update, not per byte, on a TPU)."""
+    l, num_cache_pages = cache_LPKpH.shape[:2]
+    flat = cache_LPKpH.reshape((l * num_cache_pages,) + cache_LPKpH.shape[2:])
+    idx_U = layer * num_cache_pages + page_U
+    old_UKpH = jnp.take(flat, idx_U, axis=0, mode="clip")
+    new_UKpH = jnp.swapaxes(jnp.take(new_TKH, jnp.maximum(src_Up, 0), axis=0), 1, 2).astype(cache_LPKpH.dtype)
+    merged = jnp.where((src_Up >= 0)[:, None, :, None], new_UKpH, old_UKpH)
+    idx_U = jnp.where(jnp.arange(page_U.shape[0]) < num_pages, idx_U, l * num_cache_pages)  # repeats dropped
+    return flat.at[idx_U].set(merged, mode="drop").reshape(cache_LPKpH.shape)
+
+
 def read_pages(cache_LPpKH: jax.Array, layer, pages: jax.Array, heads_major: bool = False) -> jax.Array:
     """cache[layer, pages] (pages' shape + (p, K, H)) as one gather from the whole cache (layers and pages
     flattened, a free reshape): indexing [layer, pages] lets XLA slice the layer out first, a copy
@@ -112,7 +151,7 @@ def prefill_attention(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X,
 
     # Each token's sequence's first page in X (kv_page_seq_X ascends: runs in sequence order,
     # padding pages last); padding tokens (sequence -1) own no page and need none.
-    seq_start_JM = jnp.searchsorted(kv_page_seq_X, seq_JM, side="left").astype(jnp.int32)
+    seq_start_JM = jnp.searchsorted(kv_page_seq_X, seq_JM, side="left", method="compare_all").astype(jnp.int32)
     real_JM = seq_JM >= 0
     need_end_JM = jnp.where(real_JM, seq_start_JM + pos_JM // p + 1, 0)
     blk_end_J = jnp.max(need_end_JM, axis=1)

@@ -23,12 +23,14 @@ import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 
 from multilora.config import ModelConfig
-from multilora.kernels.attention_pallas import paged_attention
+from multilora.kernels.attention_pallas import attention_plan, paged_attention
+from multilora.kernels.kv_write_pallas import write_pages, write_rows
 from multilora.lora.backend import get_backends
 from multilora.lora.backend.base import PoolLayer
 from multilora.lora.batch import NO_LORA, PER_TOKEN, LoRABatchInfo
 from multilora.model.arrays import lora_pool, weight
-from multilora.model.attention import decode_attention, prefill_attention, softcap_logits, write_kv
+from multilora.model.attention import (decode_attention, kv_page_writes, max_pages_written, prefill_attention,
+                                       softcap_logits, write_kv, write_kv_pages)
 from multilora.model.layers import apply_rope, geglu_tanh, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 from multilora.model.projections import PackedBf16
 
@@ -192,6 +194,40 @@ def pallas_attention_on(cache: jax.Array) -> bool:
             and os.environ.get("MULTILORA_PALLAS_ATTENTION", "1") != "0")
 
 
+KV_WRITES = ("rows", "pages", "pallas-pages", "pallas-rows")
+
+
+def kv_write_mode() -> str:
+    """How a heads-major cache takes the step's new K/V rows (forward's kv_write):
+    rows, XLA's scatter of (token, head) rows; pages, XLA's scatter of whole pages
+    (attention.write_kv_pages); pallas-pages (the default), pallas-rows: multilora.kernels.kv_write_pallas
+    (pallas-rows does not compile on a v5e: Mosaic takes no DMA at an unaligned row of a tile).
+    On a v5e, SmolLM2's shape, a 480-token prefill step took 11.2 ms with rows, 7.0 with pages,
+    5.6 with pallas-pages; a 64-row decode step 4.7 / 4.3 / 4.4 ms
+    (benchmarks/log/28-2026-12-05-tpu-v5e-kv-writes-and-plans.md).
+    MULTILORA_KV_WRITE picks one (a measurement knob: benchmarks/forward_step.py --kv-writes)."""
+    mode = os.environ.get("MULTILORA_KV_WRITE", "pallas-pages")
+    if mode not in KV_WRITES:
+        raise ValueError(f"MULTILORA_KV_WRITE={mode!r}: expected one of {', '.join(KV_WRITES)}")
+    return mode
+
+
+def _kv_writer(mode: str, batch: Batch, page_size: int):
+    """write(k_cache, v_cache, layer, k_TKH, v_TKH) -> (k_cache, v_cache) for heads-major
+    caches (L, P, K, p, H); the pages' plan, where the mode has one, made once for all layers."""
+    interpret = jax.default_backend() != "tpu"
+    slots = batch.slot_mapping_T
+    if mode == "pallas-rows":
+        return lambda kc, vc, i, k, v: write_rows(kc, vc, i, slots, k, v, interpret=interpret)
+    if mode in ("pages", "pallas-pages"):
+        t, q = slots.shape[0], batch.logits_idx_Q.shape[0]
+        plan = kv_page_writes(slots, page_size, max_pages_written(t, min(t, q), page_size))
+        if mode == "pages":
+            return lambda kc, vc, i, k, v: (write_kv_pages(kc, i, *plan, k), write_kv_pages(vc, i, *plan, v))
+        return lambda kc, vc, i, k, v: write_pages(kc, vc, i, *plan, k, v, interpret=interpret)
+    return lambda kc, vc, i, k, v: (write_kv(kc, i, slots, k, True), write_kv(vc, i, slots, v, True))
+
+
 def is_heads_major(cache: jax.Array) -> bool:
     """Whether this cache array is laid out KV_HEADS_MAJOR (forward's kv_heads_major)."""
     layout = getattr(getattr(cache, "format", None), "layout", None)
@@ -233,7 +269,7 @@ def _proj(x, w, b=None, layer=None):
 
 def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: Batch,
             cfg: ModelConfig, backend: str = "bgmv", hidden: bool = False, native_attention: bool = False,
-            kv_heads_major: bool = False, pallas_attention: bool = False):
+            kv_heads_major: bool = False, pallas_attention: bool = False, kv_write: str = "rows"):
     """Logits (Q, V) in float32 for the rows batch.logits_idx_Q, and the updated cache; with
     hidden=True also every token's last hidden state x_TD (before the final norm, float32), for
     token_logprobs (prompt logprobs). native_attention: decode rows attend through multilora's
@@ -242,7 +278,8 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     as k_LPKpH (compile the step with the cache's formats in and out, or XLA converts it).
     pallas_attention: every token (decode rows and prefill chunks) attends through the Pallas
     ragged paged-attention kernel (multilora.kernels.attention_pallas), which reads the
-    heads-major cache's pages in place (a TPU's path; needs kv_heads_major)."""
+    heads-major cache's pages in place (a TPU's path; needs kv_heads_major).
+    kv_write: how a heads-major cache takes the step's new K/V rows (KV_WRITES, kv_write_mode)."""
     if kv_heads_major and native_attention:
         raise ValueError("the native attention kernels read (L, P, p, K, H) caches: kv_heads_major is for XLA's")
     if pallas_attention and not kv_heads_major:
@@ -260,8 +297,15 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     if cfg.embed_scale:  # Gemma: the scale rounded to the embedding's dtype, as transformers does
         x_TD = x_TD * jnp.asarray(cfg.hidden_size ** 0.5, x_TD.dtype)
     norm = lambda x, w: rms_norm(x, w, cfg.rms_norm_eps, cfg.gemma_norms)  # noqa: E731
+    if be is not None:  # each backend's per-step metadata, once for every layer (plan_step)
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        for b in bes:
+            info = b.plan_step(info, t, ((d, n * h), (d, kvh * h), (n * h, d), (d, f), (f, d)), x_TD.dtype)
     # Rows with one token this step take the decode path; the prefill kernel sees them as padding.
     is_decode_T = (batch.seq_idx_T >= 0) & (batch.seq_idx_T < batch.num_decode)
+    write_hm = _kv_writer(kv_write, batch, kv.page_size) if kv_heads_major else None
+    attention_plans = {w: attention_plan(batch.kv_page_seq_X, batch.seq_idx_T, batch.positions_T, kv.page_size, w)
+                       for w in set(cfg.layer_windows)} if pallas_attention else {}
     prefill_seq_T = jnp.where(is_decode_T, -1, batch.seq_idx_T)
     # A step in which no row has an adapter runs no LoRA op at all, and a shape compiled with a
     # (grouped, per-token) pair of backends runs the one the step's mode names: branches taken
@@ -312,12 +356,15 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         k_TKH = apply_rope(k_TKH, cos_TH, sin_TH)
         if cfg.query_pre_attn_scalar is not None:  # scores scaled by it ** -0.5, not by h ** -0.5
             q_TNH = q_TNH * jnp.asarray((h / cfg.query_pre_attn_scalar) ** 0.5, q_TNH.dtype)
-        k_cache = write_kv(k_cache, idx, batch.slot_mapping_T, k_TKH, kv_heads_major)
-        v_cache = write_kv(v_cache, idx, batch.slot_mapping_T, v.reshape(t, kvh, h), kv_heads_major)
+        if kv_heads_major:
+            k_cache, v_cache = write_hm(k_cache, v_cache, idx, k_TKH, v.reshape(t, kvh, h))
+        else:
+            k_cache = write_kv(k_cache, idx, batch.slot_mapping_T, k_TKH)
+            v_cache = write_kv(v_cache, idx, batch.slot_mapping_T, v.reshape(t, kvh, h))
         if pallas_attention:
             attn_TNH = paged_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
                                        batch.seq_idx_T, batch.positions_T, window,
-                                       interpret=jax.default_backend() != "tpu")
+                                       interpret=jax.default_backend() != "tpu", plan=attention_plans[window])
         else:
             dec = decode_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
                                    batch.positions_T, batch.num_decode, window, native_attention,

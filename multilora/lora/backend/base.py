@@ -72,6 +72,13 @@ class BaseLoRABackend:
         return tuple(self.run_lora_b_gemm(h_TR[:, i * r:(i + 1) * r], b_UO, info)
                      for i, b_UO in enumerate(lora_b))
 
+    def plan_step(self, info: LoRABatchInfo, num_tokens: int, dims: Sequence[tuple[int, int]],
+                  dtype) -> LoRABatchInfo:
+        """Inside the step, before its layers: info with whatever the backend derives from it
+        once for every layer's calls (LoRABatchInfo.kernel_plan). dims: the (in, out) features
+        of the projections it will be called for; dtype: the activations'."""
+        return info
+
     def prepare_lora_batch(self, slot_T: np.ndarray, scalings_S: np.ndarray, ranks_S: np.ndarray,
                            rows_SR: np.ndarray, max_grouped: int | None = None) -> LoRABatchInfo:
         """Host-side metadata -> LoRABatchInfo. Every backend reads the same fields, so a batch

@@ -15,10 +15,12 @@ calls the fused run_lora / run_qkv_lora / run_gate_up_lora.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from multilora.kernels.lora_pallas import lora_delta
+from multilora.kernels.lora_pallas import lora_delta, lora_plan, token_tile
 from multilora.lora.backend.base import BaseLoRABackend, add_base, pool_layer, slot_rows
 from multilora.lora.backend.dense import onehot_expand, onehot_shrink
 from multilora.lora.batch import NO_ADAPTER, PAGE_ROWS, PER_TOKEN, LoRABatchInfo
@@ -45,10 +47,19 @@ class PallasLoRABackend(BaseLoRABackend):
                              f"{info.step_slots_A.shape[0]} it was compiled for (max_num_seqs)")
         return info
 
+    def plan_step(self, info: LoRABatchInfo, num_tokens: int, dims, dtype) -> LoRABatchInfo:
+        """The kernel's per-step metadata (lora_plan), for the token tiles the step's projections
+        will take, made once instead of in each of the step's layers x projections calls."""
+        if not _paged(info):
+            return info
+        tiles = {token_tile(num_tokens, d, o, jnp.dtype(dtype).itemsize) for d, o in dims}
+        plan = lora_plan(info.step_slots_A, info.local_T, info.rows_SR, info.scalings_S, tuple(tiles))
+        return dataclasses.replace(info, kernel_plan=plan)
+
     def _delta(self, x_TD, a, b, info: LoRABatchInfo, a_block: int = 0, a_blocks: int = 1):
         a, b = pool_layer(a), pool_layer(b)
         return lora_delta(x_TD, a.pool, b.pool, a.layer, info.step_slots_A, info.local_T, info.rows_SR,
-                          info.scalings_S, a_block, a_blocks, interpret=_interpret())
+                          info.scalings_S, a_block, a_blocks, interpret=_interpret(), plan=info.kernel_plan)
 
     def run_lora(self, x_TD, lora_a_UD, lora_b_UO, info: LoRABatchInfo):
         if not _paged(info):
