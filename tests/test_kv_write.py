@@ -64,9 +64,12 @@ def test_page_and_row_writes_match_the_row_scatter(case, p, dtype):
                       write_kv_pages(v_cache, layer, page_U, n, src_Up, v_new)),
         "pallas pages": jax.jit(write_pages, static_argnames="interpret")(
             k_cache, v_cache, layer, page_U, n, src_Up, k_new, v_new, interpret=not ON_TPU),
-        "pallas rows": jax.jit(write_rows, static_argnames="interpret")(
-            k_cache, v_cache, layer, slot_T, k_new, v_new, interpret=not ON_TPU),
     }
+    # Mosaic (JAX 0.10.2, v5e) takes no DMA to one row of a bfloat16 (p, H) tile, whose rows come
+    # in packed pairs: the row kernel is measured and tested in float32 there
+    if not (ON_TPU and dtype == "bfloat16"):
+        got["pallas rows"] = jax.jit(write_rows, static_argnames="interpret")(
+            k_cache, v_cache, layer, slot_T, k_new, v_new, interpret=not ON_TPU)
     assert real.any()
     for name, (gk, gv) in got.items():
         for g, w in ((gk, want_k), (gv, want_v)):
