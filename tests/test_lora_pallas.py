@@ -172,5 +172,6 @@ def test_pallas_backend_shrink_and_expand_alone_never_read_slot_0():
     x = rng.standard_normal((len(slot_T), 64)).astype(np.float32)
     a, b = PoolLayer(a_pool, jnp.int32(0)), PoolLayer(b_pool, jnp.int32(0))
     got = np.asarray(be.run_lora_b_gemm(be.run_lora_a_gemm(x, a, info), b, info))
+    tol = 2e-2 if ON_TPU else 1e-4   # float32 products at a TPU's default precision: bfloat16 passes
     assert np.isfinite(got).all()
-    np.testing.assert_allclose(got, np_delta(x, a_dense, b_dense, 0, 0, scal, slot_T), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(got, np_delta(x, a_dense, b_dense, 0, 0, scal, slot_T), atol=tol, rtol=tol)
