@@ -27,7 +27,7 @@ SGL_PACKAGES="
 flax 0.12.4 ==0.12.4
 absl-py 2.3.1 >=2.1
 msgpack 1.1.1 >=1.0
-optax 0.2.5 >=0.2.4
+optax 0.2.8 >=0.2.6
 rich 14.1.0 >=13
 treescope 0.1.10 >=0.1.7
 pyyaml 6.0.2 >=5.1
