@@ -25,9 +25,10 @@ SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-3.2-1b": LLAMA_3_2_1B}
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_random_model(folder: Path, config: dict = SMOLLM2_135M, seed: int = 0) -> Path:
+def make_random_model(folder: Path, config: dict = SMOLLM2_135M, seed: int = 0, dtype: str = "float32") -> Path:
     """A checkpoint of the given shape with random weights, written with numpy + safetensors
-    (no torch, so it also runs where only JAX is installed). Saved once, reused."""
+    (no torch, so it also runs where only JAX is installed). Saved once, reused. dtype float16
+    halves the file (5 GB in float32 at the 1B shape); the loader casts to the engine's dtype."""
     import numpy as np
     from safetensors.numpy import save_file
     if (folder / "config.json").is_file():
@@ -38,13 +39,13 @@ def make_random_model(folder: Path, config: dict = SMOLLM2_135M, seed: int = 0) 
     qo, kvo = c["num_attention_heads"] * h, c["num_key_value_heads"] * h
 
     def w(*shape):
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
 
-    t = {"model.embed_tokens.weight": w(c["vocab_size"], d), "model.norm.weight": np.ones(d, np.float32)}
+    t = {"model.embed_tokens.weight": w(c["vocab_size"], d), "model.norm.weight": np.ones(d, dtype)}
     for i in range(c["num_hidden_layers"]):
         pre = f"model.layers.{i}."
-        t.update({pre + "input_layernorm.weight": np.ones(d, np.float32),
-                  pre + "post_attention_layernorm.weight": np.ones(d, np.float32),
+        t.update({pre + "input_layernorm.weight": np.ones(d, dtype),
+                  pre + "post_attention_layernorm.weight": np.ones(d, dtype),
                   pre + "self_attn.q_proj.weight": w(qo, d), pre + "self_attn.k_proj.weight": w(kvo, d),
                   pre + "self_attn.v_proj.weight": w(kvo, d), pre + "self_attn.o_proj.weight": w(d, qo),
                   pre + "mlp.gate_proj.weight": w(f, d), pre + "mlp.up_proj.weight": w(f, d),
@@ -54,7 +55,7 @@ def make_random_model(folder: Path, config: dict = SMOLLM2_135M, seed: int = 0) 
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(t, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(dict(c, torch_dtype="float32")))
+    (tmp / "config.json").write_text(json.dumps(dict(c, torch_dtype=dtype)))
     tmp.rename(folder)
     return folder
 
