@@ -413,6 +413,63 @@ def _bad_values(name: str, part: _Part, tensors: dict, dtype: np.dtype) -> Adapt
     return _not_finite(name, part.keys, tensors)
 
 
+def _copy_part(part: _Part, tensors: dict, a_LRI: np.ndarray, b_LOR: np.ndarray) -> bool:
+    """One module's tensors into its host arrays by numpy (each value rounded once to the host
+    dtype); False if the result holds NaN or Inf."""
+    for layer, ka, kb, ratio in part.layers:
+        r = tensors[ka].shape[0]
+        _round_into(a_LRI[layer, :r], tensors[ka])
+        # a pattern's scaling ratio, folded into B in float32 before the one rounding
+        _round_into(b_LOR[layer, :, :r], tensors[kb] if ratio == 1.0
+                    else tensors[kb].astype(np.float32) * np.float32(ratio))
+    return _all_finite(a_LRI) and _all_finite(b_LOR)
+
+
+def _host_block(part: _Part, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    a_LRI = block[part.a_start:part.a_start + math.prod(part.a_shape)].reshape(part.a_shape)
+    b_LOR = block[part.b_start:part.b_start + math.prod(part.b_shape)].reshape(part.b_shape)
+    return a_LRI, b_LOR
+
+
+TENSORS_PATH = "<tensors>"  # the path of an adapter given as arrays: there is no folder to read again
+
+
+def adapter_from_tensors(name: str, tensors: dict, config: dict, model_cfg: ModelConfig, max_lora_rank: int,
+                         dtype=np.float32) -> LoRAAdapter:
+    """An adapter from arrays in memory (a training loop's, no file between): `tensors` maps PEFT
+    tensor names (`...layers.{i}.self_attn.q_proj.lora_A.weight`, A r x in, B out x r) to numpy or
+    jax arrays, `config` is a PEFT adapter_config dict. Checked exactly as a folder is (the same
+    config checks, names and shapes against the model, rank pattern, NaN/Inf and the pool dtype's
+    range), with the same errors; the arrays are copied, so the caller may go on changing its own."""
+    dtype = host_dtype(dtype)
+    if not isinstance(config, dict):
+        raise AdapterError(name, f"config must be a PEFT adapter_config dict, got {type(config).__name__}")
+    _check_config(name, config)
+    if not isinstance(tensors, dict) or not tensors:
+        raise AdapterError(name, "tensors must be a non-empty dict of PEFT tensor names to arrays")
+    host = {}
+    for key, value in tensors.items():
+        try:  # a jax array comes to the host here (one transfer per tensor)
+            arr = np.asarray(value)
+        except Exception as e:  # noqa: BLE001 - anything not an array is the caller's error
+            raise AdapterError(name, f"tensor {key!r} is not an array ({e})") from None
+        if arr.dtype not in (np.dtype(np.float32), np.dtype(np.float16), _BF16, np.dtype(np.float64)):
+            raise AdapterError(name, f"tensor {key!r} has dtype {arr.dtype}; float32, bfloat16, float16 or "
+                                     "float64 is accepted")
+        host[str(key)] = arr
+    # No header here: entries carry no source dtype the native copier reads, so the numpy path runs.
+    recipe = _make_recipe(name, config, {k: (None, a.shape, 0) for k, a in host.items()}, b"", model_cfg,
+                          max_lora_rank, dtype)
+    block = np.zeros(recipe.size, dtype)
+    modules = {}
+    for part in recipe.parts:
+        a_LRI, b_LOR = _host_block(part, block)
+        if not _copy_part(part, host, a_LRI, b_LOR):
+            raise _bad_values(name, part, host, dtype)
+        modules[part.module] = (a_LRI, b_LOR)
+    return LoRAAdapter(name=name, path=TENSORS_PATH, rank=recipe.rank, scaling=recipe.scaling, modules=modules)
+
+
 def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_rank: int,
                  dtype=np.float32) -> LoRAAdapter:
     """Read, validate and lay out one adapter, its host copy in `dtype` (the pool's: each value
@@ -436,21 +493,14 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_r
     modules = {}
     for part in recipe.parts:
         checkpoint()  # a paced read pauses here while the engine runs a step
-        a_LRI = block[part.a_start:part.a_start + math.prod(part.a_shape)].reshape(part.a_shape)
-        b_LOR = block[part.b_start:part.b_start + math.prod(part.b_shape)].reshape(part.b_shape)
+        a_LRI, b_LOR = _host_block(part, block)
         if copier is not None and part.jobs is not None:
             ok = copier(src.ctypes.data, block.ctypes.data, _DST_KINDS[dtype], part.jobs.ctypes.data,
                         len(part.jobs)) < 0
             tensors = None
         else:
             tensors = views(data, entries, part.keys)
-            for layer, ka, kb, ratio in part.layers:
-                r = tensors[ka].shape[0]
-                _round_into(a_LRI[layer, :r], tensors[ka])
-                # a pattern's scaling ratio, folded into B in float32 before the one rounding
-                _round_into(b_LOR[layer, :, :r], tensors[kb] if ratio == 1.0
-                            else tensors[kb].astype(np.float32) * np.float32(ratio))
-            ok = _all_finite(a_LRI) and _all_finite(b_LOR)
+            ok = _copy_part(part, tensors, a_LRI, b_LOR)
         if not ok:
             raise _bad_values(name, part, tensors if tensors is not None else views(data, entries, part.keys), dtype)
         modules[part.module] = (a_LRI, b_LOR)

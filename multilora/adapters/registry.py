@@ -52,6 +52,23 @@ class AdapterEntry:
     rows: tuple[int, ...] = ()  # its pool rows while resident: the rows of its pages
     rank: int = 0
     content_hash: bytes = b""  # of its weights and scaling: the root of its prefix-cache keys
+    version: int = 1           # loads of this name so far: an in-place load takes the next one
+    # an adapter given as arrays (no folder to read again): its host copy, kept outside the host
+    # tier's LRU for as long as the entry lives
+    held: Optional[LoRAAdapter] = dataclasses.field(default=None, repr=False)
+
+    @property
+    def public_name(self) -> str:
+        """The name requests use: a replaced entry is kept under a hidden name until its last
+        request ends (replace)."""
+        return public_name(self.name)
+
+
+HIDDEN = "\0"  # joins a replaced entry's name to its version: no adapter name holds it
+
+
+def public_name(name: Optional[str]) -> Optional[str]:
+    return None if name is None else name.split(HIDDEN, 1)[0]
 
 
 @dataclasses.dataclass
@@ -97,7 +114,8 @@ class AdapterRegistry:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def register(self, name: str, path: str, pinned: bool = False,
-                 adapter: Optional[LoRAAdapter] = None, probe: Optional[AdapterProbe] = None) -> AdapterEntry:
+                 adapter: Optional[LoRAAdapter] = None, probe: Optional[AdapterProbe] = None,
+                 held: bool = False, version: int = 1) -> AdapterEntry:
         """Read and validate the adapter now (or take `adapter`, already read off the engine
         thread); on any error nothing changes. With `probe` (its config and header, validated)
         and no adapter, it is registered unread: its weights are read on first use, and until
@@ -110,6 +128,8 @@ class AdapterRegistry:
             raise AdapterConflictError(
                 f"cannot pin {name!r}: pinned adapters would fill all {self.num_slots} device slots "
                 "and leave none for the others")
+        if HIDDEN in name:
+            raise ValueError("adapter name must not hold a NUL character")
         if adapter is None and (probe is None or pinned):
             adapter = self._read(name, path)
         rank = adapter.rank if adapter is not None else probe.rank
@@ -123,11 +143,36 @@ class AdapterRegistry:
                     f"{self.num_rows} rank rows and leave no room for an adapter of rank "
                     f"{self.max_rank or 1}; raise lora_memory_gb or pin fewer")
         entry = AdapterEntry(name=name, path=str(path), id=next(self._ids), pinned=pinned, rank=rank,
-                             content_hash=adapter.content_hash if adapter is not None else probe.fingerprint)
+                             content_hash=adapter.content_hash if adapter is not None else probe.fingerprint,
+                             version=version, held=adapter if held else None)
         self.entries[name] = entry
-        if adapter is not None:
+        if adapter is not None and not held:
             self._put_host(name, adapter)
         return entry
+
+    def replace(self, name: str, path: str, adapter: LoRAAdapter, held: bool = False) -> tuple[AdapterEntry, list[int]]:
+        """An in-place load: `name` takes `adapter` (read and validated already) for the requests
+        acquired from now on, copy-on-write. The old entry moves to a hidden name
+        (`name` NUL its id), taking no new requests; its requests keep its slot and weights and it
+        is removed when the last of them ends. Returns (the old entry, whose requests the caller
+        points at its hidden name; slots freed now, for the engine to zero). Any error before the
+        swap leaves everything as it was."""
+        old = self.resolve(name, allow_unloading=True)
+        if old.pinned:
+            raise AdapterConflictError(f"LoRA adapter {name!r} is pinned; an in-place load of a pinned "
+                                       "adapter is not supported: unload it first")
+        if self.max_rank is not None and adapter.rank > self.max_rank:
+            raise AdapterConflictError(f"LoRA adapter {name!r}: rank {adapter.rank} exceeds max_lora_rank={self.max_rank}")
+        hidden = f"{name}{HIDDEN}{old.id}"  # ids never repeat (versions do, after an unload)
+        del self.entries[name]
+        old.name, old.unloading = hidden, True
+        self.entries[hidden] = old
+        copy = self._host.pop(name, None)
+        if copy is not None:  # the host copy follows its entry (same bytes, same LRU place at the end)
+            self._host[hidden] = copy
+            self._host_nbytes[hidden] = self._host_nbytes.pop(name)
+        self.register(name, path, adapter=adapter, held=held, version=old.version + 1)
+        return old, self._maybe_remove(old)
 
     def unregister(self, name: str) -> list[int]:
         """Refuse new requests for `name`; remove it once its requests finish. Returns slots that
@@ -193,6 +238,8 @@ class AdapterRegistry:
             self._host_nbytes[name] = adapter.nbytes
 
     def host_copy(self, entry: AdapterEntry) -> LoRAAdapter:
+        if entry.held is not None:
+            return entry.held
         adapter = self._host.get(entry.name)
         if adapter is None:
             self.stats.host_misses += 1
@@ -209,13 +256,13 @@ class AdapterRegistry:
     def ready(self, name: str) -> bool:
         """Can a step use it without touching a disk: in a device slot, or its host copy here?"""
         entry = self.entries.get(name)
-        return entry is not None and (entry.slot is not None or name in self._host)
+        return entry is not None and (entry.slot is not None or entry.held is not None or name in self._host)
 
     def put_host(self, name: str, path: str, adapter: LoRAAdapter) -> None:
         """A host copy read in the background from `path` arrives (ignored if the name went away
         meanwhile, or was reloaded from another folder)."""
         entry = self.entries.get(name)
-        if entry is None or entry.path != path or entry.slot is not None:
+        if entry is None or entry.path != path or entry.slot is not None or entry.held is not None:
             return  # gone, reloaded elsewhere, or made resident meanwhile (its rows fit what was written)
         entry.content_hash, entry.rank = adapter.content_hash, adapter.rank
         self._put_host(name, adapter)

@@ -55,9 +55,10 @@ class LoadAdapter:
     name: str
     path: str
     pinned: bool = False
+    load_inplace: bool = False
 
     def apply(self, engine) -> None:
-        engine.load_lora_adapter(self.name, self.path, pinned=self.pinned)
+        engine.load_lora_adapter(self.name, self.path, pinned=self.pinned, load_inplace=self.load_inplace)
 
 
 @dataclasses.dataclass(frozen=True)

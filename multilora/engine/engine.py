@@ -36,11 +36,11 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 
 from multilora.config import EngineConfig, ModelConfig
+from multilora.engine.adapter_api import AdapterAPI, version_tag
 from multilora.engine.batching import SeqChunk
 from multilora.engine.build import (default_max_rank, enable_compilation_cache, generation_eos, kv_cache_pages,
                                     lora_sizing)
-from multilora.engine.commands import (AbortRequest, AddMix, AddRequest, Command, LoadAdapter, StopFollowers,
-                                       UnloadAdapter)
+from multilora.engine.commands import AbortRequest, AddRequest, Command, StopFollowers
 from multilora.engine.kv_pages import PagePool
 from multilora.engine.outputs import (Logprob, PromptTooLongError, RequestOutput, StreamDelta,  # noqa: F401
                                       keep_prompt_logprobs, logprob_of, prompt_next_tokens)
@@ -51,17 +51,17 @@ from multilora.engine.scheduler import Scheduler, SchedulerConfig
 from multilora.engine.structured import Grammars
 from multilora.engine.tokenizer import Detokenizer, load_tokenizer
 from multilora.model.loader import Progress
-from multilora.adapters.adapter import LoRAAdapter, load_adapter, probe_adapter
-from multilora.adapters.mix import MIX_PREFIX, check_weights, mix_adapters, mix_name, mix_path, read_mix
+from multilora.adapters.adapter import load_adapter
+from multilora.adapters.mix import MIX_PREFIX, read_mix
 from multilora.adapters.loader import AdapterLoader
-from multilora.adapters.registry import AdapterRegistry
+from multilora.adapters.registry import AdapterRegistry, public_name
 
 log = logging.getLogger("multilora.engine")
 
 Prompt = Union[str, Sequence[int]]
 
 
-class Engine:
+class Engine(AdapterAPI):
     def __init__(self, model: Optional[str] = None, lora_modules: Optional[dict[str, str]] = None,
                  config: Optional[EngineConfig] = None, *, warmup: bool = True, progress: bool = False,
                  buckets: Optional[Buckets] = None, distributed: Optional[dict] = None, **options):
@@ -180,94 +180,6 @@ class Engine:
             from multilora.engine.distributed import StepSync
             self._sync = StepSync()
 
-    # ---- adapters ----------------------------------------------------------------------------
-    def _register_at_start(self, lora_modules: dict[str, str], progress: bool) -> None:
-        """The adapters given at start: each validated from its config and safetensors header
-        (a bad one fails the start), registered unread, and read on first use; as many as the
-        host tier holds are read in the background from here on. Thousands of adapters thus cost
-        seconds at start, not a read of all their weights. Several processes read them all now
-        (their prefix-cache keys must agree from the first request)."""
-        if not lora_modules:
-            return
-        if self.slots is None:
-            raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
-        import jax
-        if jax.process_count() > 1:
-            for name, path in lora_modules.items():
-                self.load_lora_adapter(name, path)
-            return
-        bar = Progress(len(lora_modules), "adapters", progress and len(lora_modules) > 1)
-        room = self.registry.max_host_bytes
-        count = self.registry.max_loaded_loras
-        for i, (name, path) in enumerate(lora_modules.items()):
-            probe = probe_adapter(name, path, self.cfg, self.lora_cfg.max_lora_rank, self.lora_host_dtype)
-            self.registry.register(name, str(path), probe=probe)
-            if (room is None or probe.nbytes <= room) and (count is None or i < count):
-                self.loader.prefetch(name, str(path))
-                room = None if room is None else room - probe.nbytes
-            bar.update(1)
-
-    def read_adapter_async(self, name: str, path: str):
-        """Read, validate and hash an adapter folder on the loader's low-priority worker thread
-        (it touches no engine state): a concurrent Future of the LoRAAdapter, which
-        load_lora_adapter(..., adapter=) then registers between steps. The server's path: reads
-        never stall a step nor take the cores from the running streams."""
-        if self.slots is None:
-            raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
-        return self.loader.submit(name, str(path))
-
-    def load_lora_adapter(self, name: str, path: str, pinned: bool = False,
-                          adapter: Optional[LoRAAdapter] = None) -> None:
-        """Register an adapter: read and validate it now, unless `adapter` is given (already read
-        by read_adapter_async, off the engine thread); raises AdapterError (nothing changes) on a
-        bad adapter."""
-        if self.slots is None:
-            raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
-        self._guard("load_lora_adapter")
-        self.registry.register(name, str(path), pinned=pinned, adapter=adapter)
-        self._record(LoadAdapter(name, str(path), pinned))
-        if pinned:
-            self.residency.write_slots({name})
-
-    def add_mix(self, weights: dict) -> str:
-        """Register (once) the exact weighted mix of registered adapters, {name: weight}, as an
-        adapter of its own (multilora.adapters.mix); returns its name, for add_request's lora. Its
-        rank is the sum of the parts' ranks and must fit max_lora_rank."""
-        if self.slots is None:
-            raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
-        weights = check_weights(weights)
-        name = mix_name(weights)
-        entry = self.registry.entries.get(name)
-        if entry is not None and not entry.unloading:
-            return name
-        parts = []
-        for part, w in weights.items():
-            e = self.registry.resolve(part)  # raises for unknown or unloading adapters
-            if e.path.startswith(MIX_PREFIX):
-                raise ValueError(f"adapters: {part!r} is itself a mix; name its parts instead")
-            parts.append((part, e.path, w, self.registry.host_copy(e)))
-        adapter = mix_adapters(name, mix_path([(n, p, w) for n, p, w, _ in parts]), [(a, w) for *_, w, a in parts])
-        if adapter.rank > self.lora_cfg.max_lora_rank:
-            raise ValueError(f"adapters: the mix has rank {adapter.rank} (its parts' ranks add up), more than "
-                             f"max_lora_rank={self.lora_cfg.max_lora_rank}; raise --max-lora-rank or mix fewer")
-        self._guard("add_mix")
-        self.registry.register(name, adapter.path, adapter=adapter)
-        self._record(AddMix(weights))
-        return name
-
-    def unload_lora_adapter(self, name: str) -> None:
-        """New requests for it are refused at once; running ones finish, then it is removed."""
-        self._guard("unload_lora_adapter")
-        slots = self.registry.unregister(name)
-        self._record(UnloadAdapter(name))
-        for slot in slots:
-            self.runner.clear_slot(slot)
-
-    def list_lora_adapters(self) -> list[dict]:
-        return [dict(name=e.name, path=e.path, id=e.id, pinned=e.pinned, rank=e.rank,
-                     active_requests=e.refcount, unloading=e.unloading, slot=e.slot)
-                for e in self.registry.entries.values()]
-
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -320,6 +232,7 @@ class Engine:
             req.prompt_logprobs = [None] * len(ids)
         if lora is not None:
             req.lora_hash = self.registry.entries[lora].content_hash
+            req.lora_version = self.registry.entries[lora].version
         req.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
         # Derived from the arrival order, not the id (the server's ids are random): the same
         # requests in the same order repeat under the same engine seed.
@@ -485,7 +398,8 @@ class Engine:
                             req.output_logprobs[req.sent_logprobs:] if req.params.logprobs is not None else None,
                             num_cached_tokens=req.num_cached_tokens,
                             prompt_logprobs=list(req.prompt_logprobs)
-                            if first and req.params.prompt_logprobs is not None else None)
+                            if first and req.params.prompt_logprobs is not None else None,
+                            lora_version=self._version_of(req))
             req.sent_tokens = len(req.output_token_ids)
             req.sent_text = max(req.sent_text, len(text))
             req.sent_logprobs = len(req.output_logprobs)
@@ -497,10 +411,15 @@ class Engine:
         """The final output of a finished request (and forget it)."""
         req = self._requests.pop(request_id)
         return RequestOutput(request_id, req.prompt_token_ids, list(req.output_token_ids), req.text,
-                             req.finished, req.finish_reason, req.stop_reason, req.adapter,
+                             req.finished, req.finish_reason, req.stop_reason, public_name(req.adapter),
                              list(req.output_logprobs) if req.params.logprobs is not None else None,
                              req.error, req.num_cached_tokens,
-                             list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None)
+                             list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
+                             self._version_of(req))
+
+    @staticmethod
+    def _version_of(req: Request) -> Optional[str]:
+        return None if req.adapter is None else version_tag(req.lora_version, req.lora_hash)
 
     def release_finished(self, request_id: str) -> None:
         req = self._requests.get(request_id)

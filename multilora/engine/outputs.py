@@ -28,6 +28,7 @@ class RequestOutput:
     error: Optional[str] = None
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
     prompt_logprobs: Optional[list[Optional[Logprob]]] = None  # params.prompt_logprobs: one per prompt token
+    lora_version: Optional[str] = None    # which weights answered (adapter_api.version_tag); None: base
 
 
 @dataclasses.dataclass
@@ -42,6 +43,7 @@ class StreamDelta:
     logprobs: Optional[list[Logprob]] = None
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
     prompt_logprobs: Optional[list[Optional[Logprob]]] = None  # in the first delta, when asked
+    lora_version: Optional[str] = None    # which weights answer (adapter_api.version_tag); None: base
 
 
 class PromptTooLongError(ValueError):

@@ -119,6 +119,7 @@ class Request:
     sample_seed: int = 0               # params.seed, or one derived from the engine seed and id
     # prefix cache
     lora_hash: bytes = BASE_MODEL_HASH  # the adapter's content hash: the root of its page keys
+    lora_version: int = 0               # the adapter name's load count when it was added (0: base)
     page_keys: list = dataclasses.field(default_factory=list)  # keys of its first full pages
     num_cached_tokens: int = 0         # prompt tokens found in the prefix cache at admission
     # output side: detokenized text and what has been reported so far

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from multilora.engine.commands import AddRequest
 from multilora.engine.engine import StreamDelta
 from multilora.engine.request import SamplingParams
+from multilora.adapters.registry import public_name
 from multilora.server.metrics import LoraInfo, Metrics
 
 log = logging.getLogger("multilora.server")
@@ -484,8 +485,9 @@ class AsyncEngine:
             "multilora_lora_pool_rows_total": eng.registry.num_rows or 0,
         }
         self.snapshot = snap
-        lora_info = LoraInfo((r.adapter for r in eng.scheduler.running if r.adapter is not None),
-                             (r.adapter for r in eng.scheduler.waiting if r.adapter is not None),
+        # a replaced adapter's last requests count under its name (registry.public_name)
+        lora_info = LoraInfo((public_name(r.adapter) for r in eng.scheduler.running if r.adapter is not None),
+                             (public_name(r.adapter) for r in eng.scheduler.waiting if r.adapter is not None),
                              eng.registry.num_slots)
         self.metrics.set_snapshot(snap, dataclasses.asdict(eng.registry.stats), dict(eng.scheduler.stats),
                                   lora_info)
