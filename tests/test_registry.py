@@ -351,3 +351,32 @@ def test_pinning_leaves_rows_for_one_adapter_of_max_rank():
         reg.register("p3", "/r8/p3", pinned=True)
     assert "p3" not in reg.entries
     reg.register("p3", "/r8/p3")  # unpinned is fine
+
+
+def test_replace_is_copy_on_write():
+    """An in-place load: the old entry keeps its slot under a hidden name while it has requests,
+    the name takes the new weights (a new id, the next version), the old slot is freed with the
+    last request; a held adapter (from arrays) is never read again."""
+    reg, reader = make(num_slots=2)
+    reg.register("a", "/p/a")
+    old = reg.acquire("a")  # a request running on the old weights
+    [(slot, _)] = reg.assign_slots({"a"}, set())
+    held = reader("a", "/p/new")
+    was, freed = reg.replace("a", "<tensors>", held, held=True)
+    assert was is old and freed == [] and old.slot == slot and old.unloading
+    assert old.name != "a" and old.public_name == "a" and reg.entries[old.name] is old
+    new = reg.resolve("a")
+    assert new is not old and new.version == 2 and new.content_hash == held.content_hash
+    assert reg.ready("a") and reg.host_copy(new) is held and new.slot is None
+    calls = len(reader.calls)
+    reg.drop_host_copy("a")
+    assert reg.host_copy(new) is held and len(reader.calls) == calls
+    assert reg.release(old.name) == [slot] and old.name not in reg.entries
+    # replacing an idle entry frees its slot at once
+    reg.assign_slots({"a"}, set())
+    _, freed = reg.replace("a", "/p/a3", reader("a", "/p/a3"))
+    assert len(freed) == 1 and reg.resolve("a").version == 3 and list(reg.entries) == ["a"]
+    reg.register("p", "/p/p", pinned=True)
+    with pytest.raises(AdapterConflictError, match="pinned"):
+        reg.replace("p", "/p/p2", reader("p", "/p/p2"))
+    assert reg.resolve("p").pinned and reg.resolve("p").version == 1

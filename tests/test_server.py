@@ -1120,3 +1120,27 @@ def test_schemathesis_finds_no_server_error(served, tmp_path):
         ok = c.post("/v1/completions", json=dict(model=served.engine.model_name, prompt="hello", max_tokens=4))
         assert ok.status_code == 200, ok.text
     wait_idle(served)
+
+
+def test_load_inplace_over_http_and_which_weights_answered(served):
+    """vLLM's load_inplace: the name serves the new folder's weights at once, with a prompt cached
+    under the old ones; every response (and /v1/models) names the version that answered."""
+    client = served.client()
+    prompt, max_tokens = PROMPTS[0], 8
+    with served.http() as c:
+        assert c.post("/v1/load_lora_adapter", json=dict(lora_name="ip", lora_path=ADAPTERS["a"])).status_code == 200
+        r1 = client.completions.create(model="ip", prompt=prompt, **greedy(max_tokens=max_tokens))
+        assert r1.choices[0].text == served.refs[ref_key(prompt, "a", max_tokens)].text
+        assert r1.system_fingerprint.startswith("v1-")
+        r = c.post("/v1/load_lora_adapter", json=dict(lora_name="ip", lora_path=ADAPTERS["c"], load_inplace=True))
+        assert r.status_code == 200, r.text
+        versions = {m.id: getattr(m, "version", None) for m in client.models.list().data}
+        assert versions["ip"].startswith("v2-") and versions["ip"] != r1.system_fingerprint
+        r2 = client.completions.create(model="ip", prompt=prompt, **greedy(max_tokens=max_tokens))
+        assert r2.choices[0].text == served.refs[ref_key(prompt, "c", max_tokens)].text
+        assert r2.system_fingerprint == versions["ip"]
+        chunks = list(client.chat.completions.create(model="ip", messages=CHAT, stream=True, **greedy(max_tokens=4)))
+        assert chunks[-1].system_fingerprint == versions["ip"]
+        base = client.completions.create(model=served.engine.model_name, prompt=prompt, **greedy(max_tokens=2))
+        assert base.system_fingerprint is None
+        assert c.post("/v1/unload_lora_adapter", json=dict(lora_name="ip")).status_code == 200

@@ -212,6 +212,14 @@ class AdapterLoader:
             self._enqueue(fut, name, str(path), priority)
         return True
 
+    def forget(self, name: str) -> None:
+        """Drop the reads under way for `name` from what poll reports (an in-place load replaced
+        its weights: a read of the folder started before could hold the old contents). They run
+        to their end unseen; a later prefetch starts a new read."""
+        with self._cv:
+            for key in [k for k in self._inflight if k[0] == name]:
+                del self._inflight[key]
+
     def in_flight(self, name: Optional[str] = None) -> int:
         with self._cv:
             return sum(1 for (n, _) in self._inflight if name is None or n == name)

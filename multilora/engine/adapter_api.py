@@ -113,6 +113,8 @@ class AdapterAPI:
 
     def _replace(self, name: str, path: str, adapter: LoRAAdapter, held: bool) -> None:
         old, freed = self.registry.replace(name, path, adapter, held=held)
+        self.loader.forget(name)  # a read started before may hold the old contents of the same folder
+        self.residency.waited_reads.discard(name)
         for req in self._requests.values():  # they finish on the weights they were added with
             if req.adapter == name:
                 req.adapter = old.name

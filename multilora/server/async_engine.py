@@ -77,6 +77,7 @@ class RequestStream:
         self.finished = False
         self.finish_reason: Optional[str] = None
         self.num_cached_tokens = 0   # prompt tokens served from the prefix cache (usage)
+        self.lora_version: Optional[str] = None  # which adapter weights answer (system_fingerprint)
 
     def __aiter__(self):
         return self
@@ -86,6 +87,7 @@ class RequestStream:
             raise StopAsyncIteration
         delta: StreamDelta = await self.queue.get()
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        self.lora_version = delta.lora_version or self.lora_version
         if delta.finished:
             self.finished = True
             self.finish_reason = delta.finish_reason
@@ -292,13 +294,14 @@ class AsyncEngine:
         self._post(_Call(fn, fut))
         return await fut
 
-    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False, load_inplace: bool = False) -> None:
         """Read and validate on the engine's low-priority loader thread (the disk never stalls a
         step, the read never takes the cores from it), then register the copy between two steps."""
         if not self.is_alive:
             raise EngineStoppedError("the engine is not running")
         adapter = await asyncio.wrap_future(self.engine.read_adapter_async(name, path))
-        await self.call(lambda e: e.load_lora_adapter(name, path, pinned=pinned, adapter=adapter))
+        await self.call(lambda e: e.load_lora_adapter(name, path, pinned=pinned, adapter=adapter,
+                                                      load_inplace=load_inplace))
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self.call(lambda e: e.unload_lora_adapter(name))

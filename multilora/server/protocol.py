@@ -180,6 +180,8 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
+    # which adapter weights answered (its version tag: load count and content hash); None: the base model
+    system_fingerprint: Optional[str] = None
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------
@@ -262,6 +264,8 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Optional[UsageInfo] = None
+    # which adapter weights answered (its version tag: load count and content hash); None: the base model
+    system_fingerprint: Optional[str] = None
 
 
 class DeltaMessage(_Response):
@@ -283,6 +287,8 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatStreamChoice]
     usage: Optional[UsageInfo] = None
+    # which adapter weights answered (its version tag: load count and content hash); None: the base model
+    system_fingerprint: Optional[str] = None
 
 
 class CompletionChunk(_Response):
@@ -292,6 +298,8 @@ class CompletionChunk(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
+    # which adapter weights answered (its version tag: load count and content hash); None: the base model
+    system_fingerprint: Optional[str] = None
 
 
 # ---- /v1/models ----------------------------------------------------------------------------------
@@ -303,6 +311,7 @@ class ModelCard(_Response):
     root: Optional[str] = None
     parent: Optional[str] = None
     max_model_len: Optional[int] = None
+    version: Optional[str] = None   # multilora extra: an adapter's current version tag (system_fingerprint)
 
 
 class ModelList(_Response):
@@ -344,6 +353,7 @@ class LoadLoRAAdapterRequest(_Request):
     lora_name: str
     lora_path: str
     pinned: bool = False   # multilora extra: keep it in a device slot for good
+    load_inplace: bool = False  # vLLM's: a loaded name takes the new weights (running requests keep theirs)
 
 
 class UnloadLoRAAdapterRequest(_Request):

@@ -83,7 +83,7 @@ async def completions(request: Request):
             lp = srv.completion_logprobs(r.logprobs, 0)
         choices.append(P.CompletionChoice(index=i, text=text, finish_reason=r.finish_reason, logprobs=lp))
     return P.CompletionResponse(id=rid, created=created, model=req.model, choices=choices,
-                                usage=usage)
+                                usage=usage, system_fingerprint=results[0].lora_version if results else None)
 
 
 @generation.post("/v1/chat/completions")
@@ -117,7 +117,7 @@ async def chat_completions(request: Request):
                             logprobs=srv.chat_logprobs(r.logprobs) if req.logprobs else None)
                for i, r in enumerate(results)]
     return P.ChatCompletionResponse(id=rid, created=created, model=req.model, choices=choices,
-                                    usage=_usage(results, n))
+                                    usage=_usage(results, n), system_fingerprint=results[0].lora_version)
 
 
 # ---- vLLM's tokenizer routes (also without /v1, where vLLM serves them) ----------------------
@@ -176,7 +176,7 @@ async def models(request: Request):
     cards = [P.ModelCard(id=srv.base_name, root=str(srv.engine.model_path),
                          max_model_len=srv.engine.max_model_len)]
     cards += [P.ModelCard(id=a["name"], root=a["path"], parent=srv.base_name,
-                          max_model_len=srv.engine.max_model_len)
+                          max_model_len=srv.engine.max_model_len, version=a.get("version"))
               for a in adapters if not a.get("unloading")]
     return P.ModelList(data=cards)
 
@@ -193,12 +193,13 @@ async def load_lora_adapter(request: Request):
                        "adapter_conflict")
     path = srv.check_lora_path(req.lora_path)
     try:
-        await call_engine(async_engine.load_lora_adapter(name, path, pinned=req.pinned))
+        await call_engine(async_engine.load_lora_adapter(name, path, pinned=req.pinned,
+                                                         load_inplace=req.load_inplace))
     except AdapterConflictError as e:
         raise APIError(409, str(e), "lora_name", "adapter_conflict")
     except ValueError as e:  # AdapterError: the folder is not a servable adapter
         raise APIError(400, str(e), "lora_path", "invalid_adapter")
-    log.info("loaded LoRA adapter %r from %s", name, path)
+    log.info("loaded LoRA adapter %r from %s%s", name, path, " in place" if req.load_inplace else "")
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 

@@ -47,6 +47,7 @@ class Collected:
     prompt_ids: list[int]
     prompt_logprobs: Optional[list]
     echo: Optional[str] = None           # /v1/completions with echo: the prompt's text
+    lora_version: Optional[str] = None   # which adapter weights answered (system_fingerprint)
 
     @property
     def cumulative_logprob(self) -> float:
@@ -300,7 +301,8 @@ class Server:
                 raise APIError(500, f"the request failed: {s.error or 'engine error'}", code="engine_error")
             return Collected(text="".join(text), token_ids=ids, logprobs=lps, finish_reason=reason,
                              prompt_tokens=len(s.prompt_token_ids), cached_tokens=s.num_cached_tokens,
-                             prompt_ids=s.prompt_token_ids, prompt_logprobs=prompt_lps)
+                             prompt_ids=s.prompt_token_ids, prompt_logprobs=prompt_lps,
+                             lora_version=s.lora_version)
 
         watcher = asyncio.create_task(_wait_disconnect(request))
         work = asyncio.ensure_future(asyncio.gather(*(one(s) for s in streams)))

@@ -123,7 +123,8 @@ async def completion_stream(srv: "_Server", streams: list[RequestStream], model:
             offsets[i] += len(text)
             chunk = P.CompletionChunk(id=rid, created=created, model=model, choices=[
                 P.CompletionChoice(index=i, text=text, logprobs=lp,
-                                   finish_reason=d.finish_reason if d.finished else None)])
+                                   finish_reason=d.finish_reason if d.finished else None)],
+                system_fingerprint=d.lora_version)
             yield _sse(chunk)
         if include_usage:
             prompt_tokens = sum(len(s.prompt_token_ids) for s in streams[::n])  # once per prompt
@@ -155,7 +156,8 @@ async def chat_stream(srv: "_Server", streams: list[RequestStream], model: str, 
             lp = srv.chat_logprobs(d.logprobs) if (logprobs and d.logprobs is not None) else None
             yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[
                 P.ChatStreamChoice(index=i, delta=P.DeltaMessage(content=d.text if d.text else None),
-                                   logprobs=lp, finish_reason=d.finish_reason if d.finished else None)]))
+                                   logprobs=lp, finish_reason=d.finish_reason if d.finished else None)],
+                system_fingerprint=d.lora_version))
         if include_usage:
             yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
                                              usage=P.UsageInfo.of(len(streams[0].prompt_token_ids),
