@@ -117,14 +117,16 @@ def test_inplace_under_a_cached_prefix_serves_the_new_weights(engine, model_dir,
 
 
 def test_requests_added_before_an_inplace_load_finish_on_their_weights(engine, dirs):
+    """32 streams (8 running, the rest waiting) when the load comes: none corrupted, none failed."""
     t_old, cfg = tensors_of(dirs["a"])
     t_new = flipped(t_old)
     prompts = prompts_of(5, [7, 12, 20, 9])
     engine.load_lora_adapter("q", tensors=t_old, config=cfg)
     want_old = tokens(engine, prompts, "q")
-    before = [engine.add_request(p, GREEDY, lora="q") for p in prompts]
-    engine.step()
-    engine.step()  # some decoding under the old weights
+    before = [engine.add_request(p, GREEDY, lora="q") for p in prompts * 8]
+    for _ in range(4):  # some decoding under the old weights
+        engine.step()
+    assert engine.num_running > 0 and engine.num_waiting > 0
     engine.load_lora_adapter("q", tensors=t_new, config=cfg, load_inplace=True)
     assert [e["name"] for e in engine.list_lora_adapters()].count("q") == 1
     after = [engine.add_request(p, GREEDY, lora="q") for p in prompts]
@@ -132,7 +134,8 @@ def test_requests_added_before_an_inplace_load_finish_on_their_weights(engine, d
         engine.step()
     got_before = [engine.pop_output(r) for r in before]
     got_after = [engine.pop_output(r) for r in after]
-    assert [o.token_ids for o in got_before] == want_old
+    assert [o.token_ids for o in got_before] == want_old * 8
+    assert all(o.finish_reason == "length" for o in got_before + got_after)
     assert all(o.lora == "q" and o.lora_version.startswith("v1-") for o in got_before)
     assert all(o.lora_version.startswith("v2-") for o in got_after)
     want_new = tokens(engine, prompts, "q")
