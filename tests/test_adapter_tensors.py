@@ -204,3 +204,26 @@ def test_inplace_from_a_folder(engine, dirs):
     engine.unload_lora_adapter("f")
     engine.unload_lora_adapter("cc")
     assert_clean(engine)
+
+
+def test_train_and_serve_example_short_form(engine):
+    """examples/train_and_serve.py's loop on the tiny model: it trains, pushes in place, and its
+    rollouts answer with each push's version."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "examples" / "train_and_serve.py"
+    spec = importlib.util.spec_from_file_location("train_and_serve", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    # its training forward is the engine's model: the same greedy next token with a zero LoRA
+    from multilora.model.loader import load_weights
+    _, weights = load_weights(engine.model_path, engine.cfg, "float32")
+    for prompt in prompts_of(8, [5, 19]):
+        logits = mod.forward(weights, mod.init_lora(engine.cfg, 4), np.asarray(prompt), engine.cfg, 2.0)
+        assert int(np.argmax(logits[-1])) == tokens(engine, [prompt], None)[0][0]
+    lines = []
+    res = mod.run(engine, steps=4, every=2, rank=8, rollouts=4, max_tokens=4, seq_len=24, log=lines.append)
+    assert len(res["push_s"]) == 2 and len(lines) == 2
+    assert res["versions"] == {engine.adapter_version("policy")} and engine.adapter_version("policy").startswith("v2-")
+    engine.unload_lora_adapter("policy")
+    assert_clean(engine)
