@@ -112,6 +112,11 @@ def test_inplace_under_a_cached_prefix_serves_the_new_weights(engine, model_dir,
     engine.load_lora_adapter("p", tensors=t_old, config=cfg, load_inplace=True)
     assert engine.adapter_version("p") == "v3-" + v1[3:]
     assert tokens(engine, prompts, "p") == old_tokens
+    # a mix of "p" follows it: the mix made before the load is rebuilt from the new weights
+    mix = engine.add_mix({"p": 1.0})
+    engine.load_lora_adapter("p", tensors=t_new, config=cfg, load_inplace=True)
+    assert engine.add_mix({"p": 1.0}) == mix and tokens(engine, prompts, mix) == [o.token_ids for o in new]
+    engine.unload_lora_adapter(mix)
     engine.unload_lora_adapter("p")
     assert_clean(engine)
 

@@ -163,6 +163,14 @@ class AdapterRegistry:
                                        "adapter is not supported: unload it first")
         if self.max_rank is not None and adapter.rank > self.max_rank:
             raise AdapterConflictError(f"LoRA adapter {name!r}: rank {adapter.rank} exceeds max_lora_rank={self.max_rank}")
+        freed = self.retire(name)
+        self.register(name, path, adapter=adapter, held=held, version=old.version + 1)
+        return old, freed
+
+    def retire(self, name: str) -> list[int]:
+        """Move `name`'s entry to its hidden name (`name` NUL its id), taking no new requests and
+        removed when its last request ends; the name is free at once. Returns slots freed now."""
+        old = self.resolve(name, allow_unloading=True)
         hidden = f"{name}{HIDDEN}{old.id}"  # ids never repeat (versions do, after an unload)
         del self.entries[name]
         old.name, old.unloading = hidden, True
@@ -171,8 +179,7 @@ class AdapterRegistry:
         if copy is not None:  # the host copy follows its entry (same bytes, same LRU place at the end)
             self._host[hidden] = copy
             self._host_nbytes[hidden] = self._host_nbytes.pop(name)
-        self.register(name, path, adapter=adapter, held=held, version=old.version + 1)
-        return old, self._maybe_remove(old)
+        return self._maybe_remove(old)
 
     def unregister(self, name: str) -> list[int]:
         """Refuse new requests for `name`; remove it once its requests finish. Returns slots that

@@ -17,7 +17,7 @@ from typing import Optional
 from multilora.engine.commands import AddMix, LoadAdapter, UnloadAdapter
 from multilora.model.loader import Progress
 from multilora.adapters.adapter import LoRAAdapter, adapter_from_tensors, probe_adapter
-from multilora.adapters.mix import MIX_PREFIX, check_weights, mix_adapters, mix_name, mix_path
+from multilora.adapters.mix import MIX_PREFIX, check_weights, mix_adapters, mix_name, mix_path, parse_mix_path
 from multilora.adapters.registry import AdapterConflictError
 
 
@@ -113,11 +113,20 @@ class AdapterAPI:
 
     def _replace(self, name: str, path: str, adapter: LoRAAdapter, held: bool) -> None:
         old, freed = self.registry.replace(name, path, adapter, held=held)
+        retired = {name: old.name}
+        # Mixes of the old weights are retired too: the next add_mix of the same parts builds
+        # the mix anew from the new weights (its name is free), as the same weights would.
+        for e in list(self.registry.entries.values()):
+            if e.name == e.public_name and e.path.startswith(MIX_PREFIX) and not e.unloading \
+                    and any(n == name for n, _, _ in parse_mix_path(e.path)):
+                mix = e.name
+                freed += self.registry.retire(mix)
+                retired[mix] = e.name
         self.loader.forget(name)  # a read started before may hold the old contents of the same folder
         self.residency.waited_reads.discard(name)
         for req in self._requests.values():  # they finish on the weights they were added with
-            if req.adapter == name:
-                req.adapter = old.name
+            if req.adapter in retired:
+                req.adapter = retired[req.adapter]
         for slot in freed:
             self.runner.clear_slot(slot)
 
