@@ -232,3 +232,23 @@ def test_train_and_serve_example_short_form(engine):
     assert res["versions"] == {engine.adapter_version("policy")} and engine.adapter_version("policy").startswith("v2-")
     engine.unload_lora_adapter("policy")
     assert_clean(engine)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_host_copy_from_tensors_is_the_folders(model_dir, dirs, dtype):
+    """Bit for bit the folder's host copy (rank and alpha patterns included) and so the same
+    content hash: a folder and its arrays share prefix-cache pages."""
+    import ml_dtypes
+
+    from multilora.adapters.adapter import adapter_from_tensors, load_adapter
+    from multilora.config import ModelConfig
+    cfg = ModelConfig.from_dir(model_dir)
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
+    for name in ("a", "d"):
+        t, config = tensors_of(dirs[name])
+        got = adapter_from_tensors(name, t, config, cfg, 16, dt)
+        want = load_adapter(name, dirs[name], cfg, 16, dt)
+        assert (got.rank, got.scaling, sorted(got.modules)) == (want.rank, want.scaling, sorted(want.modules))
+        for m, (a, b) in want.modules.items():
+            assert np.array_equal(got.modules[m][0], a) and np.array_equal(got.modules[m][1], b)
+        assert got.content_hash == want.content_hash
