@@ -64,7 +64,7 @@ class AdapterEntry:
         return public_name(self.name)
 
 
-HIDDEN = "\0"  # joins a replaced entry's name to its version: no adapter name holds it
+HIDDEN = "\0"  # joins a replaced entry's name to its id: no adapter name holds it
 
 
 def public_name(name: Optional[str]) -> Optional[str]:
@@ -169,16 +169,17 @@ class AdapterRegistry:
 
     def retire(self, name: str) -> list[int]:
         """Move `name`'s entry to its hidden name (`name` NUL its id), taking no new requests and
-        removed when its last request ends; the name is free at once. Returns slots freed now."""
+        removed when its last request ends; the name is free at once. Returns slots freed now.
+        Its host copy, if any, is held until then (out of the LRU): its requests must not read
+        its folder again, which an in-place load from the same folder has just overwritten."""
         old = self.resolve(name, allow_unloading=True)
         hidden = f"{name}{HIDDEN}{old.id}"  # ids never repeat (versions do, after an unload)
+        if old.held is None:
+            old.held = self._host.get(name)
+        self.drop_host_copy(name)
         del self.entries[name]
         old.name, old.unloading = hidden, True
         self.entries[hidden] = old
-        copy = self._host.pop(name, None)
-        if copy is not None:  # the host copy follows its entry (same bytes, same LRU place at the end)
-            self._host[hidden] = copy
-            self._host_nbytes[hidden] = self._host_nbytes.pop(name)
         return self._maybe_remove(old)
 
     def unregister(self, name: str) -> list[int]:
