@@ -32,7 +32,7 @@ from multilora.model.arrays import lora_pool, weight
 from multilora.model.attention import (decode_attention, kv_page_writes, max_pages_written, prefill_attention,
                                        softcap_logits, write_kv, write_kv_pages)
 from multilora.model.layers import apply_rope, geglu_tanh, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
-from multilora.model.projections import PackedBf16
+from multilora.model.projections import PackedBf16, QuantInt8
 
 
 def _has_qkv_bias(cfg: ModelConfig) -> bool:
@@ -262,6 +262,8 @@ def _proj(x, w, b=None, layer=None):
     A PackedBf16 w is the whole stack, read in place at `layer` by multilora's bf16 GEMM."""
     if isinstance(w, PackedBf16):
         y = w.matmul(x, layer)
+    elif isinstance(w, QuantInt8):  # one layer's slice, as the scan hands it
+        y = w.matmul(x)
     else:
         y = jnp.einsum("td,do->to", x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(x.dtype)
     return y if b is None else y + b.astype(y.dtype)
