@@ -55,6 +55,9 @@ for part in $PARTS; do
             --json "$OUT/steps_small.json" 2>&1 | tee "$OUT/steps_small.log"
           timeout 190 $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters 0 8 64 \
             --pallas-attention on off --json "$OUT/steps_1b.json" 2>&1 | tee "$OUT/steps_1b.log" ;;
+    # issue 40: a Llama-3.1-8B shape with an int8 base (quantization=int8) and 64 adapters on one chip
+    int8) timeout 400 $FS --model llama-3.1-8b --dtypes int8 --decode-ctx 256 --modes decode prefill \
+            --adapters 0 64 --json "$OUT/steps_8b_int8.json" 2>&1 | tee "$OUT/steps_8b_int8.log" ;;
     # next: the prefill side of the Pallas attention (query blocks of 16 and 64 rows; its profile)
     pprobe) for qb in 16 64; do MULTILORA_PALLAS_QUERY_BLOCK=$qb timeout 150 $FS --modes prefill --adapters 0 \
                --pallas-attention off on --json "$OUT/prefill_qb$qb.json" 2>&1 | tee "$OUT/prefill_qb$qb.log"; done
