@@ -63,7 +63,9 @@ def random_weights(cfg, seed=0, dtype=jnp.float32, int8: bool = False):
             else w8(*shape)
 
     def w8(*shape):
-        vals = jax.random.randint(next(keys), shape, -127, 128, jnp.int32).astype(jnp.int8)
+        # a layer at a time: randint's uint32 bits of a whole (L, K, N) stack would not fit a chip at 8B
+        vals = jnp.stack([jax.random.randint(k, shape[1:], -127, 127, jnp.int8)
+                          for k in jax.random.split(next(keys), shape[0])])
         return QuantInt8(vals, jnp.full((shape[0], shape[2]), 0.02 / 73, jnp.float32))
     ones = lambda *shape: jnp.ones(shape, dtype)  # noqa: E731
     layers = LayerWeights(attn_norm_LD=ones(L, d), wq_LDO=w(L, d, q), wk_LDO=w(L, d, kv),
