@@ -49,17 +49,30 @@ from multilora.model.llama import (KV_WRITES, KVCache, LayerWeights, LoRAWeights
                                    split_layers)
 
 
-def random_weights(cfg, seed=0):
-    """Base weights of the config's shape (their values do not change the step's time)."""
+def random_weights(cfg, seed=0, dtype=jnp.float32, int8: bool = False):
+    """Base weights of the config's shape (their values do not change the step's time), made
+    in `dtype` directly; int8: the projections as random int8 with per-column scales
+    (projections.QuantInt8, the engine's quantization='int8'), made without a float copy, so an
+    8B shape fits one 16 GB chip. An untied config gets its own LM head."""
+    from multilora.model.projections import QuantInt8
     keys = iter(jax.random.split(jax.random.PRNGKey(seed), 16))
     L, d, f, q, kv = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim
 
     def w(*shape):
-        return 0.02 * jax.random.normal(next(keys), shape, jnp.float32)
-    layers = LayerWeights(attn_norm_LD=jnp.ones((L, d)), wq_LDO=w(L, d, q), wk_LDO=w(L, d, kv),
-                          wv_LDO=w(L, d, kv), wo_LOD=w(L, q, d), mlp_norm_LD=jnp.ones((L, d)),
+        return (0.02 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype) if not int8 or len(shape) == 2 \
+            else w8(*shape)
+
+    def w8(*shape):
+        # a layer at a time: randint's uint32 bits of a whole (L, K, N) stack would not fit a chip at 8B
+        vals = jnp.stack([jax.random.randint(k, shape[1:], -127, 127, jnp.int8)
+                          for k in jax.random.split(next(keys), shape[0])])
+        return QuantInt8(vals, jnp.full((shape[0], shape[2]), 0.02 / 73, jnp.float32))
+    ones = lambda *shape: jnp.ones(shape, dtype)  # noqa: E731
+    layers = LayerWeights(attn_norm_LD=ones(L, d), wq_LDO=w(L, d, q), wk_LDO=w(L, d, kv),
+                          wv_LDO=w(L, d, kv), wo_LOD=w(L, q, d), mlp_norm_LD=ones(L, d),
                           w_gate_LDF=w(L, d, f), w_up_LDF=w(L, d, f), w_down_LFD=w(L, f, d))
-    return Weights(embed_VD=w(cfg.vocab_size, d), layers=layers, final_norm_D=jnp.ones((d,)))
+    head = None if cfg.tie_word_embeddings else w(d, cfg.vocab_size)
+    return Weights(embed_VD=w(cfg.vocab_size, d), layers=layers, final_norm_D=ones(d), lm_head_DV=head)
 
 
 def random_lora(cfg, num_slots, rank, seed=1):
@@ -133,12 +146,13 @@ def main(argv=None):
     ap.add_argument("--lora-dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
                     help="the adapter pool's dtype (auto: as the engine's lora_dtype=auto, the case's dtype); "
                          "several: side by side")
-    ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "bf16-weights", "bf16-packed", "bf16-amx"],
+    ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "bf16-weights", "bf16-packed", "bf16-amx", "int8"],
                     help="the base weights', adapters' and KV cache's dtype (bfloat16: XLA's attention); "
                          "bf16-weights: the projection matrices in bfloat16 (XLA's dot), all else float32; "
                          "bf16-packed: the same through multilora's bf16 GEMM (AMX or AVX512-BF16), with the "
                          "LM head (projection_dtype=bfloat16 where the CPU has either); bf16-amx: its "
-                         "earlier name")
+                         "earlier name; int8: the projections int8 with per-column scales (quantization=int8), "
+                         "activations, adapters and cache bfloat16")
     ap.add_argument("--cache-pages", type=int, default=None,
                     help="pages in the KV cache (default: as many as the case's sequences hold; an engine's "
                          "cache, sized by memory, holds many more)")
@@ -160,9 +174,9 @@ def main(argv=None):
     from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
     from multilora.model import projections
     cfg = ModelConfig.from_hf_dict(SHAPES[args.model])
-    stacked = random_weights(cfg)
+    stacked = random_weights(cfg) if set(args.dtypes) - {"int8"} else None
     layouts = {}
-    short = {"float32": "f32", "bfloat16": "bf16", "bf16-weights": "bf16w", "bf16-packed": "packed"}
+    short = {"float32": "f32", "bfloat16": "bf16", "bf16-weights": "bf16w", "bf16-packed": "packed", "int8": "int8"}
     from multilora import kernels
     for asked in dict.fromkeys("bf16-packed" if d == "bf16-amx" else d for d in args.dtypes):
         if asked == "bf16-packed":
@@ -175,6 +189,8 @@ def main(argv=None):
             w = dataclasses.replace(stacked, layers=dataclasses.replace(lw, **{
                 f.name: getattr(lw, f.name).astype(jnp.bfloat16) for f in dataclasses.fields(lw)
                 if f.name.startswith("w")}))
+        elif asked == "int8":  # quantization='int8' under bfloat16 activations, adapters and cache
+            w, dt = random_weights(cfg, dtype=jnp.bfloat16, int8=True), "bfloat16"
         else:
             dt = asked
             w = jax.tree.map(lambda a, dt=dt: a.astype(dt), stacked)

@@ -48,13 +48,17 @@ for part in $PARTS; do
              for f in $(find /tmp/fs-optrace -name top_ops.txt); do
                n=$(echo "$f" | sed 's|/tmp/fs-optrace/||; s|/top_ops.txt||; s|[^A-Za-z0-9_.-]|_|g'); echo "== $n" >> "$OUT/top_ops.txt"
                cat "$f" >> "$OUT/top_ops.txt"; done ;;
-    # the kernels' tests compiled on the chip (bf16 attention cases), then both shapes, both attentions
-    chip) timeout 150 python3 -m pytest -q -p no:cacheprovider --noconftest tests/test_kv_write.py tests/test_lora_pallas.py \
-            tests/test_attention_pallas.py -k "not float32 or kv_write or lora" 2>&1 | tee "$OUT/chip_tests.log"
-          timeout 170 $FS --modes decode prefill --adapters 0 8 64 --pallas-attention on off \
-            --json "$OUT/steps_small.json" 2>&1 | tee "$OUT/steps_small.log"
-          timeout 190 $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters 0 8 64 \
-            --pallas-attention on off --json "$OUT/steps_1b.json" 2>&1 | tee "$OUT/steps_1b.log" ;;
+    # the kernels' tests compiled on the chip (bf16 attention cases; ~31 tests, compiles dominate: one call)
+    chip) timeout 480 python3 -m pytest -q -p no:cacheprovider --noconftest tests/test_kv_write.py tests/test_lora_pallas.py \
+            tests/test_attention_pallas.py -k "not float32 or kv_write or lora" 2>&1 | tee "$OUT/chip_tests.log" ;;
+    # both shapes, both attentions, 0 / 8 / 64 adapters (12 cases a shape; another call)
+    steps) timeout 270 $FS --modes decode prefill --adapters 0 8 64 --pallas-attention on off \
+             --json "$OUT/steps_small.json" 2>&1 | tee "$OUT/steps_small.log"
+           timeout 300 $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters 0 8 64 \
+             --pallas-attention on off --json "$OUT/steps_1b.json" 2>&1 | tee "$OUT/steps_1b.log" ;;
+    # issue 40: a Llama-3.1-8B shape with an int8 base (quantization=int8) and 64 adapters on one chip
+    int8) timeout 400 $FS --model llama-3.1-8b --dtypes int8 --decode-ctx 256 --modes decode prefill \
+            --adapters 0 64 --json "$OUT/steps_8b_int8.json" 2>&1 | tee "$OUT/steps_8b_int8.log" ;;
     # next: the prefill side of the Pallas attention (query blocks of 16 and 64 rows; its profile)
     pprobe) for qb in 16 64; do MULTILORA_PALLAS_QUERY_BLOCK=$qb timeout 150 $FS --modes prefill --adapters 0 \
                --pallas-attention off on --json "$OUT/prefill_qb$qb.json" 2>&1 | tee "$OUT/prefill_qb$qb.log"; done

@@ -17,8 +17,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 _ARCH_OF_TYPE = dict(zip(SUPPORTED_MODEL_TYPES, SUPPORTED_ARCHITECTURES))
 
 # The projections a LoRA adapter may target, in the order the model applies them.
@@ -84,6 +85,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Gemma 3: the sliding-window layers' own RoPE base (no scaling); None: every layer rope_theta's
+    local_rope_theta: float | None = None
 
     @property
     def q_dim(self) -> int:
@@ -123,7 +126,8 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_type {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         arch = arch or _ARCH_OF_TYPE[model_type]
-        gemma = arch == "Gemma2ForCausalLM"
+        gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+        gemma3 = arch == "Gemma3ForCausalLM"
         act = (cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh") if gemma else \
             cfg.get("hidden_act", "silu")
         acts = ("gelu_pytorch_tanh", "gelu_tanh") if gemma else ("silu", "swish")
@@ -135,17 +139,20 @@ class ModelConfig:
             raise UnsupportedModelError("mlp_bias=true is not supported (Llama-family MLPs have no bias)")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        # Qwen3's and Gemma 2's config classes default head_dim to 128 and 256, not hidden / heads
-        head_dim = cfg.get("head_dim") or {"Qwen3ForCausalLM": 128, "Gemma2ForCausalLM": 256}.get(
-            arch, hidden // num_heads)
+        # Qwen3's and Gemma's config classes default head_dim to 128 and 256, not hidden / heads
+        head_dim = cfg.get("head_dim") or {"Qwen3ForCausalLM": 128, "Gemma2ForCausalLM": 256,
+                                           "Gemma3ForCausalLM": 256}.get(arch, hidden // num_heads)
         num_kv = int(cfg.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv:
             raise UnsupportedModelError(
                 f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}")
-        rope_scaling = _parse_rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters"))
-        rope_theta = cfg.get("rope_theta")
-        if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
-            rope_theta = cfg["rope_parameters"].get("rope_theta")
+        if gemma3:
+            rope_theta, rope_scaling, local_theta = _gemma3_rope(cfg)
+        else:
+            rope_scaling = _parse_rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters"))
+            rope_theta, local_theta = cfg.get("rope_theta"), None
+            if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
+                rope_theta = cfg["rope_parameters"].get("rope_theta")
         attention_bias = bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -170,13 +177,17 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=sliding,
             global_layers=global_layers,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             gemma_norms=gemma,
             hidden_act="gelu_tanh" if gemma else "silu",
             embed_scale=gemma,
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None,
-            attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping", 50.0)) if gemma else None,
-            final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping", 30.0)) if gemma else None,
+            # Gemma 2 caps by default, Gemma 3 not
+            attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping", None if gemma3 else 50.0))
+            if gemma else None,
+            final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping", None if gemma3 else 30.0))
+            if gemma else None,
+            local_rope_theta=local_theta,
         )
 
     @classmethod
@@ -191,17 +202,37 @@ def _optional_float(x) -> float | None:
     return None if x is None else float(x)
 
 
+def _gemma3_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
+    """Gemma 3's (global theta, global scaling, local theta), from either form of its config:
+    transformers 5's rope_parameters keyed by layer type, or the older rope_theta, rope_scaling
+    (the global layers') and rope_local_base_freq. The local layers' RoPE is never scaled."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full, local = params["full_attention"] or {}, params.get("sliding_attention") or {}
+        if _parse_rope_scaling(local) is not None:
+            raise UnsupportedModelError("Gemma 3 with a scaled RoPE on its sliding-window layers is not supported")
+        return (float(full.get("rope_theta", 1000000.0)), _parse_rope_scaling(full),
+                float(local.get("rope_theta", 10000.0)))
+    return (float(cfg.get("rope_theta", 1000000.0)), _parse_rope_scaling(cfg.get("rope_scaling")),
+            float(cfg.get("rope_local_base_freq", 10000.0)))
+
+
 def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
     """(the window, the layers without it), as transformers reads the config: Mistral's window on
     every layer; Qwen2/Qwen3's (use_sliding_window) on the layers `layer_types` marks, by default
     those from max_window_layers on; Gemma 2's on the layers `layer_types` marks, by default every
-    other layer from layer 0; Llama's nowhere (transformers' Llama has no sliding window)."""
+    other layer from layer 0; Gemma 3's likewise, by default all but every sliding_window_pattern-th
+    (6); Llama's nowhere (transformers' Llama has no sliding window)."""
     window = cfg.get("sliding_window")
     if arch == "MistralForCausalLM":
         return (int(window) if cfg.get("use_sliding_window", True) and window else None), ()
     if arch == "Gemma2ForCausalLM":
         window = cfg.get("sliding_window", 4096)
         default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    elif arch == "Gemma3ForCausalLM":
+        window = cfg.get("sliding_window", 4096)
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window", False):
         default = ["sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full_attention"
                    for i in range(num_layers)]
@@ -299,6 +330,7 @@ class EngineConfig:
     # model and memory
     dtype: str = "float32"
     projection_dtype: str = "auto"         # the projection matrices' dtype (multilora.model.projections)
+    quantization: Optional[str] = None     # "int8": a weight-only int8 base (multilora.model.projections)
     lora_dtype: str = "auto"               # the adapter pool's dtype; auto: bf16 beside packed bf16 projections, else dtype (projections.lora_pool_dtype)
     max_model_len: Optional[int] = None   # None: the model's max_position_embeddings
     page_size: int = 16
@@ -333,6 +365,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a number of GB > 0, got {val!r}")
         if self.projection_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"projection_dtype must be auto, float32 or bfloat16, got {self.projection_dtype!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization is not None and self.projection_dtype != "auto":
+            raise ValueError(f"quantization={self.quantization!r} sets the projections' form: "
+                             f"leave projection_dtype auto (got {self.projection_dtype!r})")
         if self.lora_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"lora_dtype must be auto, float32 or bfloat16, got {self.lora_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -69,7 +69,7 @@ TIERS = {
              "test_pacing", "test_projections", "test_registry", "test_safetensors_views",
              "test_sampler", "test_scheduler", "test_adapter_errors"],
     "model": ["test_model_parity", "test_engine", "test_prefix_cache", "test_structured",
-              "test_demo_adapters", "test_gguf_default", "test_adapter_tensors"],
+              "test_demo_adapters", "test_gguf_default", "test_quantization", "test_adapter_tensors"],
     "server": ["test_server", "test_ray_serve"],
     "e2e": ["test_serve_processes", "test_tensor_parallel"],
 }

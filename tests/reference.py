@@ -49,6 +49,16 @@ TINY_CONFIGS = {
                    head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
                    query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                    sliding_window=5, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"),
+    # Gemma 3 (text): as Gemma 2, with per-head q/k (1 + w) norms, no soft caps, and the local
+    # layers' own RoPE base (10000 against the global layers' 1e6, each visible in the logits);
+    # a window of 5 on all but every third layer (layer_types from sliding_window_pattern 3)
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=256, hidden_size=64,
+                   intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
+                   rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                                        full_attention=dict(rope_type="default", rope_theta=1000000.0)),
+                   query_pre_attn_scalar=24, sliding_window=5, sliding_window_pattern=3,
+                   tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"),
 }
 # The kinds every parity test runs on; the others (Qwen3, Mistral, Gemma 2) run in a subset of the
 # tests and backends (tests/test_model_parity.py), which keeps the suite's time in bounds.
@@ -106,7 +116,7 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
                 p.normal_(0.0, 0.2)
             if name.endswith(("q_norm.weight", "k_norm.weight")):  # ones by default: a no-op to test
                 p.uniform_(0.5, 1.5)
-            if cfg_dict["model_type"] == "gemma2" and name.endswith("norm.weight"):  # zeros: (1 + w) = 1
+            if cfg_dict["model_type"].startswith("gemma") and name.endswith("norm.weight"):  # zeros: (1 + w) = 1
                 p.normal_(0.0, 0.3)
     model.save_pretrained(folder, safe_serialization=True)
     return folder

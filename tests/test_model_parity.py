@@ -467,11 +467,34 @@ def test_unsupported_architecture_is_named():
 
 
 @pytest.mark.parametrize("arch,model_type", [("Qwen3MoeForCausalLM", "qwen3_moe"),
-                                               ("Gemma3ForCausalLM", "gemma3_text")])
+                                               ("Gemma3ForConditionalGeneration", "gemma3")])  # multimodal
 def test_unimplemented_families_are_refused_by_name(arch, model_type):
     hf = dict(reference.TINY_CONFIGS["qwen3"], architectures=[arch], model_type=model_type)
     with pytest.raises(UnsupportedModelError, match=f"unsupported architecture '{arch}'"):
         ModelConfig.from_hf_dict(hf)
+
+
+def test_gemma3_config():
+    """Gemma 3 (text) as transformers reads it, both forms of its config: transformers 5's
+    rope_parameters keyed by layer type, and the older rope_theta / rope_local_base_freq /
+    rope_scaling (the global layers'); layers local but every sliding_window_pattern-th (6 by
+    default); no soft caps by default; q/k norms; a scaled local RoPE refused by name."""
+    cfg = ModelConfig.from_hf_dict(reference.TINY_CONFIGS["gemma3"])
+    assert cfg.layer_windows == (5, 5, None) and cfg.qk_norm and cfg.gemma_norms and cfg.embed_scale
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling) == (1000000.0, 10000.0, None)
+    assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping is None
+    old = {k: v for k, v in reference.TINY_CONFIGS["gemma3"].items()
+           if k not in ("rope_parameters", "sliding_window_pattern", "head_dim", "tie_word_embeddings")}
+    old.update(num_hidden_layers=7, rope_theta=500000.0, rope_local_base_freq=20000.0,
+               rope_scaling=dict(rope_type="linear", factor=8.0))
+    cfg = ModelConfig.from_hf_dict(old)
+    assert cfg.layer_windows == (5, 5, 5, 5, 5, None, 5) and cfg.head_dim == 256 and cfg.tie_word_embeddings
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling.factor) == (500000.0, 20000.0, 8.0)
+    scaled_local = dict(reference.TINY_CONFIGS["gemma3"], rope_parameters=dict(
+        sliding_attention=dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
+        full_attention=dict(rope_type="default", rope_theta=1e6)))
+    with pytest.raises(UnsupportedModelError, match="scaled RoPE on its sliding-window layers"):
+        ModelConfig.from_hf_dict(scaled_local)
 
 
 def test_qwen3_config():

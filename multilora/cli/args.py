@@ -34,6 +34,9 @@ _HELP = {
                         "bfloat16 products summed in float32 are 2-4x faster where the CPU has AMX-BF16 "
                         "or AVX512-BF16; "
                         "auto: bfloat16 there, else --dtype; float32: the exact path",
+    "quantization": "int8: a weight-only int8 base, the projection matrices as int8 with one scale per "
+                    "output column computed at load (half the bytes of bfloat16); adapters and activations "
+                    "keep their dtype",
     "lora_dtype": "dtype of the adapter pool on the device (activations and sums stay float32): "
                   "bfloat16 halves the bytes a step reads per adapter and doubles the adapters a "
                   "--lora-memory-gb holds; auto: bfloat16 beside packed bfloat16 projections (multilora's "
@@ -54,7 +57,7 @@ _HELP = {
 }
 _CHOICES = {"lora_backend": ["auto", "bgmv", "sgmv", "dense", "native", "reference"],
             "dtype": ["float32", "bfloat16", "float16"], "projection_dtype": ["auto", "float32", "bfloat16"],
-            "lora_dtype": ["auto", "float32", "bfloat16"]}
+            "lora_dtype": ["auto", "float32", "bfloat16"], "quantization": ["int8"]}
 
 
 def add_engine_args(p) -> None:

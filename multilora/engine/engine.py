@@ -99,7 +99,7 @@ class Engine(AdapterAPI):
         # default max_lora_rank follows their ranks.
         max_lora_rank = c.max_lora_rank or default_max_rank(lora_modules)
         _, weights = load_weights(model, self.cfg, c.dtype, self.mesh, progress=progress)
-        self.projection_mode = projections.resolve(c.projection_dtype, self.dtype, weights.embed_VD)
+        self.projection_mode = c.quantization or projections.resolve(c.projection_dtype, self.dtype, weights.embed_VD)
         weights = projections.convert(weights, self.projection_mode)
         self.lora_dtype = projections.lora_pool_dtype(c.lora_dtype, self.dtype, self.projection_mode,
                                                        c.lora_backend)

@@ -32,7 +32,7 @@ from multilora.model.arrays import lora_pool, weight
 from multilora.model.attention import (decode_attention, kv_page_writes, max_pages_written, prefill_attention,
                                        softcap_logits, write_kv, write_kv_pages)
 from multilora.model.layers import apply_rope, geglu_tanh, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
-from multilora.model.projections import PackedBf16
+from multilora.model.projections import PackedBf16, QuantInt8
 
 
 def _has_qkv_bias(cfg: ModelConfig) -> bool:
@@ -262,6 +262,8 @@ def _proj(x, w, b=None, layer=None):
     A PackedBf16 w is the whole stack, read in place at `layer` by multilora's bf16 GEMM."""
     if isinstance(w, PackedBf16):
         y = w.matmul(x, layer)
+    elif isinstance(w, QuantInt8):  # one layer's slice, as the scan hands it
+        y = w.matmul(x)
     else:
         y = jnp.einsum("td,do->to", x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(x.dtype)
     return y if b is None else y + b.astype(y.dtype)
@@ -292,7 +294,10 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     pallas_attention = pallas_attention and softcap is None  # nor does the Pallas kernel (the XLA path reads heads-major too)
     n, kvh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     t = batch.token_ids_T.shape[0]
-    cos_TH, sin_TH = rope_cos_sin(batch.positions_T, rope_inv_freq(cfg))
+    rope_global = rope_cos_sin(batch.positions_T, rope_inv_freq(cfg))
+    # Gemma 3: the sliding-window layers turn by their own base, unscaled
+    rope_local = rope_global if cfg.local_rope_theta is None else rope_cos_sin(
+        batch.positions_T, rope_inv_freq(dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None)))
     x_TD = jnp.take(weights.embed_VD, batch.token_ids_T, axis=0, mode="clip")
     if cfg.embed_scale:  # Gemma: the scale rounded to the embedding's dtype, as transformers does
         x_TD = x_TD * jnp.asarray(cfg.hidden_size ** 0.5, x_TD.dtype)
@@ -349,9 +354,10 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
             q, k, v = with_lora(lambda ll, be: be.run_qkv_lora(
                 hid, ll.qkv_a_LUD, (ll.q_b_LUO, ll.k_b_LUO, ll.v_b_LUO), info), idx, q, k, v)
         q_TNH, k_TKH = q.reshape(t, n, h), k.reshape(t, kvh, h)
-        if lw.q_norm_LH is not None:  # Qwen3: each head's q and k RMS-normed (after LoRA, before RoPE)
-            q_TNH = rms_norm(q_TNH, lw.q_norm_LH, cfg.rms_norm_eps)
-            k_TKH = rms_norm(k_TKH, lw.k_norm_LH, cfg.rms_norm_eps)
+        if lw.q_norm_LH is not None:  # Qwen3, Gemma 3: each head's q and k RMS-normed (after LoRA, before RoPE)
+            q_TNH = rms_norm(q_TNH, lw.q_norm_LH, cfg.rms_norm_eps, cfg.gemma_norms)
+            k_TKH = rms_norm(k_TKH, lw.k_norm_LH, cfg.rms_norm_eps, cfg.gemma_norms)
+        cos_TH, sin_TH = rope_global if window is None else rope_local
         q_TNH = apply_rope(q_TNH, cos_TH, sin_TH)
         k_TKH = apply_rope(k_TKH, cos_TH, sin_TH)
         if cfg.query_pre_attn_scalar is not None:  # scores scaled by it ** -0.5, not by h ** -0.5
