@@ -37,8 +37,7 @@ import numpy as np
 
 from multilora.config import EngineConfig, ModelConfig
 from multilora.engine.batching import SeqChunk
-from multilora.engine.build import (default_max_rank, enable_compilation_cache, generation_eos, kv_cache_pages,
-                                    lora_sizing)
+from multilora.engine.build import default_max_rank, generation_eos, kv_cache_pages, lora_sizing, prepare_process
 from multilora.engine.commands import (AbortRequest, AddMix, AddRequest, Command, LoadAdapter, StopFollowers,
                                        UnloadAdapter)
 from multilora.engine.kv_pages import PagePool
@@ -81,7 +80,7 @@ class Engine:
             raise ValueError(f"unknown lora_backend {c.lora_backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
         lora_modules = dict(lora_modules or {})
         page_size = c.page_size
-        enable_compilation_cache(c.compilation_cache_dir, distributed)
+        prepare_process(c.compilation_cache_dir, distributed)  # the compilation cache, the kernels' build
         self._sync = None  # set at the end when several processes run
         if distributed:  # before anything touches a device
             from multilora.engine.distributed import initialize
