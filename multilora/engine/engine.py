@@ -62,7 +62,7 @@ Prompt = Union[str, Sequence[int]]
 
 class Engine:
     def __init__(self, model: Optional[str] = None, lora_modules: Optional[dict[str, str]] = None,
-                 config: Optional[EngineConfig] = None, *, warmup: bool = True, progress: bool = False,
+                 config: Optional[EngineConfig] = None, *, warmup: Union[bool, str] = True, progress: bool = False,
                  buckets: Optional[Buckets] = None, distributed: Optional[dict] = None, **options):
         import jax
 
@@ -169,9 +169,10 @@ class Engine:
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "mixed_steps": 0,
                       "preemptions": 0, "prompt_tokens": 0, "generated_tokens": 0}
         self._register_at_start(lora_modules, progress)
-        if warmup:
-            secs = self.runner.warmup(progress=progress)
-            log.info("compiled %d step shapes in %.1fs", self.runner.num_compiled_steps, secs)
+        if warmup not in (True, False, "background"):
+            raise ValueError(f"warmup must be True, False or 'background', got {warmup!r}")
+        if warmup:  # "background" (a server's): ModelRunner.warmup; several processes compile all first
+            self.runner.warmup(progress=progress, background=warmup == "background" and jax.process_count() == 1)
         # Several processes: from here on, state changes go through process 0 (every process
         # built the same engine from the same arguments up to this point).
         self._num_processes = jax.process_count()
