@@ -55,7 +55,7 @@ MIN_PAGES_BUCKET = 4
 # A background warm-up compiles, before the server answers, the shapes that one request of up to
 # this many prompt tokens lands on alone (its prefill in one step, then its decode): a chat's
 # first question; anything else compiles behind it, or on demand.
-FIRST_PROMPT_TOKENS = 128
+FIRST_PROMPT_TOKENS = 64
 
 
 @dataclasses.dataclass(frozen=True)
