@@ -18,11 +18,13 @@ done early).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
@@ -30,6 +32,16 @@ log = logging.getLogger("multilora.runner")
 
 Lower = Callable[[object], object]          # key -> jax.stages.Lowered
 Job = tuple[str, object, Lower]             # (what, key, lower)
+
+# Compilers with background threads: at interpreter exit their threads finish the compile they
+# are in and stop, before JAX's own exit handlers tear its backends down under them.
+_running: "weakref.WeakSet[ShapeCompiler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for compiler in list(_running):
+        compiler.stop()
 
 
 class ShapeCompiler:
@@ -143,6 +155,7 @@ class ShapeCompiler:
 
             self._threads = [threading.Thread(target=worker, name=f"multilora-warmup-{i}", daemon=True)
                              for i in range(n)]
+            _running.add(self)
             for t in self._threads:
                 t.start()
         return time.time() - t0
