@@ -41,7 +41,7 @@ Definitions (per system and rate):
 
 Systems (`--systems`, run one after the other, each alone on the machine: started, warmed up with
 `--warmup` requests that are not counted, measured at every rate, stopped):
-  multilora   python -m multilora serve --model <model dir> --host 127.0.0.1 --port P
+  multilora   python -m multilora serve --model <model dir> --host 127.0.0.1 --port P --compile-all-first
                   --lora-modules a0=<adapter 0> ... a{K-1}=<adapter K-1>
               (no tuning flags: its defaults; with K=0 --no-demo-adapters instead of
               --lora-modules; run from the repository root, so the working tree's package, and
@@ -398,8 +398,10 @@ def stop_server(proc, log) -> None:
 
 
 def multilora_cmd(model: Path, adapters: list[Path], names: list[str], port: int) -> list[str]:
+    # every shape compiled before it answers /health (as it always was here): the measured
+    # traffic never shares the cores with a background warm-up
     cmd = [sys.executable, "-m", "multilora", "serve", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port)]
+           "--port", str(port), "--compile-all-first"]
     if adapters:
         cmd += ["--lora-modules"] + [f"{n}={p}" for n, p in zip(names, adapters)]
     else:

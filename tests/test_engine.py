@@ -592,6 +592,59 @@ def test_stop_strings(tok_case):
     assert_clean(eng)
 
 
+def test_background_warmup_gives_the_same_tokens_before_and_after_it_finishes(engine, model_dir, short_dirs):
+    """A server's warm-up (warmup="background"): steps run once the first shapes are compiled.
+    Here the background thread is held on its first shape (a sampler with logprobs), so that
+    requests of every length run while most step shapes are not compiled: each step compiles its
+    own. Then a request with logprobs needs the very shape the background thread is compiling,
+    and waits for it. The tokens are those of the fully warmed engine, before and after the
+    background finishes, and nothing counts as compiled after warm-up."""
+    import threading
+
+    eng = make_engine(model_dir, {"a": short_dirs["a"], "b": short_dirs["b"]}, lora_backend="bgmv", warmup=False)
+    runner = eng.runner
+    jobs, num_first = runner.warmup_jobs()
+    held = jobs[num_first][:2]
+    assert held[0] == "sampler" and held[1][2], "the background starts with the samplers with logprobs"
+    gate, reached = threading.Event(), threading.Event()
+    lower_sampler = runner._lower_sampler
+
+    def gated(key):  # the background thread waits at its first shape until the gate opens
+        if key == held[1] and threading.current_thread().name.startswith("multilora-warmup"):
+            reached.set()
+            assert gate.wait(120)
+        return lower_sampler(key)
+
+    runner._lower_sampler = gated
+    prompts = prompts_of(5, MIXED_LENGTHS[:8] + [63, 60])
+    loras = ["a", None, "b", "a", None, "b", "a", None, "b", "a"]
+    with_lp = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)
+    try:
+        runner.warmup(background=True)
+        assert reached.wait(60)
+        first = set(runner.compiled_steps())
+        assert first == {k for k in eng.buckets.first_shapes() if k in set(eng.buckets.all_shapes())}
+        status = runner.warmup_status()
+        assert not runner.warm and not status["done"] and status["compiled"] == num_first < status["total"]
+        before = gen(eng, prompts, lora=loras)
+        assert set(runner.compiled_steps()) > first, "no step needed a shape the background had not compiled"
+        assert not runner.warm
+        threading.Timer(0.5, gate.set).start()
+        lp_before = gen(eng, prompts[:1], params=with_lp, lora="a")   # waits for the held sampler
+    finally:
+        gate.set()
+    assert runner.wait_warm(300) and runner.warm
+    status = runner.warmup_status()
+    assert status["done"] and status["compiled"] == status["total"] == len(jobs)
+    after = gen(eng, prompts, lora=loras)
+    ref = gen(engine, prompts, lora=loras)
+    assert [o.token_ids for o in before] == [o.token_ids for o in after] == [o.token_ids for o in ref]
+    lp_ref = gen(engine, prompts[:1], params=with_lp, lora="a")
+    assert lp_before[0].token_ids == lp_ref[0].token_ids
+    assert [lp.logprob for lp in lp_before[0].logprobs] == pytest.approx([lp.logprob for lp in lp_ref[0].logprobs])
+    assert runner.compiles_after_warmup == 0
+
+
 # ---- last: nothing compiled after warm-up in any engine of this file -----------------------------
 def test_no_compile_after_warmup(engine, model_dir, short_dirs):
     """XLA's own compile events, counted while a warmed-up engine runs every kind of step: prompt

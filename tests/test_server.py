@@ -324,6 +324,18 @@ def test_a_failing_engine_step_fails_only_its_requests(served):
         assert c.get("/health").status_code == 200
 
 
+def test_health_reports_the_warmup(served):
+    """GET /health: 200 while the engine runs, and how many of the step shapes are compiled (a
+    `multilora serve` compiles most of them in the background once it answers requests)."""
+    with served.http(key=None) as c:
+        r = c.get("/health")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ok"
+    w = body["warmup"]
+    assert w["done"] is True and w["compiled"] == w["total"] > 0 and w["seconds"] >= 0
+
+
 def test_unknown_model_is_404(served):
     with pytest.raises(openai.NotFoundError):
         served.client().completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
@@ -678,6 +690,9 @@ def test_sigterm_drains_running_requests(served, tmp_path):
             url = m.group(1) if m else None
             assert time.time() < deadline, "the server did not start:\n" + "".join(lines)
         threading.Thread(target=lambda: [lines.append(ln) for ln in proc.stdout], daemon=True).start()
+        # it answers once its first shapes are compiled, the rest compiling behind it (/health says how far)
+        w = httpx.get(url + "/health", timeout=30).json()["warmup"]
+        assert 0 < w["compiled"] <= w["total"]
         ref = served.refs[ref_key(PROMPTS[6], "a", 8 + 2 * 6)]
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=60, max_retries=0)
         stream = client.completions.create(model="a", prompt=PROMPTS[6], stream=True,

@@ -25,6 +25,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--no-demo-adapters", action="store_true",
                         help="with the embedded default model and no --lora-modules, do not serve the "
                              "demo adapters 'shout' and 'signoff' (served by default then)")
+    parser.add_argument("--compile-all-first", action="store_true",
+                        help="compile every step shape before serving (default: serve once the shapes of a "
+                             "first short request are compiled, and compile the rest in the background; "
+                             "GET /health reports how far)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
@@ -50,7 +54,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def engine_from_args(args):
     from multilora.engine.engine import Engine
-    return Engine(progress=True, **engine_kwargs(args))
+    warmup = True if getattr(args, "compile_all_first", True) else "background"
+    return Engine(progress=True, warmup=warmup, **engine_kwargs(args))
 
 
 def with_demo_adapters(args) -> argparse.Namespace:
@@ -96,6 +101,7 @@ def run_serve(args) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
     serve(app, args.host, args.port, args.drain_timeout, args.log_level)
+    engine.runner.stop_warmup()  # not at interpreter exit in the middle of a compile
     if engine.num_processes > 1 and aengine.death is not None:
         print(f"multilora: the server stopped: {aengine.death}", file=sys.stderr, flush=True)
         os._exit(1)  # not jax.distributed's shutdown barrier: a process is gone

@@ -1,7 +1,8 @@
 """Start-up sizing: what an Engine is built with, worked out from its EngineConfig, the model and
 the machine: the KV cache's pages, the adapter slots and the pool of rank rows, the default
-max_lora_rank, the model's extra EOS tokens and JAX's persistent compilation cache. Functions of
-their inputs; the Engine (multilora.engine.engine) calls them once, in its constructor."""
+max_lora_rank, the model's extra EOS tokens, JAX's persistent compilation cache and the CPU
+kernels' first build. Functions of their inputs; the Engine (multilora.engine.engine) calls them
+once, in its constructor."""
 
 from __future__ import annotations
 
@@ -91,6 +92,15 @@ def generation_eos(model_dir: str) -> set[int]:
     return set(eos) if isinstance(eos, list) else {int(eos)}
 
 
+def prepare_process(compilation_cache_dir: Optional[str], distributed: Optional[dict] = None) -> None:
+    """What an engine's process sets up before anything else: JAX's persistent compilation cache,
+    and the CPU kernels' build started on a thread (multilora.kernels.start_build; a first build
+    takes tens of seconds, which then overlap with the model's fetch, conversion and read)."""
+    enable_compilation_cache(compilation_cache_dir, distributed)
+    from multilora import kernels
+    kernels.start_build()
+
+
 def enable_compilation_cache(path: Optional[str], distributed: Optional[dict] = None) -> None:
     """JAX's persistent compilation cache, except for an engine over several processes: there
     an executable read back from the cache (its own process's or another's) disagrees with the
@@ -102,13 +112,16 @@ def enable_compilation_cache(path: Optional[str], distributed: Optional[dict] = 
         log.info("several processes: no persistent compilation cache (see enable_compilation_cache)")
         return
     path = path or os.environ.get("MULTILORA_COMPILATION_CACHE")
-    if path is None:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-        path = os.path.join(base, "multilora", "jax_cache")
+    if path is None:  # the user cache ($MULTILORA_CACHE, else $XDG_CACHE_HOME/multilora, else ~/.cache/multilora)
+        from multilora.default_model import user_cache_dir
+        path = str(user_cache_dir() / "jax_cache")
     if path in ("", "off", "0"):
         return
     try:
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+        # Every compile, however short: a start's dozens of small ones (the weights' packing,
+        # the cache's and the pools' creation, the slot writers) took an engine's warm build from
+        # ~2.5 to ~7 s on two cores when they were compiled again each time (0.2 s and up only).
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     except Exception as e:  # never fatal: it only saves time
         log.info("no persistent compilation cache: %s", e)

@@ -38,8 +38,7 @@ import numpy as np
 from multilora.config import EngineConfig, ModelConfig
 from multilora.engine.adapter_api import AdapterAPI, version_tag
 from multilora.engine.batching import SeqChunk
-from multilora.engine.build import (default_max_rank, enable_compilation_cache, generation_eos, kv_cache_pages,
-                                    lora_sizing)
+from multilora.engine.build import default_max_rank, generation_eos, kv_cache_pages, lora_sizing, prepare_process
 from multilora.engine.commands import AbortRequest, AddRequest, Command, StopFollowers
 from multilora.engine.kv_pages import PagePool
 from multilora.engine.outputs import (Logprob, PromptTooLongError, RequestOutput, StreamDelta,  # noqa: F401
@@ -63,7 +62,7 @@ Prompt = Union[str, Sequence[int]]
 
 class Engine(AdapterAPI):
     def __init__(self, model: Optional[str] = None, lora_modules: Optional[dict[str, str]] = None,
-                 config: Optional[EngineConfig] = None, *, warmup: bool = True, progress: bool = False,
+                 config: Optional[EngineConfig] = None, *, warmup: Union[bool, str] = True, progress: bool = False,
                  buckets: Optional[Buckets] = None, distributed: Optional[dict] = None, **options):
         import jax
 
@@ -81,7 +80,7 @@ class Engine(AdapterAPI):
             raise ValueError(f"unknown lora_backend {c.lora_backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
         lora_modules = dict(lora_modules or {})
         page_size = c.page_size
-        enable_compilation_cache(c.compilation_cache_dir, distributed)
+        prepare_process(c.compilation_cache_dir, distributed)  # the compilation cache, the kernels' build
         self._sync = None  # set at the end when several processes run
         if distributed:  # before anything touches a device
             from multilora.engine.distributed import initialize
@@ -170,9 +169,10 @@ class Engine(AdapterAPI):
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "mixed_steps": 0,
                       "preemptions": 0, "prompt_tokens": 0, "generated_tokens": 0}
         self._register_at_start(lora_modules, progress)
-        if warmup:
-            secs = self.runner.warmup(progress=progress)
-            log.info("compiled %d step shapes in %.1fs", self.runner.num_compiled_steps, secs)
+        if warmup not in (True, False, "background"):
+            raise ValueError(f"warmup must be True, False or 'background', got {warmup!r}")
+        if warmup:  # "background" (a server's): ModelRunner.warmup; several processes compile all first
+            self.runner.warmup(progress=progress, background=warmup == "background" and jax.process_count() == 1)
         # Several processes: from here on, state changes go through process 0 (every process
         # built the same engine from the same arguments up to this point).
         self._num_processes = jax.process_count()

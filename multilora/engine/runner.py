@@ -1,6 +1,9 @@
 """The one place that jits: the model step and the sampler, over a fixed set of shape buckets
 compiled at start-up. An adapter swap changes buffer contents, never shapes, so nothing compiles
 after warm-up whatever the prompts or the adapter mix (a compile after warm-up logs a warning).
+Warm-up compiles every bucket before the first step, or (a server's, `background=True`) the few a
+first short request lands on before it and the rest behind it; a step that needs a shape not yet
+compiled compiles it or waits for the thread compiling it (multilora.engine.warmup).
 
 Buckets: every step, whatever its mix of decode rows and prefill chunks, is (T tokens, X pages
 in all), with Q = min(T, max_num_seqs) logits rows.
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -27,6 +29,7 @@ from multilora.engine.batching import SeqChunk, build_batch, decode_first, pages
 from multilora.engine.logits_process import MAX_BIAS_ENTRIES, apply_token_bitmask, process_logits
 from multilora.engine.sampler import NUM_LOGPROBS, sample
 from multilora.engine.structured import allow_all, mask_words
+from multilora.engine.warmup import ShapeCompiler
 from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
 from multilora.adapters.pool import LoRASlots
 from multilora.model.attention import native_attention_usable
@@ -49,6 +52,10 @@ def _pow2_range(lo: int, hi: int) -> tuple[int, ...]:
 
 MIN_TOKENS_BUCKET = 4  # below this a step costs the same (the weights are read either way)
 MIN_PAGES_BUCKET = 4
+# A background warm-up compiles, before the server answers, the shapes that one request of up to
+# this many prompt tokens lands on alone (its prefill in one step, then its decode): a chat's
+# first question; anything else compiles behind it, or on demand.
+FIRST_PROMPT_TOKENS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +103,16 @@ class Buckets:
     def for_step(self, num_tokens: int, num_pages: int) -> tuple[int, int]:
         return (self.pick(self.tokens, num_tokens, "tokens in a step"),
                 self.pick(self.pages, num_pages, "pages in a step"))
+
+    def first_shapes(self, prompt_tokens: int = FIRST_PROMPT_TOKENS) -> list[tuple[int, int]]:
+        """The (T, X) pairs a lone request of up to prompt_tokens prompt tokens lands on: its
+        prefill in one step, then its decode steps until it holds twice its prompt's pages."""
+        ps, most = self.page_size, self.pages[-1]
+        out: set[tuple[int, int]] = set()
+        for n in range(1, min(prompt_tokens, self.tokens[-1], self.max_pages_seq * ps) + 1):
+            pages = min(-(-n // ps), most)
+            out |= {self.for_step(n, pages), self.for_step(1, min(2 * pages, self.max_pages_seq, most))}
+        return sorted(out)
 
     def all_shapes(self):
         """The (T, X) pairs a step can land on: X can't exceed what T tokens' sequences hold
@@ -164,8 +181,7 @@ class ModelRunner:
         # decode attention through multilora's CPU kernel, where it can read this cache
         self.native_attention = native_attention_usable(kv.k_LPpKH)
         self.page_size = kv.page_size
-        self._steps: dict[tuple, object] = {}
-        self._samplers: dict[tuple, object] = {}
+        self.compiler = ShapeCompiler()   # every executable below, compiled once by whoever asks first
         # The cache comes back in the format it went in: heads-major on a TPU (llama.KV_HEADS_MAJOR),
         # so the next step, compiled for it, reads it in place too.
         self.kv_heads_major = is_heads_major(kv.k_LPpKH)
@@ -182,17 +198,12 @@ class ModelRunner:
                             donate_argnames=("kv",),
                             out_shardings=(self.replicated, kv_shardings, self.replicated))
         self._score = jax.jit(token_logprobs, static_argnames=("cfg", "k"), out_shardings=self.replicated)
-        self._scorers: dict[int, object] = {}
         self._sample = jax.jit(sample, static_argnames=("mode", "logprobs"), out_shardings=self.replicated)
         self._process = jax.jit(process_logits, out_shardings=self.replicated)
-        self._processors: dict[tuple, object] = {}
         self._mask = jax.jit(apply_token_bitmask, out_shardings=self.replicated)
-        self._maskers: dict[int, object] = {}
         # structured output: fills the rows' token masks, (matcher, row) pairs -> bitmask_QW
         # (multilora.engine.structured.Grammars.fill); set by the engine
         self.fill_masks: Optional[Callable[[list, np.ndarray], None]] = None
-        self.warm = False
-        self.compiles_after_warmup = 0
 
     # ---- adapters in slots --------------------------------------------------------------------
     def write_slot(self, slot: int, rows, adapter) -> None:
@@ -250,18 +261,8 @@ class ModelRunner:
                                native_attention=self.native_attention, kv_heads_major=self.kv_heads_major,
                                pallas_attention=self.pallas_attention_for(t), kv_write=self.kv_write)
 
-    def _compiled(self, table: dict, lower, key, what: str):
-        """The compiled executable for key (compiled now, with a warning, after warm-up)."""
-        fn = table.get(key)
-        if fn is None:
-            if self.warm:
-                self.compiles_after_warmup += 1
-                log.warning("compiling %s shape %s after warm-up (a missing bucket)", what, key)
-            fn = table[key] = lower(key).compile()
-        return fn
-
     def _compiled_step(self, key):
-        return self._compiled(self._steps, self._lower_step, key, "step")
+        return self.compiler.get("step", key, self._lower_step)
 
     def _lower_sampler(self, key):
         rows, mode, logprobs = key
@@ -272,7 +273,7 @@ class ModelRunner:
                                   mode=mode, logprobs=logprobs)
 
     def _compiled_sampler(self, rows: int, mode: str, logprobs: bool):
-        return self._compiled(self._samplers, self._lower_sampler, (rows, mode, logprobs), "sampler")
+        return self.compiler.get("sampler", (rows, mode, logprobs), self._lower_sampler)
 
     def _lower_processor(self, key):
         rows, hist = key
@@ -284,7 +285,7 @@ class ModelRunner:
         return self._process.lower(logits, *self._abstract(args))
 
     def _compiled_processor(self, rows: int, hist: int):
-        return self._compiled(self._processors, self._lower_processor, (rows, hist), "logits-processor")
+        return self.compiler.get("logits-processor", (rows, hist), self._lower_processor)
 
     def _lower_scorer(self, tokens: int):
         x = jax.ShapeDtypeStruct((tokens, self.cfg.hidden_size), jnp.float32, sharding=self.replicated)
@@ -301,7 +302,7 @@ class ModelRunner:
             if nxt is not None:
                 next_T[off:off + len(nxt)] = nxt
             off += len(c.token_ids)
-        fn = self._compiled(self._scorers, self._lower_scorer, t, "prompt-logprobs")
+        fn = self.compiler.get("prompt-logprobs", t, self._lower_scorer)
         chosen, top_ids, top_vals = (_host(a) for a in fn(self.weights, x_TD, next_T))
         return [None if nxt is None else (chosen[o:o + len(nxt)], top_ids[o:o + len(nxt)], top_vals[o:o + len(nxt)])
                 for o, nxt in zip(offsets, prompt_next)]
@@ -317,7 +318,7 @@ class ModelRunner:
         q, v = logits.shape
         bitmask_QW = allow_all(q, v)
         self.fill_masks([(r.matcher, i) for i, r in enumerate(rows) if r.matcher is not None], bitmask_QW)
-        fn = self._compiled(self._maskers, self._lower_masker, q, "token-mask")
+        fn = self.compiler.get("token-mask", q, self._lower_masker)
         return fn(logits, bitmask_QW)
 
     def _processed(self, logits, rows: Sequence[SampleRow]):
@@ -347,37 +348,65 @@ class ModelRunner:
 
     @property
     def num_compiled_steps(self) -> int:
-        return len(self._steps)
+        return len(self.compiler.table("step"))
 
     def compiled_steps(self) -> dict:
         """(tokens, pages) -> the compiled step executable, for every shape compiled so far (its
         HLO through .as_text(): what collectives a sharded step runs)."""
-        return dict(self._steps)
+        return dict(self.compiler.table("step"))
 
-    def warmup(self, progress: bool = False, threads: int = 2) -> float:
-        """Compile every bucket now (and run none): no compile happens after this. XLA compiles
-        release the GIL, so two threads keep both cores of a small machine busy."""
-        from concurrent.futures import ThreadPoolExecutor
-        t0 = time.time()
-        shapes = list(self.buckets.all_shapes())
-        rows = sorted({self.buckets.logits_rows(t) for t in self.buckets.tokens})
-        samplers = [(r, m, lp) for r in rows for m in ("greedy", "sample") for lp in (False, True)]
-        processors = [(r, h) for r in rows for h in self.buckets.history]
-        jobs = ([(self._lower_step, k) for k in shapes] + [(self._lower_sampler, k) for k in samplers]
-                + [(self._lower_processor, k) for k in processors] + [(self._lower_masker, r) for r in rows]
-                + [(self._lower_scorer, t) for t in self.buckets.tokens])
-        table = {self._lower_step: self._steps, self._lower_sampler: self._samplers,
-                 self._lower_processor: self._processors, self._lower_masker: self._maskers,
-                 self._lower_scorer: self._scorers}
-        done = 0
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            for (kind, key), fn in zip(jobs, pool.map(lambda j: j[0](j[1]).compile(), jobs)):
-                table[kind][key] = fn
-                done += 1
-                if progress:
-                    _progress("compiling", done, len(jobs), t0)
-        self.warm = True
-        return time.time() - t0
+    @property
+    def warm(self) -> bool:
+        """Every shape of the warm-up compiled (False without a warm-up)."""
+        return self.compiler.warm
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        """Compiles of shapes outside the warm-up's plan since it began (missing buckets)."""
+        return self.compiler.compiles_after_warmup
+
+    def warmup_jobs(self) -> tuple[list, int]:
+        """Every (what, key, lower) a warm-up compiles (the same set, whatever the order, as
+        before warm-ups could run in the background), and how many lead the list as what a first
+        short request needs: the steps a lone request lands on (Buckets.first_shapes) and the
+        samplers of their rows, without logprobs. Then the other samplers, the other steps from
+        the smallest, the logits processors, the token masks and the prompt scorers."""
+        b = self.buckets
+        every = list(b.all_shapes())
+        first = [k for k in b.first_shapes() if k in every]
+        rest = sorted((k for k in every if k not in first), key=lambda k: (k[0] * k[1], k))
+        rows = sorted({b.logits_rows(t) for t in b.tokens})
+        first_rows = sorted({b.logits_rows(t) for t, _ in first})
+        samplers = [(r, m, False) for r in first_rows for m in ("greedy", "sample")]
+        samplers += [(r, m, lp) for r in rows for m in ("greedy", "sample") for lp in (False, True)
+                     if (r, m, lp) not in samplers]
+        jobs = ([("step", k, self._lower_step) for k in first]
+                + [("sampler", k, self._lower_sampler) for k in samplers]
+                + [("step", k, self._lower_step) for k in rest]
+                + [("logits-processor", (r, h), self._lower_processor) for r in rows for h in b.history]
+                + [("token-mask", r, self._lower_masker) for r in rows]
+                + [("prompt-logprobs", t, self._lower_scorer) for t in b.tokens])
+        return jobs, len(first) + 2 * len(first_rows)
+
+    def warmup(self, progress: bool = False, threads: int = 2, background: bool = False) -> float:
+        """Compile every bucket (and run none): no compile happens after this. background: only
+        what a first short request needs before returning, the rest on background threads
+        (ShapeCompiler.start; `warmup_status()`, `wait_warm()`). The seconds spent here."""
+        jobs, num_first = self.warmup_jobs()
+        secs = self.compiler.start(jobs, num_first, background, progress=progress, threads=threads)
+        if not background:
+            log.info("compiled %d step shapes in %.1fs", self.num_compiled_steps, secs)
+        return secs
+
+    def warmup_status(self) -> dict:
+        return self.compiler.status()
+
+    def wait_warm(self, timeout: Optional[float] = None) -> bool:
+        return self.compiler.wait(timeout)
+
+    def stop_warmup(self) -> None:
+        """A background warm-up's threads stop after their current compile (at shutdown)."""
+        self.compiler.stop()
 
     # ---- a step ------------------------------------------------------------------------------
     def bucket_for(self, chunks: Sequence[SeqChunk]) -> tuple[int, int]:
@@ -464,12 +493,3 @@ def _host(a: jax.Array) -> np.ndarray:
     """A replicated result as numpy: this process's copy (under several processes the array also
     lives on devices this process cannot read; every copy is the same)."""
     return np.asarray(a.addressable_data(0))
-
-
-def _progress(desc: str, i: int, total: int, t0: float) -> None:
-    import sys
-    frac = i / max(total, 1)
-    sys.stderr.write(f"\r{desc}: [{'#' * int(frac * 30):<30}] {i}/{total} {time.time() - t0:5.1f}s")
-    if i >= total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()

@@ -10,7 +10,7 @@ import json
 import logging
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from multilora.adapters.registry import AdapterConflictError
 from multilora.server import protocol as P
@@ -227,7 +227,9 @@ async def health(request: Request):
     async_engine = _state(request)[1]
     if not async_engine.is_alive:
         return error_response(503, "the engine is not running", code="unavailable")
-    return Response(status_code=200)
+    # 200 as soon as requests are served; "warmup" says how many of the step shapes are compiled
+    # yet (a server compiles most of them in the background after its first shapes)
+    return JSONResponse({"status": "ok", "warmup": async_engine.engine.runner.warmup_status()})
 
 
 @operations.get("/metrics")
