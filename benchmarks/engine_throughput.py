@@ -43,14 +43,14 @@ def workload_buckets(n_requests: int, max_tokens_step: int = 512):
 
 
 def run_multilora(model_dir, adapters, prompts, new_tokens, backend, max_loras, dtype="float32",
-                  fixed_buckets=False):
+                  fixed_buckets=False, quantization=None):
     from multilora import Engine, SamplingParams
     k = len(adapters)
     mods = {f"a{i}": str(p) for i, p in enumerate(adapters)}
     t0 = time.time()
     eng = Engine(str(model_dir), mods, max_loras_per_batch=max(1, min(k, max_loras)) if k else 0,
                  max_lora_rank=16, lora_backend=backend, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=512,
-                 max_model_len=MAX_MODEL_LEN, page_size=PAGE_SIZE, dtype=dtype,
+                 max_model_len=MAX_MODEL_LEN, page_size=PAGE_SIZE, dtype=dtype, quantization=quantization,
                  buckets=workload_buckets(len(prompts)) if fixed_buckets else None)
     init_s = time.time() - t0
     names = [f"a{i % k}" if k else None for i in range(len(prompts))]
@@ -60,7 +60,8 @@ def run_multilora(model_dir, adapters, prompts, new_tokens, backend, max_loras, 
     outs = eng.generate(prompts, params, lora=names)
     secs = time.time() - t0
     toks = sum(len(o.token_ids) for o in outs)
-    res = dict(system="multilora", adapters=k, backend=backend, dtype=dtype, tokens=toks, seconds=secs,
+    res = dict(system="multilora", adapters=k, backend=backend, dtype=dtype, quantization=quantization,
+               projections=eng.projection_mode, tokens=toks, seconds=secs,
                tok_per_s=toks / secs, init_s=init_s, steps=dict(eng.stats),
                compiles_after_warmup=eng.runner.compiles_after_warmup)
     del eng
@@ -116,6 +117,7 @@ def main(argv=None):
     ap.add_argument("--peft-batch", type=int, default=16)
     ap.add_argument("--peft-device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default=None, choices=["int8"], help="the engine's quantization (int8 base)")
     ap.add_argument("--fixed-buckets", action="store_true",
                     help="compile only this workload's shapes (for slow compilers, e.g. GPU)")
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/multilora/bench"))
@@ -132,8 +134,9 @@ def main(argv=None):
     results = []
     for k in args.adapters:
         r = run_multilora(model_dir, adapters[:k], prompts, args.new_tokens, args.backend,
-                          args.max_loras_per_batch, args.dtype, args.fixed_buckets)
-        print(f"multilora  adapters={k:3d}: {r['tok_per_s']:7.1f} tok/s ({r['seconds']:.1f}s)", flush=True)
+                          args.max_loras_per_batch, args.dtype, args.fixed_buckets, args.quantization)
+        print(f"multilora  adapters={k:3d} ({r['projections']}): {r['tok_per_s']:7.1f} tok/s ({r['seconds']:.1f}s)",
+              flush=True)
         results.append(r)
         if args.peft:
             r = run_peft(model_dir, adapters[:k], prompts, args.new_tokens, args.peft_batch,
