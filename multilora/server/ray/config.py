@@ -98,10 +98,16 @@ def multiplexed_id(model: Optional[str], mix: bool, base_names: set[str]) -> str
     return model
 
 
+def entry_key(entry: dict) -> str:
+    """What a replica records of a directory entry it registered: its path and rev (an in-place
+    load keeps the name and may keep the path; the rev tells the new weights from the old)."""
+    return f"{entry['path']}@{entry.get('rev', 0)}"
+
+
 def stale_adapters(applied: dict[str, str], entries: dict[str, dict]) -> list[str]:
-    """Adapters a replica registered from the directory (name -> path) that the directory no
-    longer has, or has under another path: to be unloaded there."""
-    return sorted(n for n, path in applied.items() if n not in entries or entries[n]["path"] != path)
+    """Adapters a replica registered from the directory (name -> entry_key) that the directory no
+    longer has (to be unloaded there), or has under another path or rev (loaded in place there)."""
+    return sorted(n for n, key in applied.items() if n not in entries or entry_key(entries[n]) != key)
 
 
 def encode_names(names) -> str:

@@ -1,5 +1,6 @@
 """The adapter directory: one named Ray actor, the source of truth for which adapters the
-deployment serves (name -> {path, pinned}, with a version every change bumps)."""
+deployment serves (name -> {path, pinned, rev}, with a version every change bumps; rev counts the
+in-place loads of one name, so that replicas tell new weights from old at the same path)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from multilora.server.ray.config import DIRECTORY_NAMESPACE, RayServeConfig
 
 # ---- the adapter directory (a named Ray actor) ---------------------------------------------------
 class AdapterDirectory:
-    """name -> {"path", "pinned"}: which adapters the deployment serves, whatever replica answers.
+    """name -> {"path", "pinned", "rev"}: which adapters the deployment serves, whatever replica answers.
     A plain class; run as one Ray actor (its calls run one at a time, so each is atomic)."""
 
     def __init__(self, seed: Optional[dict[str, dict]] = None):
@@ -28,7 +29,7 @@ class AdapterDirectory:
         """Add the entries whose names are not there yet (a redeploy keeps runtime loads)."""
         for name, e in entries.items():
             if name not in self.entries:
-                self.entries[name] = {"path": str(e["path"]), "pinned": bool(e.get("pinned", False))}
+                self.entries[name] = {"path": str(e["path"]), "pinned": bool(e.get("pinned", False)), "rev": 0}
                 self._version += 1
         return self._version
 
@@ -38,9 +39,18 @@ class AdapterDirectory:
         have = self.entries.get(name)
         if have is not None:
             return have["path"] == str(path), dict(have)
-        self.entries[name] = {"path": str(path), "pinned": bool(pinned)}
+        self.entries[name] = {"path": str(path), "pinned": bool(pinned), "rev": 0}
         self._version += 1
         return True, None
+
+    def replace(self, name: str, path: str, pinned: bool = False) -> dict:
+        """An in-place load (load_inplace): the entry takes the new path and a new rev (added
+        when absent); every replica loads the new weights in place at its next sync."""
+        have = self.entries.get(name)
+        rev = have["rev"] + 1 if have is not None else 0
+        self.entries[name] = {"path": str(path), "pinned": bool(pinned), "rev": rev}
+        self._version += 1
+        return dict(self.entries[name])
 
     def remove(self, name: str) -> Optional[dict]:
         """The removed entry, or None when there was none."""

@@ -140,10 +140,9 @@ class Ingress:
                 _, entries = await self.directory.snapshot.remote()
             except Exception as e:  # noqa: BLE001
                 raise NoReplicaError(f"the adapter directory is unreachable: {type(e).__name__}")
-            if name in entries:  # in place through Ray Serve: not yet (each replica holds its own copy)
-                more = (" (load_inplace is not supported through Ray Serve yet)" if parsed.load_inplace else "")
-                return _json(409, f"LoRA adapter {name!r} is already loaded; unload it first{more}", "lora_name",
-                             "adapter_conflict")
+            if name in entries and not parsed.load_inplace:
+                return _json(409, f"LoRA adapter {name!r} is already loaded; unload it first, or load it "
+                                  "with load_inplace", "lora_name", "adapter_conflict")
         # the app on one replica validates (name, path policy, the adapter itself) and registers
         return await self._forward(req, name if name and name not in info["base_names"] else "", op="load")
 

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from typing import AsyncIterator, Callable, Optional
 
 from multilora.server.ray.config import (HELD_HEADER, REPLICA_HEADER, WARM_HEADER, RayServeConfig, encode_names,
-                                         error_json, is_event_stream, mix_parts, stale_adapters)
+                                         entry_key, error_json, is_event_stream, mix_parts, stale_adapters)
 from multilora.server.ray.directory import get_directory
 
 log = logging.getLogger("multilora.server.ray")
@@ -207,7 +207,7 @@ class EngineReplica:
         """Register `name` on this engine if the directory has it (or it names a folder under
         --lora-root, which is then recorded in the directory). True: it is servable here."""
         entry = self._entries.get(name)
-        if entry is not None and self._applied.get(name) == entry["path"]:
+        if entry is not None and self._applied.get(name) == entry_key(entry):
             return True
         fut = self._loading.get(name)
         if fut is None:
@@ -222,7 +222,7 @@ class EngineReplica:
                 await self.aengine.load_lora_adapter(name, entry["path"], pinned=entry["pinned"])
             except AdapterConflictError:
                 pass  # registered already (at start, or by a concurrent load)
-            self._applied[name] = entry["path"]
+            self._applied[name] = entry_key(entry)
             return True
         if self.cfg.lora_root and name not in self.server.base_names:
             await self.server.resolve_model(name)  # loads a folder under --lora-root on first use
@@ -230,7 +230,7 @@ class EngineReplica:
             if name in reg and not reg[name]["unloading"]:
                 ok, have = await self.directory.add.remote(name, reg[name]["path"], False)
                 if ok:
-                    self._applied[name] = reg[name]["path"]
+                    self._applied[name] = entry_key({"path": reg[name]["path"]})
                 return True
         return False
 
@@ -244,6 +244,11 @@ class EngineReplica:
             return resp
         reg = {a["name"]: a for a in await self.aengine.list_lora_adapters()}
         path, pinned = reg[name]["path"], reg[name]["pinned"]
+        if _asks_in_place(req):   # the other replicas load the new weights in place at their next sync
+            self._applied[name] = entry_key(await self.directory.replace.remote(name, path, pinned))
+            await self._sync()
+            await self._take(name)
+            return resp
         ok, have = await self.directory.add.remote(name, path, pinned)
         if not ok:
             await self.aengine.unload_lora_adapter(name)
@@ -270,6 +275,9 @@ class EngineReplica:
             if version == self._version:
                 return
             for name in stale_adapters(self._applied, entries):
+                if name in entries:   # loaded in place elsewhere: the new weights in place here too
+                    await self._reload_in_place(name, entries[name])
+                    continue
                 self._applied.pop(name, None)
                 self._forget(name)
                 try:
@@ -278,6 +286,22 @@ class EngineReplica:
                 except KeyError:
                     pass
             self._entries, self._version = entries, version
+
+    async def _reload_in_place(self, name: str, entry: dict) -> None:
+        """Another replica loaded `name` in place: load the entry's weights in place here
+        (requests already added finish on the old ones, as on the replica that took the call)."""
+        try:
+            await self.aengine.load_lora_adapter(name, entry["path"], pinned=entry["pinned"], load_inplace=True)
+            self._applied[name] = entry_key(entry)
+            log.info("replica %s: %r loaded in place (rev %d)", self.replica_id, name, entry.get("rev", 0))
+        except Exception as e:  # noqa: BLE001 - unload rather than serve stale weights
+            log.warning("replica %s: %r could not be loaded in place (%s); unloading it", self.replica_id, name, e)
+            self._applied.pop(name, None)
+            self._forget(name)
+            try:
+                await self.aengine.unload_lora_adapter(name)
+            except KeyError:
+                pass
 
     def _forget(self, name: str) -> None:
         """Take an unloaded adapter out of the multiplexed set, so that it stops drawing its
@@ -315,3 +339,12 @@ class EngineReplica:
 
 
 # ---- the HTTP endpoint -----------------------------------------------------------------------------
+
+
+def _asks_in_place(req: dict) -> bool:
+    """Whether a /v1/load_lora_adapter body asks for load_inplace (the app has validated it)."""
+    import json
+    try:
+        return bool(json.loads(req["body"] or b"{}").get("load_inplace", False))
+    except (ValueError, AttributeError):
+        return False
