@@ -607,15 +607,13 @@ def test_background_warmup_gives_the_same_tokens_before_and_after_it_finishes(en
     held = jobs[num_first][:2]
     assert held[0] == "sampler" and held[1][2], "the background starts with the samplers with logprobs"
     gate, reached = threading.Event(), threading.Event()
-    lower_sampler = runner._lower_sampler
 
-    def gated(key):  # the background thread waits at its first shape until the gate opens
-        if key == held[1] and threading.current_thread().name.startswith("multilora-warmup"):
+    def gated(what, key):  # the background thread waits at its first shape until the gate opens
+        if (what, key) == tuple(held) and threading.current_thread().name.startswith("multilora-warmup"):
             reached.set()
             assert gate.wait(120)
-        return lower_sampler(key)
 
-    runner._lower_sampler = gated
+    runner.compiler.before_compile = gated
     prompts = prompts_of(5, MIXED_LENGTHS[:8] + [63, 60])
     loras = ["a", None, "b", "a", None, "b", "a", None, "b", "a"]
     with_lp = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)

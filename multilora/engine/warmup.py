@@ -56,6 +56,9 @@ class ShapeCompiler:
         self._finished: Optional[float] = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        # before_compile(what, key): called by the thread about to compile a shape, before it
+        # lowers it (a hook for tests and progress reports; None: nothing)
+        self.before_compile: Optional[Callable[[str, object], None]] = None
 
     def table(self, what: str) -> dict:
         return self.tables.setdefault(what, {})
@@ -93,6 +96,8 @@ class ShapeCompiler:
             except Exception:  # noqa: BLE001 - that thread's compile failed: try it here, once more
                 return self._compile(what, key, lower, on_demand)
         try:
+            if self.before_compile is not None:
+                self.before_compile(what, key)
             fn = lower(key).compile()
         except BaseException as e:
             with self._lock:

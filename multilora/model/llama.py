@@ -215,6 +215,8 @@ def kv_write_mode() -> str:
 def _kv_writer(mode: str, batch: Batch, page_size: int):
     """write(k_cache, v_cache, layer, k_TKH, v_TKH) -> (k_cache, v_cache) for heads-major
     caches (L, P, K, p, H); the pages' plan, where the mode has one, made once for all layers."""
+    if mode not in KV_WRITES:
+        raise ValueError(f"kv_write={mode!r}: expected one of {', '.join(KV_WRITES)}")
     interpret = jax.default_backend() != "tpu"
     slots = batch.slot_mapping_T
     if mode == "pallas-rows":
