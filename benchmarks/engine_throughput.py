@@ -43,7 +43,7 @@ def workload_buckets(n_requests: int, max_tokens_step: int = 512):
 
 
 def run_multilora(model_dir, adapters, prompts, new_tokens, backend, max_loras, dtype="float32",
-                  fixed_buckets=False, quantization=None):
+                  fixed_buckets=False, quantization=None, async_scheduling=None):
     from multilora import Engine, SamplingParams
     k = len(adapters)
     mods = {f"a{i}": str(p) for i, p in enumerate(adapters)}
@@ -51,7 +51,8 @@ def run_multilora(model_dir, adapters, prompts, new_tokens, backend, max_loras, 
     eng = Engine(str(model_dir), mods, max_loras_per_batch=max(1, min(k, max_loras)) if k else 0,
                  max_lora_rank=16, lora_backend=backend, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=512,
                  max_model_len=MAX_MODEL_LEN, page_size=PAGE_SIZE, dtype=dtype, quantization=quantization,
-                 buckets=workload_buckets(len(prompts)) if fixed_buckets else None)
+                 buckets=workload_buckets(len(prompts)) if fixed_buckets else None,
+                 async_scheduling=async_scheduling)
     init_s = time.time() - t0
     names = [f"a{i % k}" if k else None for i in range(len(prompts))]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -61,6 +62,7 @@ def run_multilora(model_dir, adapters, prompts, new_tokens, backend, max_loras, 
     secs = time.time() - t0
     toks = sum(len(o.token_ids) for o in outs)
     res = dict(system="multilora", adapters=k, backend=backend, dtype=dtype, quantization=quantization,
+               async_scheduling=eng.async_scheduling,
                projections=eng.projection_mode, tokens=toks, seconds=secs,
                tok_per_s=toks / secs, init_s=init_s, steps=dict(eng.stats),
                compiles_after_warmup=eng.runner.compiles_after_warmup)
@@ -120,6 +122,8 @@ def main(argv=None):
     ap.add_argument("--quantization", default=None, choices=["int8"], help="the engine's quantization (int8 base)")
     ap.add_argument("--fixed-buckets", action="store_true",
                     help="compile only this workload's shapes (for slow compilers, e.g. GPU)")
+    ap.add_argument("--async-scheduling", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                    help="the engine's async_scheduling (auto: on with an accelerator); several: each in turn")
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/multilora/bench"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -132,12 +136,17 @@ def main(argv=None):
                                     max(args.adapters))
     prompts = fixed_prompts(args.requests, args.prompt_len, 49152)
     results = []
+    modes = {"auto": None, "on": True, "off": False}
     for k in args.adapters:
-        r = run_multilora(model_dir, adapters[:k], prompts, args.new_tokens, args.backend,
-                          args.max_loras_per_batch, args.dtype, args.fixed_buckets, args.quantization)
-        print(f"multilora  adapters={k:3d} ({r['projections']}): {r['tok_per_s']:7.1f} tok/s ({r['seconds']:.1f}s)",
-              flush=True)
-        results.append(r)
+        for a in args.async_scheduling:
+            r = run_multilora(model_dir, adapters[:k], prompts, args.new_tokens, args.backend,
+                              args.max_loras_per_batch, args.dtype, args.fixed_buckets, args.quantization,
+                              modes[a])
+            print(f"multilora  adapters={k:3d} ({r['projections']}, async {r['async_scheduling']}): "
+                  f"{r['tok_per_s']:7.1f} tok/s ({r['seconds']:.1f}s)", flush=True)
+            results.append(r)
+            if args.json:  # as it goes: a run cut short keeps what it measured
+                save_json(args.json, dict(machine=machine_info(), args=vars(args), results=results))
         if args.peft:
             r = run_peft(model_dir, adapters[:k], prompts, args.new_tokens, args.peft_batch,
                          args.peft_device)

@@ -44,9 +44,34 @@ from multilora.config import ModelConfig  # noqa: E402
 from multilora.engine.batching import SeqChunk, build_batch, pages_needed  # noqa: E402
 from multilora.adapters.pool import (blocks_of, lora_feature_dims, rows_major, slot_major_pool,  # noqa: E402
                                  slot_major_rows)
-from multilora.model.llama import (KV_WRITES, KVCache, LayerWeights, LoRAWeights, Weights, forward,  # noqa: E402
+from multilora.model.llama import (KV_WRITES, KVCache, LayerWeights, LoRAWeights, Weights, forward_packed,  # noqa: E402
                                    init_kv_cache, kv_cache_formats, kv_heads_major_on, kv_write_mode, make_kv_cache,
                                    split_layers)
+from multilora.model.packing import pack  # noqa: E402
+
+
+class PackedStep:
+    """A jitted forward_packed called with a Batch of numpy arrays, packed on each call with no
+    token fed from an earlier step (the host's share of a step, as in the runner)."""
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+        self.fed = {}   # rows -> a device array of zeros (the runner's no-feed input: on the device once)
+
+    def _args(self, batch):
+        t, q = np.shape(batch.token_ids_T)[0], np.shape(batch.logits_idx_Q)[0]
+        spec, buf = pack((batch, np.full(t, -1, np.int32)))
+        if q not in self.fed:
+            self.fed[q] = jax.device_put(np.zeros(q, np.int32))
+        return buf, self.fed[q], spec
+
+    def __call__(self, weights, lora, kv, batch, **kw):
+        buf, fed, spec = self._args(batch)
+        return self.jitted(weights, lora, kv, buf, fed, spec=spec, **kw)
+
+    def lower(self, weights, lora, kv, batch, **kw):
+        buf, fed, spec = self._args(batch)
+        return self.jitted.lower(weights, lora, kv, buf, fed, spec=spec, **kw)
 
 
 def random_weights(cfg, seed=0, dtype=jnp.float32, int8: bool = False):
@@ -211,10 +236,11 @@ def main(argv=None):
     page_size = 16
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     # heads-major: the cache returned in the format it came in (as the runner), so every step reads it in place
-    fwds = {hm: jax.jit(forward, static_argnames=("cfg", "backend", "native_attention", "kv_heads_major",
-                                                  "pallas_attention", "kv_write"),
-                        donate_argnames=("kv",),
-                        **(dict(out_shardings=(one, kv_cache_formats(KVCache(one, one), True))) if hm else {}))
+    # as the runner: the batch packed into one buffer, one host -> device copy a step
+    fwds = {hm: PackedStep(jax.jit(forward_packed, static_argnames=("spec", "cfg", "backend", "native_attention",
+                                                                   "kv_heads_major", "pallas_attention", "kv_write"),
+                                   donate_argnames=("kv",),
+                                   **(dict(out_shardings=(one, kv_cache_formats(KVCache(one, one), True))) if hm else {})))
             for hm in (False, True)}
     from multilora import kernels
     natives = sorted({a == "native" or (a == "auto" and kernels.available()) for a in args.attention})
@@ -283,6 +309,8 @@ def main(argv=None):
         state[(mode, k, be, nat, lay)] = dict(weights=weights, batch=batch, lora=lora, kv=kv, backend=backend,
                                               native=nat, hm=hm, pa=pa, kw=kw, fwd=fwd, times=[],
                                     tokens=t, pages=x, compile_s=time.perf_counter() - t0)
+        print(f"# compiled {mode} {k} adapters {backend} {'pallas' if pa else 'xla'} attention {lay}: "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
     for _ in range(args.repeats):
         for key, st in state.items():
             t0 = time.perf_counter()

@@ -52,9 +52,9 @@ for part in $PARTS; do
     chip) timeout 480 python3 -m pytest -q -p no:cacheprovider --noconftest tests/test_kv_write.py tests/test_lora_pallas.py \
             tests/test_attention_pallas.py -k "not float32 or kv_write or lora" 2>&1 | tee "$OUT/chip_tests.log" ;;
     # both shapes, both attentions, 0 / 8 / 64 adapters (12 cases a shape; another call)
-    steps) timeout 270 $FS --modes decode prefill --adapters 0 8 64 --pallas-attention on off \
+    steps) timeout ${T1:-270} $FS --modes decode prefill --adapters ${ADAPTERS:-0 8 64} --pallas-attention on off \
              --json "$OUT/steps_small.json" 2>&1 | tee "$OUT/steps_small.log"
-           timeout 300 $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters 0 8 64 \
+           timeout ${T2:-300} $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters ${ADAPTERS:-0 8 64} \
              --pallas-attention on off --json "$OUT/steps_1b.json" 2>&1 | tee "$OUT/steps_1b.log" ;;
     # issue 40: a Llama-3.1-8B shape with an int8 base (quantization=int8) and 64 adapters on one chip
     int8) timeout 400 $FS --model llama-3.1-8b --dtypes int8 --decode-ctx 256 --modes decode prefill \

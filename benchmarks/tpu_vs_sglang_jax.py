@@ -81,7 +81,9 @@ def multilora_runs(args, model: str, raw_dir: Path) -> dict:
     if "offline" in args.parts:
         raw = raw_dir / f"multilora_offline_{model}.json"
         cmd = [py, str(HERE / "engine_throughput.py"), "--model", model, "--adapters", *map(str, args.adapters),
-               "--dtype", "bfloat16", "--workdir", str(args.workdir / "multilora"), "--json", str(raw)]
+               "--dtype", "bfloat16", "--workdir", str(args.workdir / "multilora"), "--json", str(raw),
+               # compile only the workload's shapes (the measured run is after warm-up either way)
+               "--fixed-buckets"]
         if args.quick:
             cmd += ["--requests", "4", "--new-tokens", "8"]
         out["offline"] = run(cmd, raw, args.timeout)

@@ -341,6 +341,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_prefill_seqs: int = 16
+    async_scheduling: Optional[bool] = None  # plan the next step while one runs; None: on an accelerator
     # placement and the rest
     tensor_parallel_size: int = 1
     seed: int = 0
@@ -376,6 +377,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be True, False or None (on with an accelerator), "
+                             f"got {self.async_scheduling!r}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -812,12 +812,12 @@ def test_a_load_read_while_streams_decode_pauses_inside_steps_and_serves_peft(en
     engine's gate is closed during every step and open between them, the read finishes while
     the streams go on, and the adapter then serves PEFT's tokens."""
     eng = engine
-    execute, gate_open = eng.runner.execute, []
+    launch, gate_open = eng.runner.launch, []
 
     def watched(*a, **kw):
         gate_open.append(eng.loader.gate.is_open)
-        return execute(*a, **kw)
-    eng.runner.execute = watched
+        return launch(*a, **kw)
+    eng.runner.launch = watched
     try:
         prompts = prompts_of(4, [11, 7, 19, 5])
         for p, lora in zip(prompts, ["a", None, "b", "a"]):
@@ -830,7 +830,7 @@ def test_a_load_read_while_streams_decode_pauses_inside_steps_and_serves_peft(en
             assert eng.loader.gate.is_open
         adapter = fut.result(timeout=60)
     finally:
-        eng.runner.execute = execute
+        eng.runner.launch = launch
     assert gate_open and not any(gate_open)
     eng.load_lora_adapter("paced", short_dirs["d"], adapter=adapter)
     try:

@@ -46,6 +46,9 @@ _HELP = {
     "enable_prefix_caching": "share the KV pages of common prompt prefixes (per adapter); on by default",
     "max_num_batched_tokens": "tokens per step: decode rows plus prefill chunks",
     "max_prefill_seqs": "prefill chunks per step",
+    "async_scheduling": "plan and dispatch the next step while the current one runs (its sampled tokens "
+                        "go to the next step on the device; steps whose requests use penalties, grammars "
+                        "or prompt logprobs wait); default: on with an accelerator (TPU), off on the CPU",
     "tensor_parallel_size": "devices to split the model over (with several processes: all of them)",
     "page_size": "tokens per KV cache page (and per prefix-cache entry)",
     "kv_cache_memory_gb": "memory for the KV cache when --num-pages is not given",
@@ -68,7 +71,7 @@ def add_engine_args(p) -> None:
     for f in EngineConfig.__dataclass_fields__.values():
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        if f.name == "enable_prefix_caching":
+        if f.name in ("enable_prefix_caching", "async_scheduling"):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[f.name])
             continue
         kind = {"int": int, "float": float, "str": str}.get(

@@ -45,8 +45,8 @@ from multilora.engine.outputs import (Logprob, PromptTooLongError, RequestOutput
                                       keep_prompt_logprobs, logprob_of, prompt_next_tokens)
 from multilora.engine.residency import AdapterResidency
 from multilora.engine.request import Request, SamplingParams
-from multilora.engine.runner import Buckets, ModelRunner, ProcessRow, SampleRow
-from multilora.engine.scheduler import Scheduler, SchedulerConfig
+from multilora.engine.runner import Buckets, Launched, ModelRunner, ProcessRow, SampleRow, StepResult
+from multilora.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from multilora.engine.structured import Grammars
 from multilora.engine.tokenizer import Detokenizer, load_tokenizer
 from multilora.model.loader import Progress
@@ -167,7 +167,13 @@ class Engine(AdapterAPI):
         self._arrival = itertools.count()
         self.seed = c.seed
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "mixed_steps": 0,
-                      "preemptions": 0, "prompt_tokens": 0, "generated_tokens": 0}
+                      "preemptions": 0, "prompt_tokens": 0, "generated_tokens": 0, "overlapped_steps": 0}
+        # Async scheduling: the next step is planned and sent while this one runs on the device
+        # (its sampled tokens fed to the next on the device); default on an accelerator, where
+        # the host's share of a step would otherwise be the chip's idle time.
+        self.async_scheduling = (c.async_scheduling if c.async_scheduling is not None
+                                 else jax.devices()[0].platform != "cpu")
+        self._inflight: Optional[tuple[StepPlan, Launched]] = None  # dispatched, tokens not yet read
         self._register_at_start(lora_modules, progress)
         if warmup not in (True, False, "background"):
             raise ValueError(f"warmup must be True, False or 'background', got {warmup!r}")
@@ -179,6 +185,7 @@ class Engine(AdapterAPI):
         if self._num_processes > 1:
             from multilora.engine.distributed import StepSync
             self._sync = StepSync()
+            self.async_scheduling = False  # the processes step in lockstep, each step read before the next
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -264,7 +271,7 @@ class Engine(AdapterAPI):
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     @property
     def num_waiting(self) -> int:
@@ -275,6 +282,9 @@ class Engine(AdapterAPI):
         return len(self.scheduler.running)
 
     def _finish(self, req: Request, reason: str, stop_reason=None) -> None:
+        if req.awaiting:  # finished before a dispatched step's token for it was read: drop that token
+            req.output_token_ids.pop()
+            req.awaiting = False
         self.scheduler.remove(req)
         req.finish_reason, req.stop_reason = reason, stop_reason
         self._finished_unreported.append(req.request_id)
@@ -284,20 +294,31 @@ class Engine(AdapterAPI):
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
-        """One mixed step; returns what it added to each touched request (and finished ones)."""
+        """One mixed step; returns what it added to each touched request (and finished ones).
+        With async scheduling the step's tokens are read in the next call, after that call has
+        planned and dispatched its own step: each call returns the previous step's deltas."""
         if self._sync is not None and not self._sync.exchange(self):
             return []  # several processes, and the leader has stopped
         if self._sync is None:
             self.residency.fetch()
         self.loader.hold_background(self.scheduler.has_work)  # speculative reads wait for idle
+        prev, self._inflight = self._inflight, None
         plan = self.scheduler.schedule()
         self.stats["preemptions"] += len(plan.preempted)
+        prompt_next = [prompt_next_tokens(c) for c in plan.chunks]
+        touched: list[str] = []
+        if prev is not None and not (plan.chunks and self._overlaps(plan, prompt_next)):
+            touched = self._read(*prev)  # this plan needs the host to know prev's tokens first
+            prev = None
+            kept = [i for i, c in enumerate(plan.chunks) if not c.request.finished]  # finished by those tokens
+            plan.chunks = [plan.chunks[i] for i in kept]
+            prompt_next = [prompt_next[i] for i in kept]
         if plan.chunks:
             self.residency.make_resident(plan)
         if not plan.chunks:
-            if self.scheduler.waiting and self.loader.in_flight():
+            if self.scheduler.waiting and self.loader.in_flight() and not touched:
                 self.loader.wait(0.05)  # every waiting request waits for a read: sleep, don't spin
-            return self._collect([])  # still report aborts since the last step
+            return self._collect(touched)  # still report aborts since the last step
         chunks = [SeqChunk(c.request.all_token_ids[c.start:c.start + c.num_tokens], c.start,
                            c.request.block_table, self.registry.slot_of(c.request.adapter))
                   for c in plan.chunks]
@@ -308,18 +329,51 @@ class Engine(AdapterAPI):
                           process=self._process_row(c.request) if c.request.params.processes_logits else None,
                           matcher=c.request.matcher if c.completes_prefill else None)
                 for c in plan.chunks]
-        prompt_next = [prompt_next_tokens(c) for c in plan.chunks]
+        feed = None
+        if prev is not None:  # a chunk ending on prev's pending token takes it on the device
+            index = {id(c.request): i for i, c in enumerate(prev[0].chunks)}
+            feed = [index.get(id(c.request)) if c.request.awaiting
+                    and c.start + c.num_tokens == c.request.num_tokens else None for c in plan.chunks]
+        overlap = self._overlaps(plan, prompt_next)
         # Reads no request waits for pause while the step runs (multilora.adapters.pacing).
         with self.loader.gate.closed():
-            if any(p is not None for p in prompt_next):  # echo: these chunks' token logprobs too
-                result = self.runner.execute(chunks, rows, prompt_next=prompt_next)
-            else:
-                result = self.runner.execute(chunks, rows)
+            launched = self.runner.launch(chunks, rows, prompt_next if any(p is not None for p in prompt_next)
+                                          else None, feed=feed, after=prev[1] if prev is not None else None)
+            prev_result = prev[1].result() if prev is not None else None  # prev's tokens, while this step runs
+            result = None if overlap else launched.result()
+        if prev is not None:
+            touched = self._take(prev[0], prev_result)
+            self.stats["overlapped_steps"] += 1
+        if overlap:
+            deltas = self._collect(touched)  # before advance appends this step's pending tokens
+            self.scheduler.advance(plan)
+            self._inflight = (plan, launched)  # read in the next call, after it dispatches its step
+            return deltas
+        self.scheduler.advance(plan)
+        return self._collect(touched + self._take(plan, result))
+
+    def _overlaps(self, plan: StepPlan, prompt_next: list) -> bool:
+        """Can the step after this plan be planned before this plan's tokens are read? Not where
+        the host needs every token first: logits processors (penalties read the history),
+        grammars (the next mask follows the token), prompt logprobs; nor across processes."""
+        return self.async_scheduling and all(
+            not c.request.params.processes_logits and c.request.matcher is None and p is None
+            for c, p in zip(plan.chunks, prompt_next))
+
+    def _read(self, plan: StepPlan, launched: Launched) -> list[str]:
+        """Wait for an advanced plan's step and take its tokens (_take)."""
+        with self.loader.gate.closed():
+            result = launched.result()
+        return self._take(plan, result)
+
+    def _take(self, plan: StepPlan, result: StepResult) -> list[str]:
+        """An advanced plan's tokens: pending tokens filled, logprobs, grammars fed, stops
+        checked. Returns the ids of the requests that got a token."""
         if result.prompt_logprobs is not None:
             for c, scored in zip(plan.chunks, result.prompt_logprobs):
                 if scored is not None:
                     keep_prompt_logprobs(c, scored)
-        sampled = self.scheduler.postprocess(plan, result.tokens)
+        sampled = self.scheduler.resolve(plan, result.tokens)
         self.stats["steps"] += 1
         self.stats[f"{plan.kind}_steps"] += 1
         index = {id(c.request): i for i, c in enumerate(plan.chunks)}
@@ -335,7 +389,7 @@ class Engine(AdapterAPI):
                 self._finish(req, "error")
                 continue
             self._check_stop(req)
-        return self._collect([r.request_id for r in sampled])
+        return [r.request_id for r in sampled]
 
     def _process_row(self, req: Request) -> ProcessRow:
         p = req.params

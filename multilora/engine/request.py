@@ -98,6 +98,9 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+PENDING_TOKEN = -1  # an output token a dispatched step has sampled but the host has not read yet
+
+
 @dataclasses.dataclass
 class Request:
     request_id: str
@@ -134,6 +137,9 @@ class Request:
     follows: Optional["Request"] = None
     # structured output: the llguidance matcher of params.structured, fed every output token
     matcher: Any = None
+    # async scheduling: the last output token is PENDING_TOKEN, sampled by a step still on the
+    # device (the next step may already compute it: it is fed there on the device)
+    awaiting: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

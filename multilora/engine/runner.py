@@ -17,6 +17,7 @@ host arrays are compiled for as replicated inputs. On one device all of this is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable, Optional, Sequence
 
@@ -33,7 +34,8 @@ from multilora.engine.warmup import ShapeCompiler
 from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
 from multilora.adapters.pool import LoRASlots
 from multilora.model.attention import native_attention_usable
-from multilora.model.llama import (KVCache, Weights, forward, is_heads_major, kv_cache_formats, kv_write_mode,
+from multilora.model.packing import abstract_buffer, pack
+from multilora.model.llama import (KVCache, Weights, forward_packed, is_heads_major, kv_cache_formats, kv_write_mode,
                                    pallas_attention_on, token_logprobs)
 
 log = logging.getLogger("multilora.runner")
@@ -182,6 +184,7 @@ class ModelRunner:
         self.native_attention = native_attention_usable(kv.k_LPpKH)
         self.page_size = kv.page_size
         self.compiler = ShapeCompiler()   # every executable below, compiled once by whoever asks first
+        self._step_specs: dict = {}       # (tokens, pages) -> the PackSpec its step was compiled for
         # The cache comes back in the format it went in: heads-major on a TPU (llama.KV_HEADS_MAJOR),
         # so the next step, compiled for it, reads it in place too.
         self.kv_heads_major = is_heads_major(kv.k_LPpKH)
@@ -193,12 +196,17 @@ class ModelRunner:
         self.replicated = _replicated_like(kv.k_LPpKH.sharding)
         # The step is compiled, like every jit here, for the layouts its committed arguments have: the LoRA
         # pools' is rows-major (multilora.adapters.pool.POOL_LAYOUT), so the step reads them in place.
-        self._fwd = jax.jit(forward, static_argnames=("cfg", "backend", "hidden", "native_attention",
-                                                      "kv_heads_major", "pallas_attention", "kv_write"),
+        # The step's batch arrives as one int32 buffer (multilora.model.packing): one host -> device
+        # copy a step, not one per array (~18 with LoRA), each of which a TPU step waits for.
+        self._fwd = jax.jit(forward_packed, static_argnames=("spec", "cfg", "backend", "hidden", "native_attention",
+                                                             "kv_heads_major", "pallas_attention", "kv_write"),
                             donate_argnames=("kv",),
                             out_shardings=(self.replicated, kv_shardings, self.replicated))
         self._score = jax.jit(token_logprobs, static_argnames=("cfg", "k"), out_shardings=self.replicated)
-        self._sample = jax.jit(sample, static_argnames=("mode", "logprobs"), out_shardings=self.replicated)
+        # tokens padded to max_num_seqs: what the next step can take on the device (launch's feed)
+        self._sample = jax.jit(functools.partial(sample, width=buckets.max_num_seqs),
+                               static_argnames=("mode", "logprobs"), out_shardings=self.replicated)
+        self._unfed = jax.device_put(np.zeros(buckets.max_num_seqs, np.int32), self.replicated)
         self._process = jax.jit(process_logits, out_shardings=self.replicated)
         self._mask = jax.jit(apply_token_bitmask, out_shardings=self.replicated)
         # structured output: fills the rows' token masks, (matcher, row) pairs -> bitmask_QW
@@ -219,12 +227,12 @@ class ModelRunner:
                               self._platform)
 
     def pallas_attention_for(self, num_tokens: int) -> bool:
-        """Whether a step of num_tokens tokens attends through the Pallas kernel: on a TPU, for
-        decode-sized steps (at most max_num_seqs tokens). Measured on a TPU v5e
-        (benchmarks/log/27-2026-12-05-tpu-v5e-pallas-kernels.md, SmolLM2-135M's shape): a 64-row decode step 8.2 -> 4.7 ms, but a 512-token
-        prefill 11.2 -> 14.5 ms, so longer steps keep XLA's prefill path until the kernel's
-        prefill side is profiled."""
-        return self.pallas_attention and num_tokens <= self.buckets.max_num_seqs
+        """Whether a step of num_tokens tokens attends through the Pallas kernel: on a TPU, every
+        step (decode rows, prefill chunks and both). Its prefill side reads only the step's pages,
+        whatever the cache holds; measured on a TPU v5e once its per-step plan was made before the
+        layer loop (benchmarks/log/32-2026-12-06-tpu-v5e-packed-batch.md): a 512-token prefill at
+        SmolLM2-135M's shape 5.8 ms either way, at Llama-3.2-1B's 10.5 against XLA's 11.8."""
+        return self.pallas_attention
 
     def lora_batch_preparer(self, num_tokens: int):
         """What a step of num_tokens tokens builds its LoRABatchInfo with: slot_T -> info, through
@@ -256,8 +264,10 @@ class ModelRunner:
     def _lower_step(self, key):
         t, x = key
         lora_w = self.lora.weights if self.lora is not None else None
-        return self._fwd.lower(self.weights, lora_w, self.kv, self._abstract(self._dummy_batch(t, x)),
-                               cfg=self.cfg, backend=self.backend_for(t), hidden=True,
+        spec, _ = pack((self._dummy_batch(t, x), np.full(t, -1, np.int32)))
+        self._step_specs[key] = spec
+        return self._fwd.lower(self.weights, lora_w, self.kv, abstract_buffer(spec, self.replicated),
+                               self._unfed, spec=spec, cfg=self.cfg, backend=self.backend_for(t), hidden=True,
                                native_attention=self.native_attention, kv_heads_major=self.kv_heads_major,
                                pallas_attention=self.pallas_attention_for(t), kv_write=self.kv_write)
 
@@ -422,6 +432,17 @@ class ModelRunner:
         chunk, in the chunks' order (callers ignore those of unfinished prefill chunks).
         prompt_next: per chunk, None or the id that follows each of its tokens (any id where it
         does not matter): those chunks also get their tokens' logprobs (echo)."""
+        return self.launch(chunks, rows, prompt_next).result()
+
+    def launch(self, chunks: Sequence[SeqChunk], rows: Sequence[SampleRow],
+               prompt_next: Optional[Sequence[Optional[Sequence[int]]]] = None,
+               feed: Optional[Sequence[Optional[int]]] = None, after: Optional["Launched"] = None) -> "Launched":
+        """execute, without waiting for the device: the step and its sampler are dispatched and
+        the tokens stay on the device until Launched.result(). feed (with after, an earlier
+        launch not yet read): per chunk, None or the index of a chunk of `after` whose sampled
+        token is this chunk's last token; the token goes from one step to the next on the
+        device, so the host can plan and send this step while `after` still runs (async
+        scheduling). A fed chunk's own last token id is ignored."""
         order = decode_first(chunks)
         chunks = [chunks[i] for i in order]
         rows = [rows[i] for i in order]
@@ -431,8 +452,18 @@ class ModelRunner:
         t, x = key
         batch = build_batch(chunks, num_tokens=t, num_pages=x, num_logits=self.buckets.logits_rows(t),
                             page_size=self.page_size, prepare_lora=self.lora_batch_preparer(t))
+        src_T = np.full(t, -1, np.int32)   # which of `after`'s sampled tokens each token takes
+        if feed is not None and any(f is not None for f in feed):
+            ends = np.cumsum([len(c.token_ids) for c in chunks]) - 1
+            for b, i in enumerate(order):
+                if feed[i] is not None:
+                    src_T[ends[b]] = after.row_of[feed[i]]
         lora_w = self.lora.weights if self.lora is not None else None
-        logits, self.kv, x_TD = fn(self.weights, lora_w, self.kv, batch)
+        spec, buf = pack((batch, src_T))
+        if spec != self._step_specs[key]:
+            raise AssertionError(f"step {key}: the batch's arrays differ from those it was compiled for")
+        fed_M = after.tokens_M if after is not None else self._unfed
+        logits, self.kv, x_TD = fn(self.weights, lora_w, self.kv, buf, fed_M)
         n = len(chunks)
         greedy = all(row.temperature == 0.0 for row in rows)
         want_lp = any(row.logprobs for row in rows)
@@ -450,16 +481,29 @@ class ModelRunner:
         if any(row.matcher is not None for row in rows):
             logits = self._masked(logits, rows)
         sampler = self._compiled_sampler(q, "greedy" if greedy else "sample", want_lp)
-        tokens, lp = sampler(logits, temp, top_k, top_p, seed, step)
+        tokens_M, lp = sampler(logits, temp, top_k, top_p, seed, step)
         inverse = np.argsort(np.asarray(order, np.int64))  # back to the callers' order
-        tokens = _host(tokens)[:n][inverse]
-        if lp is not None:
-            lp = tuple(_host(a)[:n][inverse] for a in lp)
         scored = None
         if prompt_next is not None and any(p is not None for p in prompt_next):
             scored = self._prompt_logprobs(x_TD, chunks, prompt_next)
             scored = [scored[i] for i in inverse]
-        return StepResult(tokens, lp, scored)
+        return Launched(tokens_M, lp, inverse, scored)
+
+
+@dataclasses.dataclass
+class Launched:
+    """A dispatched step: its sampled tokens (and logprobs) still on the device."""
+
+    tokens_M: jax.Array              # sampled tokens in the step's row order, padded to max_num_seqs
+    lp: Optional[tuple]              # (chosen, top_ids, top_vals) in the same order, or None
+    row_of: np.ndarray               # the callers' chunk i -> its row
+    scored: Optional[list] = None    # prompt logprobs (echo), already on the host
+
+    def result(self) -> StepResult:
+        """Wait for the step; its tokens in the callers' order."""
+        tokens = _host(self.tokens_M)[self.row_of]
+        lp = tuple(_host(a)[self.row_of] for a in self.lp) if self.lp is not None else None
+        return StepResult(tokens, lp, self.scored)
 
 
 def jit_slot_writer(write_rows, buffers, buffer_formats, rows_shardings, replicated, max_rank: int):

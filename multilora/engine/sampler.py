@@ -155,9 +155,10 @@ def draw_rows(weights_BV: jax.Array, u_B: jax.Array) -> jax.Array:
 
 
 def sample(logits_BV, temperature_B, top_k_B, top_p_B, seed_B, step_B, *, mode: str,
-           logprobs: bool):
+           logprobs: bool, width: int = 0):
     """mode "greedy": argmax for every row. mode "sample": temperature 0 rows still take the
-    argmax; the others sample from their filtered, tempered distribution."""
+    argmax; the others sample from their filtered, tempered distribution. width: the tokens
+    padded with zeros to this many rows (a fixed shape the next step can take them in)."""
     logits_BV = logits_BV.astype(jnp.float32)
     greedy_B = argmax_rows(logits_BV)
     if mode == "greedy":
@@ -173,9 +174,10 @@ def sample(logits_BV, temperature_B, top_k_B, top_p_B, seed_B, step_B, *, mode: 
 
         drawn_B = draw_rows(weights, jax.vmap(uniform)(seed_B, step_B))
         tokens_B = jnp.where(temperature_B == 0.0, greedy_B, drawn_B)
+    padded = jnp.pad(tokens_B, (0, max(width - tokens_B.shape[0], 0)))
     if not logprobs:
-        return tokens_B, None
+        return padded, None
     logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
     chosen_B = jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
     top_vals, top_ids = jax.lax.top_k(logp_BV, NUM_LOGPROBS)
-    return tokens_B, (chosen_B, top_ids.astype(jnp.int32), top_vals)
+    return padded, (chosen_B, top_ids.astype(jnp.int32), top_vals)

@@ -39,7 +39,7 @@ from collections import deque
 from typing import Callable, Optional, Sequence
 
 from multilora.engine.kv_pages import PagePool, page_keys
-from multilora.engine.request import Request, RequestStatus
+from multilora.engine.request import PENDING_TOKEN, Request, RequestStatus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,7 @@ class StepPlan:
     preempted: list[Request] = dataclasses.field(default_factory=list)
     prefix_queried_tokens: int = 0     # prompt tokens looked up in the prefix cache this step
     prefix_hit_tokens: int = 0         # of those, found
+    awaiting: list[int] = dataclasses.field(default_factory=list)  # chunks given a PENDING_TOKEN (advance)
 
     @property
     def num_tokens(self) -> int:
@@ -137,6 +138,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if req.awaiting and len(req.output_token_ids) >= req.max_tokens:
+                continue  # its pending token is its last: nothing more to compute
             prefilling = req.is_prefilling
             if prefilling and prefill_chunks >= self.cfg.max_prefill_seqs:
                 continue
@@ -263,18 +266,42 @@ class Scheduler:
         """The step ran: its chunks' tokens are in the cache. Pages that became full join the
         prefix cache; every chunk that completed its request's known tokens gets its sampled
         token appended. Returns those requests (in plan order)."""
-        got = []
-        if len(sampled) != len(plan.chunks):
-            raise ValueError(f"{len(sampled)} sampled tokens for {len(plan.chunks)} chunks")
-        for c, token in zip(plan.chunks, sampled):
+        self.advance(plan)
+        return self.resolve(plan, sampled)
+
+    def advance(self, plan: StepPlan) -> None:
+        """The step is dispatched: its chunks count as computed, and every chunk that completed
+        its request's known tokens appends a PENDING_TOKEN, so the next plan can be made before
+        the step's tokens are read (async scheduling; resolve fills them in)."""
+        for i, c in enumerate(plan.chunks):
             req = c.request
             if req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens = c.start + c.num_tokens
-            self._register_full_pages(req)
             if c.completes_prefill:
-                req.output_token_ids.append(int(token))
-                got.append(req)
+                req.output_token_ids.append(PENDING_TOKEN)
+                req.awaiting = True
+                plan.awaiting.append(i)
+
+    def resolve(self, plan: StepPlan, sampled: Sequence[int]) -> list[Request]:
+        """The advanced step's tokens were read: each PENDING_TOKEN it appended becomes its
+        token (also for a request preempted since: the token stands, its pages are recomputed),
+        and pages that became full join the prefix cache. Returns the requests that got a token
+        (in plan order); finished ones (their pending token dropped) are skipped."""
+        if len(sampled) != len(plan.chunks):
+            raise ValueError(f"{len(sampled)} sampled tokens for {len(plan.chunks)} chunks")
+        got = []
+        for c in plan.chunks:
+            if c.request.status is RequestStatus.RUNNING:
+                self._register_full_pages(c.request)
+        for i in plan.awaiting:
+            req = plan.chunks[i].request
+            if req.finished or not req.awaiting:
+                continue
+            assert req.output_token_ids[-1] == PENDING_TOKEN, "a pending token is the last one"
+            req.output_token_ids[-1] = int(sampled[i])
+            req.awaiting = False
+            got.append(req)
         return got
 
     def _register_full_pages(self, req: Request) -> None:

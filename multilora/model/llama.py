@@ -32,6 +32,7 @@ from multilora.model.arrays import lora_pool, weight
 from multilora.model.attention import (decode_attention, kv_page_writes, max_pages_written, prefill_attention,
                                        softcap_logits, write_kv, write_kv_pages)
 from multilora.model.layers import apply_rope, geglu_tanh, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from multilora.model.packing import PackSpec, unpack
 from multilora.model.projections import PackedBf16, QuantInt8
 
 
@@ -269,6 +270,17 @@ def _proj(x, w, b=None, layer=None):
     else:
         y = jnp.einsum("td,do->to", x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(x.dtype)
     return y if b is None else y + b.astype(y.dtype)
+
+
+def forward_packed(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch_buf: jax.Array,
+                   fed_M: jax.Array, spec: PackSpec, **kw):
+    """forward over a Batch that came to the device as one buffer (multilora.model.packing: one
+    host -> device copy a step instead of one per array), packed as (batch, src_T) with src_T
+    int32 (T,): where >= 0, the token's id is fed_M[src_T] (the previous step's sampled tokens,
+    still on the device) instead of batch.token_ids_T (async scheduling)."""
+    batch, src_T = unpack(spec, batch_buf)
+    ids_T = jnp.where(src_T >= 0, jnp.take(fed_M, jnp.maximum(src_T, 0), mode="clip"), batch.token_ids_T)
+    return forward(weights, lora, kv, dataclasses.replace(batch, token_ids_T=ids_T), **kw)
 
 
 def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: Batch,
