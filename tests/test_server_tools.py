@@ -61,7 +61,11 @@ Call: <tool_call>
 {% else %}<|im_start|>{{ m.role }}
 {{ m.content }}<|im_end|>
 {% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +189,12 @@ def test_follow_up_turn_with_the_tool_result_is_answered(served):
             ids = h.post("/v1/tokenize", json=dict(model=model, messages=turn, tools=TOOLS)).json()["tokens"]
             return h.post("/v1/detokenize", json=dict(tokens=ids)).json()["prompt"]
         fallback, native = prompt("a"), prompt("q")
+        # vLLM's chat_template_kwargs reach the template (Qwen3's enable_thinking here)
+        ids = h.post("/v1/tokenize", json=dict(model="q", messages=ASK, chat_template_kwargs={"enable_thinking": False}))
+        thinking_off = h.post("/v1/detokenize", json=dict(tokens=ids.json()["tokens"])).json()["prompt"]
+        assert thinking_off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        assert c.chat.completions.create(model="q", messages=ASK, max_tokens=2, extra_body={
+            "chat_template_kwargs": {"enable_thinking": False}}).choices[0].finish_reason in ("stop", "length")
     call = msg.tool_calls[0].function
     assert fallback.startswith("<|im_start|>system\nyou are a model\n\n# Tools\n")
     assert json.dumps(WEATHER) in fallback and "<tool_response>\nsunny, 21 C\n</tool_response>" in fallback
@@ -214,6 +224,17 @@ def test_auto_reads_calls_out_of_free_text(served):
         content += d.content or ""
         args += "".join(t.function.arguments or "" for t in d.tool_calls or [])
     assert content == "Let me check." and json.loads(args) == json.loads(ch.message.tool_calls[0].function.arguments)
+    # a call repeated word for word ends the choice there (generation stops), streamed or not
+    call = '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>'
+    kw.update(max_tokens=320, extra_body={"guided_grammar": f"start: C C C C\nC: {json.dumps(call + chr(10))}"})
+    r = c.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+    full = c.chat.completions.create(**dict(kw, tools=None))  # the same tokens, not read: all four
+    assert full.choices[0].message.content.count("<tool_call>") == 4
+    assert r.usage.completion_tokens < full.usage.completion_tokens / 2
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["tool_calls"]
+    assert {t.index for ch in chunks for t in ch.choices[0].delta.tool_calls or []} == {0}
     plain = c.chat.completions.create(model="q", messages=ASK, tools=TOOLS, temperature=0.0, max_tokens=6)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
 
@@ -258,6 +279,7 @@ def test_bad_tools_are_400_naming_what_is_allowed(served):
         (dict(ok, tools=[bad_schema], tool_choice="required"), "tools", "cannot be compiled"),
         (dict(ok, tools=TOOLS, tool_choice="required", guided_regex="a+"), "guided_regex", "cannot be combined"),
         (dict(ok, messages=ASK + [{"role": "assistant", "tool_calls": [{"id": "1"}]}]), "messages", "function"),
+        (dict(ok, chat_template_kwargs={"tools": []}), "chat_template_kwargs", "set by the server"),
     ]
     with http(served) as h:
         for body, param, words in cases:

@@ -229,3 +229,47 @@ def test_templates_with_and_without_a_tool_format(tmp_path):
     tok.chat_template, tok.bos_token, tok.eos_token = plain, None, None
     text = tok.apply_chat_template(rendered, tools=tools, template=native, add_generation_prompt=False)
     assert text.startswith(json.dumps(TIME) + "\n") and "assistant: [{}]" in text and "tool: <noon>" in text
+
+
+@pytest.mark.parametrize("parser,sep,call", [
+    ("hermes", "\n", '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris"}}\n</tool_call>'),
+    ("llama3_json", "; ", '{"name": "get_weather", "parameters": {"location": "Paris"}}'),
+])
+def test_a_repeated_call_ends_the_output(parser, sep, call):
+    """A small model given room for several calls repeats one: the repeat is dropped unsent,
+    with all that follows, and the output is over; a call that only starts like an earlier one
+    is held back until it differs, then sent."""
+    other = call.replace("Paris", "Pau")
+    text = sep.join([call, other, call, other]) + sep + call[:20]
+    content, calls = parse_tool_calls(parser, text)
+    assert content is None and [json.loads(c.arguments)["location"] for c in calls] == ["Paris", "Pau"]
+    out = ChatOutput(None, parser)
+    deltas, over_at = [], None
+    for i, ch in enumerate(text):
+        deltas += out.feed(ch)
+        if out.over and over_at is None:
+            over_at = i
+    assert over_at == len(sep.join([call, other, call])) - 1
+    got = assemble(deltas + out.finish())
+    assert [json.loads(a)["location"] for _, a in got["calls"].values()] == ["Paris", "Pau"]
+    msg, reason = out.result("stop")
+    assert reason == "tool_calls" and len(msg.tool_calls) == 2
+
+
+def test_forced_arguments_take_no_properties_their_schema_does_not_list(lltok):
+    """An object schema silent on additionalProperties is closed for a forced call (xgrammar's
+    strict mode does the same), nested ones and $defs included; one that says otherwise keeps it."""
+    from multilora.server.tools import closed
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "c": {"type": "object", "additionalProperties": True, "properties": {}}},
+              "$defs": {"d": {"type": "object", "properties": {"e": {"type": "string"}}}}}
+    got = closed(schema)
+    assert got["additionalProperties"] is False and got["properties"]["a"]["additionalProperties"] is False
+    assert got["properties"]["c"]["additionalProperties"] is True and got["$defs"]["d"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # not changed in place
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    grammar = call_grammar([tool], "hermes", one=True)
+    wrap = '<tool_call>\n{{"name": "f", "arguments": {}}}\n</tool_call>'.format
+    assert matches(lltok, grammar, wrap('{"a": {"b": 1}, "c": {"x": 2}}'))
+    assert not matches(lltok, grammar, wrap('{"a": {"b": 1}, "z": 1}'))
+    assert not matches(lltok, grammar, wrap('{"a": {"b": 1, "z": 1}}'))

@@ -4,10 +4,12 @@ for a whole response or delta by delta for a stream.
 
     out = ChatOutput(reasoning_parser, tool_parser)
     deltas = out.feed(text)                  # DeltaMessages for this piece (maybe none)
+    if out.over: ...                         # a repeated call: stop generating (finish "stop")
     deltas += out.finish()
-    message, finish_reason = ChatOutput(...).message(text, engine_finish_reason)
+    message, finish_reason = out.result(engine_finish_reason)    # the whole message (not streamed)
 
-A choice that called tools finishes with "tool_calls" where the engine said "stop".
+A choice that called tools finishes with "tool_calls" where the engine said "stop". A whole
+message keeps a malformed call as text, where a stream may have sent part of it already.
 """
 
 from __future__ import annotations
@@ -24,22 +26,33 @@ class ChatOutput:
         self._split = ReasoningSplitter(reasoning_parser) if reasoning_parser else None
         self._tools = ToolCallStream(tool_parser) if tool_parser else None
         self.called = False   # a call began (the stream's finish_reason becomes "tool_calls")
+        self._reasoning: list[str] = []   # what the whole message gathers
+        self._content: list[str] = []
+        self._events: list = []
 
     @property
     def active(self) -> bool:
         return self._split is not None or self._tools is not None
 
+    @property
+    def over(self) -> bool:
+        """The output has ended early (a repeated call): stop generating it."""
+        return self._tools is not None and self._tools.repeated
+
     def _deltas(self, reasoning: str, content: str, final: bool) -> list[P.DeltaMessage]:
         out: list[P.DeltaMessage] = []
         if reasoning:
+            self._reasoning.append(reasoning)
             out.append(P.DeltaMessage(reasoning_content=reasoning))
         if self._tools is None:
             if content:
+                self._content.append(content)
                 out.append(P.DeltaMessage(content=content))
             return out
         events = self._tools.feed(content) if content else []
         if final:
             events += self._tools.finish()
+        self._events += events
         for e in events:
             if isinstance(e, Content):
                 out.append(P.DeltaMessage(content=e.text))
@@ -63,24 +76,25 @@ class ChatOutput:
         reasoning, content = self._split.finish() if self._split else ("", "")
         return self._deltas(reasoning, content, final=True)
 
-    def message(self, text: str, finish_reason: Optional[str]) -> tuple[P.ChatResponseMessage, Optional[str]]:
-        """A whole choice's message and finish_reason."""
-        reasoning, content = ("", text)
-        if self._split is not None:
-            r1, c1 = self._split.feed(text)
-            r2, c2 = self._split.finish()
-            reasoning, content = r1 + r2, c1 + c2
-        calls = []
+    def result(self, finish_reason: Optional[str]) -> tuple[P.ChatResponseMessage, Optional[str]]:
+        """The whole message, once fed and finished, and its finish_reason."""
+        content, calls = "".join(self._content), []
         if self._tools is not None:
-            content, parsed = collect(self._tools.feed(content) + self._tools.finish())
+            content, parsed = collect(self._events)
             calls = [P.ToolCall(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments))
                      for c in parsed]
             if calls:
                 content = content or None
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         msg = P.ChatResponseMessage(content=content, tool_calls=calls or None,
-                                    reasoning_content=reasoning or None)
+                                    reasoning_content="".join(self._reasoning) or None)
         return msg, finish_reason
+
+    def message(self, text: str, finish_reason: Optional[str]) -> tuple[P.ChatResponseMessage, Optional[str]]:
+        """A whole choice's message and finish_reason, from its whole text."""
+        self.feed(text)
+        self.finish()
+        return self.result(finish_reason)
 
     def finish_reason(self, engine_reason: Optional[str]) -> Optional[str]:
         return "tool_calls" if self.called and engine_reason == "stop" else engine_reason

@@ -47,7 +47,7 @@ OFF_ONLY: dict[str, tuple] = {
     "prompt_logprobs": (), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (), "priority": (0,), "continue_final_message": (False,),
-    "chat_template": (), "chat_template_kwargs": ({},), "documents": (), "mm_processor_kwargs": (),
+    "chat_template": (), "documents": (), "mm_processor_kwargs": (),
     # message fields of a replayed assistant turn
     "refusal": (), "annotations": ([],),
 }
@@ -395,6 +395,7 @@ class TokenizeChatRequest(_Request):
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
     tools: Optional[list[ChatTool]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class TokenizeResponse(_Response):

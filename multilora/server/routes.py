@@ -94,7 +94,7 @@ async def chat_completions(request: Request):
     lora = await srv.request_adapter(req)
     template = await srv.chat_template(lora)
     plan = srv.tool_plan(req, template)
-    ids = await srv.chat_ids(req.messages, req.add_generation_prompt, plan, template)
+    ids = await srv.chat_ids(req.messages, req.add_generation_prompt, plan, template, req.chat_template_kwargs)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = srv.max_tokens_for(requested, len(ids), param)
@@ -109,18 +109,24 @@ async def chat_completions(request: Request):
     streams = await srv.submit([ids], params, lora, req.model, n)
     rid, created = P.random_id("chatcmpl"), P.now()
 
-    def output() -> ChatOutput:  # one per choice: reasoning, then the calls (when read)
-        return ChatOutput(srv.reasoning_parser, plan.parser if plan.parses else None)
+    def output() -> ChatOutput:  # one per choice: reasoning (none before a forced call), then the calls
+        return ChatOutput(None if plan.forced else srv.reasoning_parser, plan.parser if plan.parses else None)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return SSEResponse(chat_stream(srv, streams, req.model, rid, created, include_usage,
                                          bool(req.logprobs), n, output), streams)
-    results = await srv.collect(request, streams)
+    outs = [output() for _ in streams]
+
+    def done(i: int, text: str) -> bool:  # read as it comes: a repeated call ends the choice
+        outs[i].feed(text)
+        return outs[i].over
+    results = await srv.collect(request, streams, done)
     if results is None:
         return Response(status_code=499)
     choices = []
     for i, r in enumerate(results):
-        message, finish_reason = output().message(r.text, r.finish_reason)
+        outs[i].finish()
+        message, finish_reason = outs[i].result(r.finish_reason)
         choices.append(P.ChatChoice(index=i, message=message, finish_reason=finish_reason,
                                     logprobs=srv.chat_logprobs(r.logprobs) if req.logprobs else None))
     return P.ChatCompletionResponse(id=rid, created=created, model=req.model, choices=choices,
@@ -152,7 +158,8 @@ async def tokenize(request: Request):
         template = await srv.chat_template(lora)
         plan = srv.tool_plan(P.ChatCompletionRequest(model="", messages=[], tools=req.tools), template) \
             if req.tools else None
-        ids = await srv.chat_ids(req.messages, req.add_generation_prompt, plan, template)
+        ids = await srv.chat_ids(req.messages, req.add_generation_prompt, plan, template,
+                                 req.chat_template_kwargs)
     else:
         ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
     return P.TokenizeResponse(count=len(ids), max_model_len=srv.engine.max_model_len, tokens=ids,

@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from fastapi import Request
 
@@ -31,6 +31,8 @@ log = logging.getLogger("multilora.server")
 MAX_ADAPTER_NAME = 256
 MAX_CHOICES = 128  # n per prompt (OpenAI's limit)
 TOOL_PARSER_CHOICES = ("auto", "none") + TOOL_CALL_PARSERS   # --tool-call-parser
+# what the server itself passes a chat template (chat_template_kwargs may not set them)
+TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "template"})
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -171,25 +173,30 @@ class Server:
         return plan_tools(req, template, self.tool_call_parser)
 
     async def chat_ids(self, messages: list, add_generation_prompt: bool, plan: Optional[ToolPlan] = None,
-                       template: Optional[str] = None) -> list[int]:
-        """The chat template over the messages (and the plan's tools) -> prompt token ids (400s
-        name what is wrong)."""
+                       template: Optional[str] = None, template_kwargs: Optional[dict] = None) -> list[int]:
+        """The chat template over the messages (and the plan's tools; template_kwargs: vLLM's
+        chat_template_kwargs, e.g. enable_thinking) -> prompt token ids (400s name what is wrong)."""
         tok = self.engine.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
         if not messages:
             raise APIError(400, "messages must hold at least one message", "messages")
+        kwargs = dict(template_kwargs or {})
+        taken = sorted(set(kwargs) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise APIError(400, f"chat_template_kwargs: {taken[0]!r} is set by the server (it cannot be given "
+                                f"here: {', '.join(sorted(TEMPLATE_ARGUMENTS))})", "chat_template_kwargs")
         rendered, tools = template_messages(messages, plan)
 
         def encode():
             try:
-                return tok.encode_chat(rendered, add_generation_prompt, tools=tools, template=template)
+                return tok.encode_chat(rendered, add_generation_prompt, tools=tools, template=template, **kwargs)
             except Exception:
                 if plan is None or plan.native or not plan.tools or messages[0].role == "system":
                     raise
                 # a template without a system role: the fallback's tool list goes in the first user turn
                 again, _ = template_messages(messages, plan, preamble_in_user=True)
-                return tok.encode_chat(again, add_generation_prompt, tools=None, template=template)
+                return tok.encode_chat(again, add_generation_prompt, tools=None, template=template, **kwargs)
         try:
             ids = await asyncio.to_thread(encode)
         except ValueError as e:
@@ -322,9 +329,12 @@ class Server:
             raise
         return streams
 
-    async def collect(self, request: Request, streams: list[RequestStream]) -> Optional[list[Collected]]:
-        """Run streams to the end (non-streaming); None if the client went away (all aborted)."""
-        async def one(s: RequestStream) -> Collected:
+    async def collect(self, request: Request, streams: list[RequestStream],
+                      done: Optional[Callable[[int, str], bool]] = None) -> Optional[list[Collected]]:
+        """Run streams to the end (non-streaming); None if the client went away (all aborted).
+        done(choice, text): called with each piece of a choice's text; True ends that choice
+        there (aborted, finish_reason "stop")."""
+        async def one(i: int, s: RequestStream) -> Collected:
             text, ids, lps, reason, prompt_lps = [], [], [], None, None
             async for d in s:
                 text.append(d.text)
@@ -333,8 +343,13 @@ class Server:
                     lps.extend(d.logprobs)
                 if d.prompt_logprobs is not None:
                     prompt_lps = d.prompt_logprobs
+                over = done is not None and bool(d.text) and done(i, d.text)
                 if d.finished:
                     reason = d.finish_reason
+                elif over:
+                    s.abort()
+                    reason = "stop"
+                    break
             if reason == "error":
                 raise APIError(500, f"the request failed: {s.error or 'engine error'}", code="engine_error")
             return Collected(text="".join(text), token_ids=ids, logprobs=lps, finish_reason=reason,
@@ -343,7 +358,7 @@ class Server:
                              lora_version=s.lora_version)
 
         watcher = asyncio.create_task(_wait_disconnect(request))
-        work = asyncio.ensure_future(asyncio.gather(*(one(s) for s in streams)))
+        work = asyncio.ensure_future(asyncio.gather(*(one(i, s) for i, s in enumerate(streams))))
         try:
             done, _ = await asyncio.wait({watcher, work}, return_when=asyncio.FIRST_COMPLETED)
             if work in done:

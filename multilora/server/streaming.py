@@ -148,6 +148,7 @@ async def chat_stream(srv: "_Server", streams: list[RequestStream], model: str, 
     outs = [output() for _ in streams] if output is not None else None
     if outs is not None and not outs[0].active:
         outs = None
+    ended: set[int] = set()
 
     def chunk(i: int, delta: P.DeltaMessage, lp=None, finish_reason=None, fingerprint=None) -> str:
         return _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[
@@ -169,8 +170,15 @@ async def chat_stream(srv: "_Server", streams: list[RequestStream], model: str, 
             if outs is None:
                 yield chunk(i, P.DeltaMessage(content=d.text if d.text else None), lp, reason, d.lora_version)
                 continue
+            if i in ended:  # queued before its choice ended early
+                continue
             deltas = outs[i].feed(d.text) if d.text else []
+            if outs[i].over and not d.finished:  # a repeated call: this choice ends here
+                streams[i].abort()
+                d = dataclasses.replace(d, finished=True, finish_reason="stop")
+                reason = "stop"
             if d.finished:
+                ended.add(i)
                 deltas += outs[i].finish()
                 reason = outs[i].finish_reason(reason)
             if lp is not None and not deltas:  # logprobs of held-back text still go out

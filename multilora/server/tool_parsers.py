@@ -17,7 +17,10 @@ text of the object); its end says whether the whole call was well formed (the bl
 JSON with a string name and an object of arguments). parse_tool_calls gives exactly the calls
 and content the stream gives for a whole text, except that a malformed call is kept as content
 text (a stream may already have sent part of it, as vLLM's do). Whitespace between calls and
-text is dropped.
+text is dropped. A call that repeats an earlier one of the same output word for word ends the
+output (`repeated`): it is dropped with all that follows, and none of its events goes out (a
+call's events are held back while its text is the start of an earlier call's). Small models
+given room for several calls tend to repeat one until max_tokens.
 """
 
 from __future__ import annotations
@@ -213,6 +216,9 @@ class ToolCallStream:
         self._calls = 0
         self._pending_ws = ""     # content's trailing whitespace: dropped if a call follows
         self._skip_ws = False     # drop the whitespace after a call
+        self._done: list[str] = []   # the well-formed calls' texts so far
+        self._held: list[Event] = []  # the current call's events while it repeats an earlier call's text
+        self.repeated = False     # a call repeated an earlier one: the output is over (the rest is ignored)
 
     # ---- content, with the whitespace around calls dropped --------------------------------------
     def _content(self, text: str, out: list[Event]) -> None:
@@ -235,16 +241,34 @@ class ToolCallStream:
         self._call = _Call(self._take_index)
         self._call.lead_ws, self._pending_ws = self._pending_ws, ""
 
+    def _advance_call(self, out: list[Event]) -> None:
+        """The current call's new events, held back while its text is the start of an earlier
+        call's (a small model given several calls tends to repeat one until max_tokens)."""
+        self._held += self._call.advance()
+        text = self._call.text.strip()
+        if not any(done.startswith(text) for done in self._done):
+            out.extend(self._held)
+            self._held = []
+
     def _end_call(self, raw: str, out: list[Event]) -> None:
-        events = self._call.end(raw)
+        events = self._held + self._call.end(raw)
+        self._held = []
         last = events[-1]
-        if not last.ok:  # kept as text (by parse_tool_calls): with the whitespace around it
+        text = self._call.text.strip()
+        if last.ok and text in self._done:  # a repeat: dropped, and the output ends here
+            self.repeated, self._buf, self._call = True, "", None
+            return
+        if last.ok:
+            self._done.append(text)
+        else:  # kept as text (by parse_tool_calls): with the whitespace around it
             last.raw = self._call.lead_ws + last.raw
         out.extend(events)
         self._call, self._skip_ws = None, last.ok
 
     # ---- the two syntaxes -----------------------------------------------------------------------
     def feed(self, text: str) -> list[Event]:
+        if self.repeated:
+            return []
         self._buf += text
         out: list[Event] = []
         if self.parser == "hermes":
@@ -254,6 +278,8 @@ class ToolCallStream:
         return out
 
     def finish(self) -> list[Event]:
+        if self.repeated:
+            return []
         out: list[Event] = []
         if self.parser == "hermes":
             self._hermes(out, final=True)
@@ -282,7 +308,7 @@ class ToolCallStream:
                 self._call.text += self._buf[:len(self._buf) - keep]
                 self._buf = self._buf[len(self._buf) - keep:]
                 if not final:
-                    out.extend(self._call.advance())
+                    self._advance_call(out)
                     return
                 self._end_call(HERMES_START + self._call.text, out)  # unterminated at the end
                 return
@@ -316,7 +342,7 @@ class ToolCallStream:
             self._call.text += self._buf[:n]
             self._buf = self._buf[n:]
             if not scan.done and not final:
-                out.extend(self._call.advance())
+                self._advance_call(out)
                 return
             self._end_call(self._call.text, out)
             self._state = "between"

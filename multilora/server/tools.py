@@ -127,11 +127,34 @@ def _check_choice(choice, tools: list[dict]) -> tuple[str, Optional[str]]:
 
 
 # ---- the forced call's grammar --------------------------------------------------------------------
+def closed(schema):
+    """A copy of schema where an object that lists `properties` and says nothing of
+    `additionalProperties` takes no others (xgrammar's strict mode, vLLM's default, does the
+    same): a small model otherwise invents arguments until max_tokens. What it accepts still
+    validates against the original."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
+            out[key] = {k: closed(v) for k, v in value.items()}
+        elif key in ("items", "prefixItems", "anyOf", "oneOf", "allOf", "additionalProperties", "not",
+                     "if", "then", "else", "contains"):
+            out[key] = closed(value)
+        else:
+            out[key] = value
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def call_schema(tool: dict, parser: str) -> dict:
-    """The JSON schema of one call object: the function's name, then its arguments (whose own
-    $defs move to the root, where their references point)."""
+    """The JSON schema of one call object: the function's name, then its arguments (closed; their
+    own $defs move to the root, where their references point)."""
     fn = tool["function"]
-    params = copy.deepcopy(fn["parameters"])
+    params = closed(copy.deepcopy(fn["parameters"]))
     defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
     key = _ARGS_KEY[parser]
     return {"x-guidance": _JSON_STYLE, "type": "object",
@@ -218,6 +241,8 @@ def template_messages(messages: list[P.ChatMessage], plan: Optional[ToolPlan],
                                      for c in m.tool_calls]
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content is not None:  # Qwen3's template shows the last turns' reasoning
+                msg["reasoning_content"] = m.reasoning_content
             out.append(msg)
         elif m.role == "tool":
             answer = f"<tool_response>\n{text}\n</tool_response>"
