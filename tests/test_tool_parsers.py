@@ -229,6 +229,12 @@ def test_templates_with_and_without_a_tool_format(tmp_path):
     tok.chat_template, tok.bos_token, tok.eos_token = plain, None, None
     text = tok.apply_chat_template(rendered, tools=tools, template=native, add_generation_prompt=False)
     assert text.startswith(json.dumps(TIME) + "\n") and "assistant: [{}]" in text and "tool: <noon>" in text
+    # what transformers gives templates: tojson's arguments, strftime_now, {% generation %}, loop controls
+    extras = ("{{ tools[0] | tojson(indent=2) }}|{{ strftime_now('%Y') | length }}|{% for m in messages %}"
+              "{% if m.role == 'tool' %}{% break %}{% endif %}{% generation %}{{ m.role }},{% endgeneration %}"
+              "{% endfor %}")
+    text = tok.apply_chat_template(rendered, tools=tools, template=extras)
+    assert text == json.dumps(TIME, indent=2) + "|4|user,assistant,"
 
 
 @pytest.mark.parametrize("parser,sep,call", [

@@ -45,14 +45,25 @@ def _strftime_now(fmt: str) -> str:
 def _compiled(template: str):
     """A template's compiled form and whether it reads `tools` (has a tool format of its own)."""
     import jinja2
-    from jinja2 import meta
+    from jinja2 import meta, nodes
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(msg):
         raise jinja2.exceptions.TemplateError(msg)
 
+    class Generation(Extension):
+        """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens
+        for training): the body as it is."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+                                        extensions=["jinja2.ext.loopcontrols", Generation])
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
