@@ -224,17 +224,22 @@ def test_auto_reads_calls_out_of_free_text(served):
         content += d.content or ""
         args += "".join(t.function.arguments or "" for t in d.tool_calls or [])
     assert content == "Let me check." and json.loads(args) == json.loads(ch.message.tool_calls[0].function.arguments)
-    # a call repeated word for word ends the choice there (generation stops), streamed or not
-    call = '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>'
-    kw.update(max_tokens=320, extra_body={"guided_grammar": f"start: C C C C\nC: {json.dumps(call + chr(10))}"})
+    # a call repeated word for word ends the choice there (generation stops), streamed or not; with
+    # parallel_tool_calls false, the first call does
+    call = '<tool_call>\n{{"name": "search", "arguments": {{"q": "{}"}}}}\n</tool_call>\n'.format
+    kw.update(max_tokens=320, extra_body={"guided_grammar": "start: A B B B\nA: {}\nB: {}".format(
+        json.dumps(call("x")), json.dumps(call("y")))})
     r = c.chat.completions.create(**kw)
-    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert [json.loads(t.function.arguments)["q"] for t in r.choices[0].message.tool_calls] == ["x", "y"]
     full = c.chat.completions.create(**dict(kw, tools=None))  # the same tokens, not read: all four
     assert full.choices[0].message.content.count("<tool_call>") == 4
-    assert r.usage.completion_tokens < full.usage.completion_tokens / 2
+    assert r.usage.completion_tokens < full.usage.completion_tokens
+    one = c.chat.completions.create(**dict(kw, parallel_tool_calls=False))
+    assert len(one.choices[0].message.tool_calls) == 1 and one.usage.completion_tokens < r.usage.completion_tokens
     chunks = list(c.chat.completions.create(stream=True, **kw))
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["tool_calls"]
-    assert {t.index for ch in chunks for t in ch.choices[0].delta.tool_calls or []} == {0}
+    assert {t.index for ch in chunks for t in ch.choices[0].delta.tool_calls or []} == {0, 1}
     plain = c.chat.completions.create(model="q", messages=ASK, tools=TOOLS, temperature=0.0, max_tokens=6)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
 

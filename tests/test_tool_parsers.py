@@ -260,6 +260,9 @@ def test_a_repeated_call_ends_the_output(parser, sep, call):
     assert [json.loads(a)["location"] for _, a in got["calls"].values()] == ["Paris", "Pau"]
     msg, reason = out.result("stop")
     assert reason == "tool_calls" and len(msg.tool_calls) == 2
+    one = ToolCallStream(parser, max_calls=1)  # parallel_tool_calls false: over after the first call
+    content, calls = collect(one.feed(text) + one.finish())
+    assert one.over and content == "" and [c.name for c in calls] == ["get_weather"]
 
 
 def test_forced_arguments_take_no_properties_their_schema_does_not_list(lltok):

@@ -4,7 +4,7 @@ for a whole response or delta by delta for a stream.
 
     out = ChatOutput(reasoning_parser, tool_parser)
     deltas = out.feed(text)                  # DeltaMessages for this piece (maybe none)
-    if out.over: ...                         # a repeated call: stop generating (finish "stop")
+    if out.over: ...                         # a repeated call, or one too many: stop generating
     deltas += out.finish()
     message, finish_reason = out.result(engine_finish_reason)    # the whole message (not streamed)
 
@@ -22,9 +22,10 @@ from multilora.server.tool_parsers import CallArgs, CallBegin, CallEnd, Content,
 
 
 class ChatOutput:
-    def __init__(self, reasoning_parser: Optional[str], tool_parser: Optional[str]):
+    def __init__(self, reasoning_parser: Optional[str], tool_parser: Optional[str],
+                 max_calls: Optional[int] = None):
         self._split = ReasoningSplitter(reasoning_parser) if reasoning_parser else None
-        self._tools = ToolCallStream(tool_parser) if tool_parser else None
+        self._tools = ToolCallStream(tool_parser, max_calls) if tool_parser else None
         self.called = False   # a call began (the stream's finish_reason becomes "tool_calls")
         self._reasoning: list[str] = []   # what the whole message gathers
         self._content: list[str] = []
@@ -36,8 +37,8 @@ class ChatOutput:
 
     @property
     def over(self) -> bool:
-        """The output has ended early (a repeated call): stop generating it."""
-        return self._tools is not None and self._tools.repeated
+        """The output has ended early (a repeated call, or max_calls read): stop generating it."""
+        return self._tools is not None and self._tools.over
 
     def _deltas(self, reasoning: str, content: str, final: bool) -> list[P.DeltaMessage]:
         out: list[P.DeltaMessage] = []

@@ -110,14 +110,15 @@ async def chat_completions(request: Request):
     rid, created = P.random_id("chatcmpl"), P.now()
 
     def output() -> ChatOutput:  # one per choice: reasoning (none before a forced call), then the calls
-        return ChatOutput(None if plan.forced else srv.reasoning_parser, plan.parser if plan.parses else None)
+        return ChatOutput(None if plan.forced else srv.reasoning_parser, plan.parser if plan.parses else None,
+                          1 if req.parallel_tool_calls is False else None)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return SSEResponse(chat_stream(srv, streams, req.model, rid, created, include_usage,
                                          bool(req.logprobs), n, output), streams)
     outs = [output() for _ in streams]
 
-    def done(i: int, text: str) -> bool:  # read as it comes: a repeated call ends the choice
+    def done(i: int, text: str) -> bool:  # read as it comes: a repeated call (or one too many) ends it
         outs[i].feed(text)
         return outs[i].over
     results = await srv.collect(request, streams, done)

@@ -173,7 +173,7 @@ async def chat_stream(srv: "_Server", streams: list[RequestStream], model: str, 
             if i in ended:  # queued before its choice ended early
                 continue
             deltas = outs[i].feed(d.text) if d.text else []
-            if outs[i].over and not d.finished:  # a repeated call: this choice ends here
+            if outs[i].over and not d.finished:  # a repeated call (or one too many): it ends here
                 streams[i].abort()
                 d = dataclasses.replace(d, finished=True, finish_reason="stop")
                 reason = "stop"

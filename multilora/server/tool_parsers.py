@@ -18,9 +18,10 @@ JSON with a string name and an object of arguments). parse_tool_calls gives exac
 and content the stream gives for a whole text, except that a malformed call is kept as content
 text (a stream may already have sent part of it, as vLLM's do). Whitespace between calls and
 text is dropped. A call that repeats an earlier one of the same output word for word ends the
-output (`repeated`): it is dropped with all that follows, and none of its events goes out (a
+output (`over`): it is dropped with all that follows, and none of its events goes out (a
 call's events are held back while its text is the start of an earlier call's). Small models
-given room for several calls tend to repeat one until max_tokens.
+given room for several calls tend to repeat one until max_tokens. With max_calls, the output is
+over once that many calls are read (parallel_tool_calls false: one).
 """
 
 from __future__ import annotations
@@ -206,10 +207,10 @@ def _same_json(text: str, value) -> bool:
 class ToolCallStream:
     """The incremental reader of one choice's output (see the module's docstring)."""
 
-    def __init__(self, parser: str):
+    def __init__(self, parser: str, max_calls: Optional[int] = None):
         if parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool call parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {parser!r}")
-        self.parser = parser
+        self.parser, self.max_calls = parser, max_calls
         self._buf = ""            # text not yet placed
         self._state = "text" if parser == "hermes" else "open"
         self._call: Optional[_Call] = None
@@ -218,7 +219,7 @@ class ToolCallStream:
         self._skip_ws = False     # drop the whitespace after a call
         self._done: list[str] = []   # the well-formed calls' texts so far
         self._held: list[Event] = []  # the current call's events while it repeats an earlier call's text
-        self.repeated = False     # a call repeated an earlier one: the output is over (the rest is ignored)
+        self.over = False         # a call repeated an earlier one, or max_calls were read: the rest is ignored
 
     # ---- content, with the whitespace around calls dropped --------------------------------------
     def _content(self, text: str, out: list[Event]) -> None:
@@ -256,7 +257,7 @@ class ToolCallStream:
         last = events[-1]
         text = self._call.text.strip()
         if last.ok and text in self._done:  # a repeat: dropped, and the output ends here
-            self.repeated, self._buf, self._call = True, "", None
+            self.over, self._buf, self._call = True, "", None
             return
         if last.ok:
             self._done.append(text)
@@ -264,10 +265,12 @@ class ToolCallStream:
             last.raw = self._call.lead_ws + last.raw
         out.extend(events)
         self._call, self._skip_ws = None, last.ok
+        if self.max_calls is not None and len(self._done) >= self.max_calls:
+            self.over, self._buf = True, ""
 
     # ---- the two syntaxes -----------------------------------------------------------------------
     def feed(self, text: str) -> list[Event]:
-        if self.repeated:
+        if self.over:
             return []
         self._buf += text
         out: list[Event] = []
@@ -278,7 +281,7 @@ class ToolCallStream:
         return out
 
     def finish(self) -> list[Event]:
-        if self.repeated:
+        if self.over:
             return []
         out: list[Event] = []
         if self.parser == "hermes":
