@@ -246,7 +246,7 @@ def test_auto_reads_calls_out_of_free_text(served):
 
 def test_reasoning_parser_splits_think(served):
     """--reasoning-parser qwen3: <think>...</think> goes to reasoning_content (streamed:
-    delta.reasoning_content), the rest to content."""
+    delta.reasoning_content), the rest to content; a forced call may come after reasoning."""
     srv = served.app.state.server
     srv.reasoning_parser = "qwen3"
     try:
@@ -262,6 +262,18 @@ def test_reasoning_parser_splits_think(served):
             parts["content"] += d.content or ""
             parts["reasoning_content"] += (d.model_extra or {}).get("reasoning_content") or ""
         assert parts == {"reasoning_content": reasoning, "content": msg.content}
+        # a forced call may follow the reasoning (the grammar lets a <think> block come first)
+        finished = 0
+        for seed in range(6):
+            ch = c.chat.completions.create(model="a", messages=ASK, tools=TOOLS, tool_choice="required", seed=seed,
+                                           parallel_tool_calls=False, temperature=1.0, max_tokens=100).choices[0]
+            if ch.finish_reason == "tool_calls":
+                finished += 1
+                check_calls(ch.message.tool_calls)
+                assert ch.message.content is None
+            thought = ch.message.model_extra.get("reasoning_content")
+            assert thought is None or "<tool_call>" not in thought
+        assert finished
     finally:
         srv.reasoning_parser = None
 

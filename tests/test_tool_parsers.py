@@ -184,6 +184,11 @@ def test_forced_call_grammar_takes_exactly_the_valid_calls(lltok):
                 call.replace('"Paris"', '"Paris, in France"'), call.replace(', "unit": "celsius"', ', "x": 1'),
                 call.replace(": ", ":"), "I will call " + call):
         assert not matches(lltok, many, bad), bad
+    qwen3, r1 = (call_grammar([WEATHER, TIME], "hermes", True, reasoning) for reasoning in ("qwen3", "deepseek_r1"))
+    think = "<think>\nthe user wants </tool_call> the time\n</think>\n\n"
+    assert matches(lltok, qwen3, other) and matches(lltok, qwen3, think + other)
+    assert matches(lltok, r1, think + other) and matches(lltok, r1, "opened in the prompt</think>" + other)
+    assert not matches(lltok, r1, other) and not matches(lltok, qwen3, "<think>x</think>text" + other)
     llama = call_grammar([WEATHER], "llama3_json", one=False)
     assert matches(lltok, llama, '{"name": "get_weather", "parameters": {"location": "Oslo"}}; '
                                  '{"name": "get_weather", "parameters": {"location": "Rome"}}')

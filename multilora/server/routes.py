@@ -109,8 +109,8 @@ async def chat_completions(request: Request):
     streams = await srv.submit([ids], params, lora, req.model, n)
     rid, created = P.random_id("chatcmpl"), P.now()
 
-    def output() -> ChatOutput:  # one per choice: reasoning (none before a forced call), then the calls
-        return ChatOutput(None if plan.forced else srv.reasoning_parser, plan.parser if plan.parses else None,
+    def output() -> ChatOutput:  # one per choice: its reasoning, then its calls
+        return ChatOutput(srv.reasoning_parser, plan.parser if plan.parses else None,
                           1 if req.parallel_tool_calls is False else None)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -170,7 +170,7 @@ class Server:
         return self._templates[entry.path] or base
 
     def tool_plan(self, req: P.ChatCompletionRequest, template: Optional[str]) -> ToolPlan:
-        return plan_tools(req, template, self.tool_call_parser)
+        return plan_tools(req, template, self.tool_call_parser, self.reasoning_parser)
 
     async def chat_ids(self, messages: list, add_generation_prompt: bool, plan: Optional[ToolPlan] = None,
                        template: Optional[str] = None, template_kwargs: Optional[dict] = None) -> list[int]:

@@ -64,8 +64,10 @@ def detect_parser(template: Optional[str]) -> str:
     return "llama3_json" if template and "<|python_tag|>" in template else "hermes"
 
 
-def plan_tools(req: P.ChatCompletionRequest, template: Optional[str], configured: str) -> ToolPlan:
-    """configured: the server's --tool-call-parser ("auto": from the template, or "none")."""
+def plan_tools(req: P.ChatCompletionRequest, template: Optional[str], configured: str,
+               reasoning: Optional[str] = None) -> ToolPlan:
+    """configured: the server's --tool-call-parser ("auto": from the template, or "none");
+    reasoning: its --reasoning-parser (a forced call may follow the reasoning)."""
     tools = _check_tools(req.tools or [])
     choice, function = _check_choice(req.tool_choice, tools)
     native = template_has_tools(template)
@@ -82,7 +84,7 @@ def plan_tools(req: P.ChatCompletionRequest, template: Optional[str], configured
         one = choice == "function" or req.parallel_tool_calls is False
         chosen = [t for t in tools if choice == "required" or t["function"]["name"] == function]
         plan.parser = plan.parser or detect_parser(template if native else None)
-        plan.structured = StructuredOutput("grammar", call_grammar(chosen, plan.parser, one))
+        plan.structured = StructuredOutput("grammar", call_grammar(chosen, plan.parser, one, reasoning))
     return plan
 
 
@@ -162,11 +164,18 @@ def call_schema(tool: dict, parser: str) -> dict:
             "required": ["name", key], "additionalProperties": False, **defs}
 
 
-def call_grammar(tools: list[dict], parser: str, one: bool) -> str:
+def call_grammar(tools: list[dict], parser: str, one: bool, reasoning: Optional[str] = None) -> str:
     """A Lark grammar (llguidance's dialect) of one call, or one or more, of these tools in the
-    parser's syntax."""
+    parser's syntax; with a reasoning parser, after the reasoning (free text up to the first
+    `</think>`: qwen3's optional and opened by `<think>`, deepseek_r1's always there)."""
     alternatives = " | ".join(f"f{i}" for i in range(len(tools)))
-    lines = [f'start: call{"" if one else f" ({json.dumps(_SEPARATOR[parser])} call)*"}']
+    calls = f'call{"" if one else f" ({json.dumps(_SEPARATOR[parser])} call)*"}'
+    if reasoning is None:
+        lines = [f"start: {calls}"]
+    else:
+        lines = [f"start: {'think?' if reasoning == 'qwen3' else 'think'} {calls}",
+                 r"think: think_text /[ \n]*/",
+                 rf'think_text[lazy]: {json.dumps("<think>") if reasoning == "qwen3" else ""} /(.|\n)*/ "</think>"']
     if parser == "hermes":
         lines.append(f'call: {json.dumps(HERMES_START + chr(10))} body {json.dumps(chr(10) + HERMES_END)}')
     else:
