@@ -287,3 +287,37 @@ def test_forced_arguments_take_no_properties_their_schema_does_not_list(lltok):
     assert matches(lltok, grammar, wrap('{"a": {"b": 1}, "c": {"x": 2}}'))
     assert not matches(lltok, grammar, wrap('{"a": {"b": 1}, "z": 1}'))
     assert not matches(lltok, grammar, wrap('{"a": {"b": 1, "z": 1}}'))
+
+
+def test_fuzzed_outputs_never_break_the_readers():
+    """Hypothesis over outputs made of the syntaxes' pieces, cut anywhere: the readers never
+    raise, every call they report has an object of arguments, and the reasoning split of a
+    stream is the whole text's."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import given, settings, strategies as st
+    pieces_ = st.sampled_from(["<tool_call>", "</tool_call>", "<tool_", "\n", " ", '{"name": "f", ', '"arguments": ',
+                               '"parameters": ', '{"a": "}\\""}', "}", "{", "]", '"', "\\", ";", "<|python_tag|>",
+                               "<think>", "</think>", "</th", "text", "é"])
+    texts = st.lists(pieces_, max_size=14).map("".join)
+
+    @settings(max_examples=150, deadline=None, database=None, derandomize=True)
+    @given(texts, st.lists(st.integers(1, 7), min_size=1, max_size=8))
+    def one(text, cuts):
+        parts, i, k = [], 0, 0
+        while i < len(text):
+            parts.append(text[i:i + cuts[k % len(cuts)]])
+            i += cuts[k % len(cuts)]
+            k += 1
+        for parser in ("hermes", "llama3_json"):
+            _, calls = parse_tool_calls(parser, text)
+            stream = ToolCallStream(parser)
+            _, streamed = collect([e for p in parts for e in stream.feed(p)] + stream.finish())
+            for c in calls + streamed:
+                assert isinstance(json.loads(c.arguments), dict)
+        for reasoning in ("qwen3", "deepseek_r1"):
+            whole, split = ReasoningSplitter(reasoning), ReasoningSplitter(reasoning)
+            w = [whole.feed(text), whole.finish()]
+            s = [split.feed(p) for p in parts] + [split.finish()]
+            assert ("".join(r for r, _ in w), "".join(c for _, c in w)) == \
+                ("".join(r for r, _ in s), "".join(c for _, c in s))
+    one()

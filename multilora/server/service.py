@@ -73,7 +73,7 @@ class Server:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {reasoning_parser!r}")
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
-        self._templates: dict[str, Optional[str]] = {}    # adapter folder -> the template it ships
+        self._templates: dict[tuple, Optional[str]] = {}  # (adapter folder, version) -> its own template
         self.aengine = aengine
         eng = aengine.engine
         self.engine = eng
@@ -163,11 +163,12 @@ class Server:
         entry = self.engine.registry.entries.get(lora) if lora is not None and self.engine.slots is not None else None
         if entry is None:
             return base
-        if entry.path not in self._templates:
+        key = (entry.path, entry.version)  # an in-place load may bring another template
+        if key not in self._templates:
             if len(self._templates) > 1024:
                 self._templates.clear()
-            self._templates[entry.path] = await asyncio.to_thread(read_chat_template, entry.path)
-        return self._templates[entry.path] or base
+            self._templates[key] = await asyncio.to_thread(read_chat_template, entry.path)
+        return self._templates[key] or base
 
     def tool_plan(self, req: P.ChatCompletionRequest, template: Optional[str]) -> ToolPlan:
         return plan_tools(req, template, self.tool_call_parser, self.reasoning_parser)

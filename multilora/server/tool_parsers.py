@@ -141,7 +141,7 @@ class _Call:
     def __init__(self, take_index):
         self._take_index = take_index  # the stream's next call index, taken when the call begins
         self.index: Optional[int] = None
-        self.id, self.text = call_id(), ""
+        self.id, self.text, self.name = call_id(), "", ""
         self.begun = False         # CallBegin sent
         self.outer = _JsonEnd()    # the call object's own end (llama3_json)
         self.args_at = -1          # where the arguments' value starts in text
@@ -159,7 +159,7 @@ class _Call:
                 name = json.loads(f'"{m.group(1)}"')
             except ValueError:
                 return out
-            self.begun, self.args_at, self.index = True, m.end(), self._take_index()
+            self.begun, self.args_at, self.index, self.name = True, m.end(), self._take_index(), name
             out.append(CallBegin(self.index, self.id, name))
         if self.streamed and not self.scan.done:
             rest = self.text[self.args_at + self.args_sent:]
@@ -186,7 +186,7 @@ class _Call:
         ok = checked is not None
         if ok and self.begun and self.streamed:
             sent = self.text[self.args_at:self.args_at + self.args_sent]
-            ok = self.scan.done and _same_json(sent, checked[1])
+            ok = self.scan.done and _same_json(sent, checked[1]) and self.name == checked[0]
         elif ok and self.begun:  # name sent, arguments not streamable: all of them now
             out.append(CallArgs(self.index, json.dumps(checked[1], ensure_ascii=False)))
         elif ok:
