@@ -114,6 +114,17 @@ def served(tmp_path_factory):
 
     aengine = AsyncEngine(engine, max_queue=64)
     app = build_app(aengine, api_key=API_KEY, lora_root=str(lora_root), max_body_bytes=MAX_BODY)
+    server, thread, url = serve_in_thread(app)
+    yield Served(url=url, engine=engine, aengine=aengine, server=server,
+                 refs=refs, chat_ids=chat_ids, model_dir=model_dir, lora_root=lora_root, outside=outside,
+                 jobs=jobs)
+    server.should_exit = True
+    thread.join(timeout=30)
+    assert not aengine.is_alive
+
+
+def serve_in_thread(app) -> tuple["uvicorn.Server", threading.Thread, str]:
+    """A uvicorn server for app on a free local port, in a daemon thread, once it listens."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
                                            lifespan="on", timeout_graceful_shutdown=10))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -123,12 +134,7 @@ def served(tmp_path_factory):
         assert thread.is_alive() and time.time() < deadline, "the server did not start"
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
-    yield Served(url=f"http://127.0.0.1:{port}", engine=engine, aengine=aengine, server=server,
-                 refs=refs, chat_ids=chat_ids, model_dir=model_dir, lora_root=lora_root, outside=outside,
-                 jobs=jobs)
-    server.should_exit = True
-    thread.join(timeout=30)
-    assert not aengine.is_alive
+    return server, thread, f"http://127.0.0.1:{port}"
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
@@ -752,8 +758,9 @@ def test_nothing_is_silently_ignored(served):
         ("/v1/completions", dict(ok, guided_decoding_backend="xgrammar", guided_regex="a+"),
          "guided_decoding_backend"),
         ("/v1/completions", dict(ok, structured_outputs={"xml": "<a/>"}), "structured_outputs"),
-        ("/v1/chat/completions", dict(chat, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-        ("/v1/chat/completions", dict(chat, tool_choice="auto"), "tool_choice"),
+        ("/v1/chat/completions", dict(chat, tools=[{"type": "function", "function": {"name": "f", "x": 1}}]), "x"),
+        ("/v1/chat/completions", dict(chat, tool_choice="required"), "tool_choice"),
+        ("/v1/chat/completions", dict(chat, functions=[{"name": "f"}]), "functions"),
         ("/v1/completions", dict(ok, n=0), "n"),
         ("/v1/completions", dict(ok, n=129), "n"),
         ("/v1/completions", dict(ok, best_of=2, stream=True), "best_of"),
@@ -770,7 +777,7 @@ def test_nothing_is_silently_ignored(served):
         ("/v1/chat/completions", dict(chat, messages=[{"role": "user", "content": "hi", "cache_control": {}}]),
          "cache_control"),
         ("/v1/chat/completions", dict(chat, messages=[{"role": "assistant", "content": "x",
-                                                        "tool_calls": [{"id": "1"}]}]), "tool_calls"),
+                                                        "tool_calls": [{"id": "1"}]}]), "messages"),
     ]
     with served.http() as c:
         for route, body, param in refused:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from multilora.cli.args import add_distributed_args, add_engine_args, engine_kwargs
 from multilora.server.app import DEFAULT_MAX_BODY_BYTES, build_app, serve
+from multilora.server.reasoning import REASONING_PARSERS
+from multilora.server.service import TOOL_PARSER_CHOICES
 from multilora.server.async_engine import AsyncEngine
 from multilora.server.heap import freeze_startup_heap
 
@@ -48,8 +50,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds SIGTERM waits for running requests before aborting them")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="what the server logs")
+    add_chat_args(g)
     add_distributed_args(parser)
     return parser
+
+
+def add_chat_args(g) -> None:
+    """Tool calls and reasoning on /v1/chat/completions (vLLM's option names)."""
+    g.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
+                   help="the syntax tool calls are read in (tool_choice auto) and forced in (required, "
+                        "a named function): auto (default) takes the chat template's own (llama3_json "
+                        "for Llama 3.1's, else hermes, also for templates without a tool format); none: "
+                        "calls are not read, and tool_choice \"auto\" is refused")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice auto is on whenever a "
+                        "--tool-call-parser is (by default)")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split <think>...</think> into message.reasoning_content (default: no split)")
 
 
 def engine_from_args(args):
@@ -88,7 +105,8 @@ def run_serve(args) -> int:
         return follow(engine)
     aengine = AsyncEngine(engine, max_queue=args.max_queue)
     app = build_app(aengine, api_key=api_key, lora_root=args.lora_root, max_body_bytes=args.max_body_bytes,
-                    allow_any_lora_path=args.allow_any_lora_path, drain_timeout=args.drain_timeout)
+                    allow_any_lora_path=args.allow_any_lora_path, drain_timeout=args.drain_timeout,
+                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     freeze_startup_heap()  # full collections then skip the start-up heap (multilora.server.heap)
     if engine.num_processes > 1:  # a process gone: stop serving (with one, a dead engine thread is a 503)
         def _stop(message: str) -> None:

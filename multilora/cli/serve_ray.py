@@ -36,7 +36,8 @@ def config_from_args(args) -> RayServeConfig:
             replica_gpus=args.replica_gpus,
             api_key=args.api_key or os.environ.get("MULTILORA_API_KEY") or None, lora_root=args.lora_root,
             allow_any_lora_path=args.allow_any_lora_path, max_body_bytes=args.max_body_bytes,
-            max_queue=args.max_queue, drain_timeout=args.drain_timeout, app_name=args.app_name)
+            max_queue=args.max_queue, drain_timeout=args.drain_timeout, app_name=args.app_name,
+            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     except ValueError as e:
         raise SystemExit(str(e))
 

@@ -90,10 +90,12 @@ class _Guard:
 # ---- helpers -------------------------------------------------------------------------------------
 def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_root: Optional[str] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allow_any_lora_path: bool = False,
-              drain_timeout: float = 30.0) -> FastAPI:
+              drain_timeout: float = 30.0, tool_call_parser: str = "auto",
+              reasoning_parser: Optional[str] = None) -> FastAPI:
     """The FastAPI app. Its lifespan starts the engine thread and, at shutdown, lets running
-    requests finish (up to drain_timeout seconds) before stopping it."""
-    srv = Server(async_engine, lora_root, allow_any_lora_path)
+    requests finish (up to drain_timeout seconds) before stopping it. tool_call_parser and
+    reasoning_parser: --tool-call-parser and --reasoning-parser (docs/server.md)."""
+    srv = Server(async_engine, lora_root, allow_any_lora_path, tool_call_parser, reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit too)
 
@@ -31,9 +31,6 @@ def now() -> int:
 # Fields multilora does not act on, with the values that mean "off" (accepted: clients send
 # them by default); any other value is refused naming the field. None (or absent) is always off.
 OFF_ONLY: dict[str, tuple] = {
-    "tool_choice": ("none",),
-    "tools": ([],),
-    "parallel_tool_calls": (True, False),  # meaningless without tools
     "functions": ([],),
     "function_call": ("none",),
     "service_tier": ("auto", "default"),
@@ -50,9 +47,9 @@ OFF_ONLY: dict[str, tuple] = {
     "prompt_logprobs": (), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (), "priority": (0,), "continue_final_message": (False,),
-    "chat_template": (), "chat_template_kwargs": ({},), "documents": (), "mm_processor_kwargs": (),
+    "chat_template": (), "documents": (), "mm_processor_kwargs": (),
     # message fields of a replayed assistant turn
-    "tool_calls": ([],), "tool_call_id": (), "refusal": (), "annotations": ([],),
+    "refusal": (), "annotations": ([],),
 }
 
 
@@ -190,13 +187,47 @@ class ChatContentPart(_Request):
     text: Optional[str] = None
 
 
+# ---- tools (multilora.server.tools) ---------------------------------------------------------------
+class FunctionDefinition(_Request):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None   # a JSON schema of the arguments (an object's)
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str   # JSON text of an object, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: str
     content: Optional[Union[str, list[ChatContentPart]]] = None
     name: Optional[str] = None
-    # a replayed assistant turn carries these (null or empty: accepted)
-    tool_calls: Optional[list[Any]] = None
+    # an assistant turn's calls, and a tool turn's answer to one of them
+    tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None   # a replayed reasoning turn (vLLM's; not rendered)
     refusal: Optional[str] = None
     annotations: Optional[list[Any]] = None
     function_call: Optional[Any] = None
@@ -209,8 +240,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None   # OpenAI's newer name; wins over max_tokens
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
@@ -245,9 +276,23 @@ class ChatLogprobs(_Response):
     content: Optional[list[TokenLogprob]] = None
 
 
+def _drop_none(fields: tuple[str, ...]):
+    """A serializer that leaves out these fields when they are None (as OpenAI's JSON does)."""
+    def serialize(self, handler):
+        out = handler(self)
+        for f in fields:
+            if out.get(f, 0) is None:
+                del out[f]
+        return out
+    return model_serializer(mode="wrap")(serialize)
+
+
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    reasoning_content: Optional[str] = None   # vLLM's and SGLang's name (--reasoning-parser)
+    _ser = _drop_none(("tool_calls", "reasoning_content"))
 
 
 class ChatChoice(_Response):
@@ -268,9 +313,28 @@ class ChatCompletionResponse(_Response):
     system_fingerprint: Optional[str] = None
 
 
+class DeltaFunctionCall(_Response):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+    _ser = _drop_none(("name",))
+
+
+class DeltaToolCall(_Response):
+    """A streamed call: its first delta carries index, id, type and function.name (arguments
+    ""), the next ones index and argument fragments only (OpenAI's stream)."""
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunctionCall
+    _ser = _drop_none(("id", "type"))
+
+
 class DeltaMessage(_Response):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
+    reasoning_content: Optional[str] = None
+    _ser = _drop_none(("tool_calls", "reasoning_content"))
 
 
 class ChatStreamChoice(_Response):
@@ -330,6 +394,8 @@ class TokenizeChatRequest(_Request):
     model: Optional[str] = None
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
+    tools: Optional[list[ChatTool]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class TokenizeResponse(_Response):

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from multilora.adapters.registry import AdapterConflictError
 from multilora.server import protocol as P
 from multilora.server.async_engine import AsyncEngine
+from multilora.server.chat_output import ChatOutput
 from multilora.server.errors import APIError, call_engine, err_text, error_response, parse_body
 from multilora.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from multilora.server.service import MAX_ADAPTER_NAME, Collected, Server
@@ -91,7 +92,9 @@ async def chat_completions(request: Request):
     srv = _state(request)[0]
     req: P.ChatCompletionRequest = await parse_body(request, P.ChatCompletionRequest)
     lora = await srv.request_adapter(req)
-    ids = await srv.chat_ids(req.messages, req.add_generation_prompt)
+    template = await srv.chat_template(lora)
+    plan = srv.tool_plan(req, template)
+    ids = await srv.chat_ids(req.messages, req.add_generation_prompt, plan, template, req.chat_template_kwargs)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = srv.max_tokens_for(requested, len(ids), param)
@@ -101,21 +104,32 @@ async def chat_completions(request: Request):
         raise APIError(400, "echo is not supported on /v1/chat/completions (it is on /v1/completions); "
                             "leave it out or send false", "echo")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = srv.sampling(req, max_tokens, logprobs, await srv.structured(req))
+    params = srv.sampling(req, max_tokens, logprobs, await srv.structured(req, plan))
     n = srv.choices(req.n)
     streams = await srv.submit([ids], params, lora, req.model, n)
     rid, created = P.random_id("chatcmpl"), P.now()
+
+    def output() -> ChatOutput:  # one per choice: its reasoning, then its calls
+        return ChatOutput(srv.reasoning_parser, plan.parser if plan.parses else None,
+                          1 if req.parallel_tool_calls is False else None)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return SSEResponse(chat_stream(srv, streams, req.model, rid, created, include_usage,
-                                         bool(req.logprobs), n), streams)
-    results = await srv.collect(request, streams)
+                                         bool(req.logprobs), n, output), streams)
+    outs = [output() for _ in streams]
+
+    def done(i: int, text: str) -> bool:  # read as it comes: a repeated call (or one too many) ends it
+        outs[i].feed(text)
+        return outs[i].over
+    results = await srv.collect(request, streams, done)
     if results is None:
         return Response(status_code=499)
-    choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=r.text),
-                            finish_reason=r.finish_reason,
-                            logprobs=srv.chat_logprobs(r.logprobs) if req.logprobs else None)
-               for i, r in enumerate(results)]
+    choices = []
+    for i, r in enumerate(results):
+        outs[i].finish()
+        message, finish_reason = outs[i].result(r.finish_reason)
+        choices.append(P.ChatChoice(index=i, message=message, finish_reason=finish_reason,
+                                    logprobs=srv.chat_logprobs(r.logprobs) if req.logprobs else None))
     return P.ChatCompletionResponse(id=rid, created=created, model=req.model, choices=choices,
                                     usage=_usage(results, n), system_fingerprint=results[0].lora_version)
 
@@ -141,7 +155,12 @@ async def tokenize(request: Request):
     if tok is None:
         raise APIError(400, "this model has no tokenizer", "prompt")
     if is_chat:
-        ids = await srv.chat_ids(req.messages, req.add_generation_prompt)
+        lora = await srv.resolve_model(req.model) if req.model is not None else None
+        template = await srv.chat_template(lora)
+        plan = srv.tool_plan(P.ChatCompletionRequest(model="", messages=[], tools=req.tools), template) \
+            if req.tools else None
+        ids = await srv.chat_ids(req.messages, req.add_generation_prompt, plan, template,
+                                 req.chat_template_kwargs)
     else:
         ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
     return P.TokenizeResponse(count=len(ids), max_model_len=srv.engine.max_model_len, tokens=ids,

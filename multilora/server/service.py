@@ -10,22 +10,29 @@ import contextlib
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from fastapi import Request
 
 from multilora.engine.request import SamplingParams
 from multilora.engine.structured import StructuredOutput
+from multilora.engine.tokenizer import read_chat_template
 from multilora.adapters.registry import AdapterConflictError, AdapterUnloadingError, UnknownAdapterError
 from multilora.server import protocol as P
 from multilora.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from multilora.server.errors import APIError, call_engine, err_text
 from multilora.server.guided import structured_output
+from multilora.server.reasoning import REASONING_PARSERS
+from multilora.server.tool_parsers import TOOL_CALL_PARSERS
+from multilora.server.tools import ToolPlan, plan_tools, template_messages
 
 log = logging.getLogger("multilora.server")
 
 MAX_ADAPTER_NAME = 256
 MAX_CHOICES = 128  # n per prompt (OpenAI's limit)
+TOOL_PARSER_CHOICES = ("auto", "none") + TOOL_CALL_PARSERS   # --tool-call-parser
+# what the server itself passes a chat template (chat_template_kwargs may not set them)
+TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "template"})
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -57,7 +64,16 @@ class Collected:
 class Server:
     """The routes' shared state: the engine, its names and the adapter path policy."""
 
-    def __init__(self, aengine: AsyncEngine, lora_root: Optional[str], allow_any_lora_path: bool):
+    def __init__(self, aengine: AsyncEngine, lora_root: Optional[str], allow_any_lora_path: bool,
+                 tool_call_parser: str = "auto", reasoning_parser: Optional[str] = None):
+        if tool_call_parser not in TOOL_PARSER_CHOICES:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSER_CHOICES)}, "
+                             f"got {tool_call_parser!r}")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {reasoning_parser!r}")
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
+        self._templates: dict[tuple, Optional[str]] = {}  # (adapter folder, version) -> its own template
         self.aengine = aengine
         eng = aengine.engine
         self.engine = eng
@@ -140,26 +156,50 @@ class Server:
                                 f"servable LoRA adapter: {e}", "model", "invalid_adapter")
         log.info("loaded LoRA adapter %r from %s on first use", name, resolved)
 
-    async def chat_ids(self, messages: list, add_generation_prompt: bool) -> list[int]:
-        """The chat template over the messages -> prompt token ids (400s name what is wrong)."""
+    async def chat_template(self, lora: Optional[str]) -> Optional[str]:
+        """The chat template a request renders with: its adapter folder's own (tokenizer_config.json
+        or chat_template.jinja beside the weights), else the model's."""
+        base = self.engine.tokenizer.chat_template if self.engine.tokenizer is not None else None
+        entry = self.engine.registry.entries.get(lora) if lora is not None and self.engine.slots is not None else None
+        if entry is None:
+            return base
+        key = (entry.path, entry.version)  # an in-place load may bring another template
+        if key not in self._templates:
+            if len(self._templates) > 1024:
+                self._templates.clear()
+            self._templates[key] = await asyncio.to_thread(read_chat_template, entry.path)
+        return self._templates[key] or base
+
+    def tool_plan(self, req: P.ChatCompletionRequest, template: Optional[str]) -> ToolPlan:
+        return plan_tools(req, template, self.tool_call_parser, self.reasoning_parser)
+
+    async def chat_ids(self, messages: list, add_generation_prompt: bool, plan: Optional[ToolPlan] = None,
+                       template: Optional[str] = None, template_kwargs: Optional[dict] = None) -> list[int]:
+        """The chat template over the messages (and the plan's tools; template_kwargs: vLLM's
+        chat_template_kwargs, e.g. enable_thinking) -> prompt token ids (400s name what is wrong)."""
         tok = self.engine.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
         if not messages:
             raise APIError(400, "messages must hold at least one message", "messages")
-        rendered = []
-        for i, m in enumerate(messages):
-            content = m.content
-            if isinstance(content, list):
-                if any(part.type != "text" for part in content):
-                    raise APIError(400, f"messages[{i}]: only text content parts are supported", "messages")
-                content = "".join(part.text or "" for part in content)
-            msg = {"role": m.role, "content": content or ""}
-            if m.name:
-                msg["name"] = m.name
-            rendered.append(msg)
+        kwargs = dict(template_kwargs or {})
+        taken = sorted(set(kwargs) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise APIError(400, f"chat_template_kwargs: {taken[0]!r} is set by the server (it cannot be given "
+                                f"here: {', '.join(sorted(TEMPLATE_ARGUMENTS))})", "chat_template_kwargs")
+        rendered, tools = template_messages(messages, plan)
+
+        def encode():
+            try:
+                return tok.encode_chat(rendered, add_generation_prompt, tools=tools, template=template, **kwargs)
+            except Exception:
+                if plan is None or plan.native or not plan.tools or messages[0].role == "system":
+                    raise
+                # a template without a system role: the fallback's tool list goes in the first user turn
+                again, _ = template_messages(messages, plan, preamble_in_user=True)
+                return tok.encode_chat(again, add_generation_prompt, tools=None, template=template, **kwargs)
         try:
-            ids = await asyncio.to_thread(tok.encode_chat, rendered, add_generation_prompt)
+            ids = await asyncio.to_thread(encode)
         except ValueError as e:
             raise APIError(400, str(e), "messages")
         except Exception as e:  # jinja2 template errors (raise_exception in the template, bad roles)
@@ -239,10 +279,16 @@ class Server:
             msg = str(e)
             raise APIError(400, msg, msg.split(" ", 1)[0])
 
-    async def structured(self, req: P._SamplingFields) -> Optional[StructuredOutput]:
+    async def structured(self, req: P._SamplingFields, plan: Optional[ToolPlan] = None) -> Optional[StructuredOutput]:
         """The request's output constraint, compiled once here (off the event loop) so that a bad
-        one is a 400 naming its field before anything is queued."""
+        one is a 400 naming its field before anything is queued; a forced tool call's grammar
+        (plan) is one too."""
         spec, param = structured_output(req)
+        if plan is not None and plan.forced:
+            if spec is not None:
+                raise APIError(400, f"tool_choice {plan.function or plan.choice!r} constrains the output to a "
+                                    f"tool call; it cannot be combined with {param}", param)
+            spec, param = plan.structured, "tools"
         if spec is None:
             return None
         grammars = self.engine.grammars
@@ -284,9 +330,12 @@ class Server:
             raise
         return streams
 
-    async def collect(self, request: Request, streams: list[RequestStream]) -> Optional[list[Collected]]:
-        """Run streams to the end (non-streaming); None if the client went away (all aborted)."""
-        async def one(s: RequestStream) -> Collected:
+    async def collect(self, request: Request, streams: list[RequestStream],
+                      done: Optional[Callable[[int, str], bool]] = None) -> Optional[list[Collected]]:
+        """Run streams to the end (non-streaming); None if the client went away (all aborted).
+        done(choice, text): called with each piece of a choice's text; True ends that choice
+        there (aborted, finish_reason "stop")."""
+        async def one(i: int, s: RequestStream) -> Collected:
             text, ids, lps, reason, prompt_lps = [], [], [], None, None
             async for d in s:
                 text.append(d.text)
@@ -295,8 +344,13 @@ class Server:
                     lps.extend(d.logprobs)
                 if d.prompt_logprobs is not None:
                     prompt_lps = d.prompt_logprobs
+                over = done is not None and bool(d.text) and done(i, d.text)
                 if d.finished:
                     reason = d.finish_reason
+                elif over:
+                    s.abort()
+                    reason = "stop"
+                    break
             if reason == "error":
                 raise APIError(500, f"the request failed: {s.error or 'engine error'}", code="engine_error")
             return Collected(text="".join(text), token_ids=ids, logprobs=lps, finish_reason=reason,
@@ -305,7 +359,7 @@ class Server:
                              lora_version=s.lora_version)
 
         watcher = asyncio.create_task(_wait_disconnect(request))
-        work = asyncio.ensure_future(asyncio.gather(*(one(s) for s in streams)))
+        work = asyncio.ensure_future(asyncio.gather(*(one(i, s) for i, s in enumerate(streams))))
         try:
             done, _ = await asyncio.wait({watcher, work}, return_when=asyncio.FIRST_COMPLETED)
             if work in done:

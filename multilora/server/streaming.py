@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequence
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -18,6 +18,7 @@ from multilora.server import protocol as P
 from multilora.server.async_engine import RequestStream
 
 if TYPE_CHECKING:
+    from multilora.server.chat_output import ChatOutput
     from multilora.server.service import Server as _Server
 
 
@@ -138,14 +139,25 @@ async def completion_stream(srv: "_Server", streams: list[RequestStream], model:
 
 
 async def chat_stream(srv: "_Server", streams: list[RequestStream], model: str, rid: str, created: int,
-                      include_usage: bool, logprobs: bool, n: int = 1) -> AsyncIterator[str]:
+                      include_usage: bool, logprobs: bool, n: int = 1,
+                      output: Optional[Callable[[], "ChatOutput"]] = None) -> AsyncIterator[str]:
     """Each choice opens with its role delta, then its deltas interleave as they come, each
-    with its index (OpenAI's stream with n > 1)."""
+    with its index (OpenAI's stream with n > 1). output: a choice's reader of reasoning and tool
+    calls (multilora.server.chat_output), whose deltas replace the plain text ones."""
     completion_tokens = 0
+    outs = [output() for _ in streams] if output is not None else None
+    if outs is not None and not outs[0].active:
+        outs = None
+    ended: set[int] = set()
+
+    def chunk(i: int, delta: P.DeltaMessage, lp=None, finish_reason=None, fingerprint=None) -> str:
+        return _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+            P.ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=finish_reason)],
+            system_fingerprint=fingerprint))
+
     try:
         for i in range(len(streams)):
-            yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-                P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))]))
+            yield chunk(i, P.DeltaMessage(role="assistant", content=""))
         async for i, d in _merge(streams):
             completion_tokens += len(d.token_ids)
             if d.finished and d.finish_reason == "error":
@@ -154,10 +166,27 @@ async def chat_stream(srv: "_Server", streams: list[RequestStream], model: str, 
             if not (d.text or d.finished or d.logprobs):
                 continue
             lp = srv.chat_logprobs(d.logprobs) if (logprobs and d.logprobs is not None) else None
-            yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-                P.ChatStreamChoice(index=i, delta=P.DeltaMessage(content=d.text if d.text else None),
-                                   logprobs=lp, finish_reason=d.finish_reason if d.finished else None)],
-                system_fingerprint=d.lora_version))
+            reason = d.finish_reason if d.finished else None
+            if outs is None:
+                yield chunk(i, P.DeltaMessage(content=d.text if d.text else None), lp, reason, d.lora_version)
+                continue
+            if i in ended:  # queued before its choice ended early
+                continue
+            deltas = outs[i].feed(d.text) if d.text else []
+            if outs[i].over and not d.finished:  # a repeated call (or one too many): it ends here
+                streams[i].abort()
+                d = dataclasses.replace(d, finished=True, finish_reason="stop")
+                reason = "stop"
+            if d.finished:
+                ended.add(i)
+                deltas += outs[i].finish()
+                reason = outs[i].finish_reason(reason)
+            if lp is not None and not deltas:  # logprobs of held-back text still go out
+                deltas = [P.DeltaMessage()]
+            for k, delta in enumerate(deltas):
+                yield chunk(i, delta, lp if k == 0 else None, None, d.lora_version)
+            if d.finished:
+                yield chunk(i, P.DeltaMessage(), None, reason, d.lora_version)
         if include_usage:
             yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
                                              usage=P.UsageInfo.of(len(streams[0].prompt_token_ids),

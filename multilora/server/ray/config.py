@@ -11,6 +11,8 @@ import urllib.parse
 from typing import Optional
 
 from multilora.server import protocol as P
+from multilora.server.reasoning import REASONING_PARSERS
+from multilora.server.tool_parsers import TOOL_CALL_PARSERS
 
 DIRECTORY_NAMESPACE = "multilora"
 REPLICA_HEADER = "x-multilora-replica"      # the replica that served the request
@@ -40,6 +42,8 @@ class RayServeConfig:
     app_name: str = "multilora"
     health_check_period_s: float = 2.0
     route_by_adapter: bool = True          # False: no multiplexed id (the benchmark's baseline)
+    tool_call_parser: str = "auto"         # --tool-call-parser (docs/server.md)
+    reasoning_parser: Optional[str] = None  # --reasoning-parser
 
     def __post_init__(self):
         check_config(self)
@@ -65,6 +69,12 @@ def check_config(cfg: RayServeConfig) -> None:
                          f"{cfg.replica_gpus!r}")
     if cfg.max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {cfg.max_queue!r}")
+    if cfg.tool_call_parser not in ("auto", "none") + TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser must be auto, none or one of {', '.join(TOOL_CALL_PARSERS)}, "
+                         f"got {cfg.tool_call_parser!r}")
+    if cfg.reasoning_parser is not None and cfg.reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                         f"got {cfg.reasoning_parser!r}")
 
 
 # ---- small pure helpers --------------------------------------------------------------------------
