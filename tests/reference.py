@@ -110,9 +110,10 @@ def make_tiny_tokenizer(folder: Path) -> int:
     return tok.get_vocab_size()
 
 
-def make_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
+def make_tiny_model(folder: Path, kind: str | dict, seed: int = 0) -> Path:
+    """A random checkpoint of TINY_CONFIGS[kind] (or of the config dict `kind`) in folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    cfg_dict = dict(TINY_CONFIGS[kind])
+    cfg_dict = dict(TINY_CONFIGS[kind] if isinstance(kind, str) else kind)
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**cfg_dict)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)

@@ -37,6 +37,7 @@ from multilora.lora.batch import NO_ADAPTER, NO_LORA, LoRABatchInfo
 from multilora.model.layers import swiglu
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ExpertLoRA:
     """The experts' LoRA pools, stacked over layers as LoRAWeights holds them (a rank row: every
