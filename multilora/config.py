@@ -25,10 +25,12 @@ _ARCH_OF_TYPE = dict(zip(SUPPORTED_MODEL_TYPES, SUPPORTED_ARCHITECTURES))
 
 # The projections a LoRA adapter may target, in the order the model applies them.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Qwen3-MoE's experts as PEFT adapts them (target_parameters on transformers 5's fused expert
-# tensors): one LoRA per expert on gate_up_proj (gate and up stacked) and on down_proj.
+# Qwen3-MoE's router (mlp.gate: hidden -> experts) and its experts as PEFT adapts them
+# (target_parameters on transformers 5's fused expert tensors): one LoRA per expert on
+# gate_up_proj (gate and up stacked) and on down_proj.
+ROUTER_LORA_MODULE = "gate"
 EXPERT_LORA_MODULES = ("experts.gate_up_proj", "experts.down_proj")
-ALL_LORA_MODULES = LORA_MODULES + EXPERT_LORA_MODULES
+ALL_LORA_MODULES = LORA_MODULES + (ROUTER_LORA_MODULE,) + EXPERT_LORA_MODULES
 
 # The adapter slot meaning "base model only" (its buffers are zeros). Defined here, in a module
 # without jax, so that the host bookkeeping (adapters/registry.py) can use it without importing jax.
@@ -145,6 +147,7 @@ class ModelConfig:
             "gate_proj": (d, f),
             "up_proj": (d, f),
             "down_proj": (f, d),
+            ROUTER_LORA_MODULE: (d, self.num_experts),
         }[module]
 
     @classmethod

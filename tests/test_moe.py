@@ -1,10 +1,11 @@
 """Qwen3-MoE (multilora.model.moe and its place in the model): the grouped experts and their LoRA
 against plain-jnp definitions on random shapes, the router against transformers', the config as
 transformers reads it, checkpoints with per-expert or fused experts, adapters refused by name
-(the router, transformers 4's per-expert layout, experts on a model without them), the sharding
-rules, and a second tiny Qwen3-MoE unlike tests/reference.py's (every layer sparse, 8 experts,
-top 3 not renormalised, one KV head, a sliding window, tied embeddings, biases) whose greedy
-tokens through the forward equal PEFT's in a mixed batch. The tiny Qwen3-MoE of
+(transformers 4's per-expert layout, a router or experts on a model without them, other
+parameters), the sharding rules, and a second tiny Qwen3-MoE unlike tests/reference.py's (every
+layer sparse, 8 experts, top 3 not renormalised, one KV head, a sliding window, tied embeddings,
+biases) whose greedy tokens through the forward equal PEFT's in a mixed batch, with adapters on
+the router (all-linear), the experts and the attention. The tiny Qwen3-MoE of
 tests/reference.py runs through tests/test_model_parity.py with the other families.
 """
 
@@ -165,12 +166,15 @@ OTHER.pop("head_dim")
 
 @pytest.fixture(scope="module")
 def other(tmp_path_factory):
-    """(model folder, {name: adapter folder}) of the OTHER config: an adapter on every linear
-    layer PEFT reaches (attention and the experts) and one on the experts' down_proj only."""
+    """(model folder, {name: adapter folder}) of the OTHER config: an adapter on the seven
+    projections (PEFT puts gate/up/down on the experts), one on every linear layer ("all-linear":
+    the router too) and one on the experts' down_proj only."""
     root = tmp_path_factory.mktemp("qwen3_moe_other")
     model = reference.make_tiny_model(root / "model", OTHER, seed=11)
     adapters = {"all": reference.make_adapter(model, root / "all", seed=12, r=4, lora_alpha=8,
                                               target_modules=reference.ALL),
+                "linear": reference.make_adapter(model, root / "linear", seed=14, r=8, lora_alpha=8,
+                                                 target_modules="all-linear", use_rslora=True),
                 "down": reference.make_adapter(model, root / "down", seed=13, r=8, lora_alpha=4,
                                                target_modules=[], target_parameters=["mlp.experts.down_proj"])}
     return model, adapters
@@ -203,18 +207,12 @@ def test_fused_experts_load_like_per_expert_ones(other, tmp_path):
 
 
 def test_adapters_on_what_is_not_supported_are_refused_by_name(other, tmp_path, tiny_models, tiny_adapters):
-    """The router (PEFT's target_modules=["gate"], saved as target_parameters gate.weight; or its
-    tensors alone), transformers 4's per-expert LoRA tensors, and experts' LoRA on a model
-    without experts: each an AdapterError that names it."""
+    """Transformers 4's per-expert LoRA tensors, a router's or experts' LoRA on a model without
+    them, a parameter other than the router's and the experts': each an AdapterError that names
+    it."""
     model, adapters = other
     cfg = ModelConfig.from_dir(model)
-    router = reference.make_adapter(model, tmp_path / "router", seed=1, r=4, target_modules=["gate"])
-    with pytest.raises(AdapterError, match=r"router \(mlp.gate\) is not supported"):
-        load_adapter("r", router, cfg, 16)
-    config = json.loads((router / "adapter_config.json").read_text())
-    (router / "adapter_config.json").write_text(json.dumps(dict(config, target_parameters=None)))
-    with pytest.raises(AdapterError, match=r"layers.0.mlp.gate.lora_A.weight.*router \(mlp.gate\)"):
-        load_adapter("r", router, cfg, 16)
+    config = json.loads((adapters["down"] / "adapter_config.json").read_text())
     v4 = tmp_path / "v4"
     shutil.copytree(adapters["down"], v4)
     tensors = load_file(str(v4 / "adapter_model.safetensors"))
@@ -225,6 +223,14 @@ def test_adapters_on_what_is_not_supported_are_refused_by_name(other, tmp_path, 
     llama = ModelConfig.from_dir(tiny_models["llama"])
     with pytest.raises(AdapterError, match="adapts MoE experts, but the base model has none"):
         load_adapter("d", adapters["down"], llama, 16)
+    router = tmp_path / "router"
+    shutil.copytree(adapters["linear"], router)
+    tensors = {k: v for k, v in load_file(str(router / "adapter_model.safetensors")).items()
+               if ".mlp.gate." in k or ".self_attn." in k}
+    save_file(tensors, str(router / "adapter_model.safetensors"))
+    cut = ModelConfig.from_hf_dict(dict(OTHER, mlp_only_layers=[1]))  # layer 1 dense: no router there
+    with pytest.raises(AdapterError, match="layers.1.mlp.gate.lora_A.weight' adapts an MoE router"):
+        load_adapter("r", router, cut, 16)
     (v4 / "adapter_config.json").write_text(json.dumps(dict(config, target_parameters=["lm_head.weight"])))
     with pytest.raises(AdapterError, match="target_parameters 'lm_head.weight' is not supported"):
         load_adapter("v4", v4, cfg, 16)
@@ -244,14 +250,15 @@ def test_another_qwen3_moe_gives_peft_greedy_tokens_in_a_mixed_batch(other, peft
     mesh = make_mesh(1)
     cfg, weights = load_weights(model, mesh=mesh)
     assert cfg.moe_layers == (0, 1) and cfg.layer_windows == (6, 6) and cfg.tie_word_embeddings
-    slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=2, max_lora_rank=16), jnp.float32, mesh,
+    slots = LoRASlots(cfg, LoRAConfig(max_loras_per_batch=3, max_lora_rank=16), jnp.float32, mesh,
                       jit_writer=jit_slot_writer)
-    names = {1: "all", 2: "down"}
+    names = {1: "all", 2: "down", 3: "linear"}
     for slot, name in names.items():
         adapter = load_adapter(name, adapters[name], cfg, 16)
         slots.load(slot, page_rows([2 * slot - 1, 2 * slot][:-(-adapter.rank // 8)]), adapter)
-    assert slots.ranks_S.tolist() == [0, 8, 8]  # "all": gate_up fused at twice r=4
-    seqs = [(7, 0), (5, 1), (9, 2), (4, 1), (8, 0), (6, 2)]  # (prompt length, slot)
+    assert slots.ranks_S.tolist() == [0, 8, 8, 16]  # "all", "linear": gate_up fused at twice r
+    assert "gate" in load_adapter("linear", adapters["linear"], cfg, 16).target_modules  # the router
+    seqs = [(7, 0), (5, 1), (9, 2), (4, 3), (8, 0), (6, 2), (5, 3)]  # (prompt length, slot)
     prompts = [np.random.default_rng(21).integers(3, 256, size=n).tolist() for n, _ in seqs]
     new, page = 6, 4
     pages = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(len(seqs))]

@@ -3,7 +3,7 @@
 The pytest process has already started JAX with one CPU device, so every engine here runs in a
 subprocess: this file is also that subprocess's script (`python -m tests.test_tensor_parallel
 tp|multihost SPEC.json`). One subprocess with 4 CPU devices builds every single-process engine
-(tp 1, 2, 4 on both LoRA backends; a model with one KV head; a Qwen3 and a Gemma 2 on tp=2; tp=3
+(tp 1, 2, 4 on both LoRA backends; a model with one KV head; a Qwen3, a Gemma 2 and a Qwen3-MoE on tp=2; tp=3
 for 4 heads) and prints JSON; then two processes joined by jax.distributed (gloo collectives on
 127.0.0.1), 2 CPU devices each, run one tp=4 engine in lockstep. The tests assert on those results:
 same greedy tokens as one device for a mixed batch (base rows and three adapters), weights, adapter

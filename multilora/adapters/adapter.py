@@ -21,7 +21,8 @@ from typing import Any, Optional
 import ml_dtypes  # bfloat16 for numpy: bf16 adapter files and host copies
 import numpy as np
 
-from multilora.config import ALL_LORA_MODULES, EXPERT_LORA_MODULES, LORA_MODULES, LoRAType, ModelConfig
+from multilora.config import (ALL_LORA_MODULES, EXPERT_LORA_MODULES, LORA_MODULES, ROUTER_LORA_MODULE, LoRAType,
+                              ModelConfig)
 from multilora.adapters.pacing import checkpoint
 from multilora.adapters.safetensors_views import Scratch, read_header, read_tensors, views
 
@@ -142,20 +143,18 @@ def _check_config(name: str, cfg: dict) -> None:
     if isinstance(targets, list):
         if any(not isinstance(t, str) for t in targets):
             raise AdapterError(name, f"target_modules must hold module names (strings), got {targets!r}")
-        bad = [t for t in targets if t.split(".")[-1] not in LORA_MODULES and t != _ALL_LINEAR]
+        allowed = LORA_MODULES + (ROUTER_LORA_MODULE,)
+        bad = [t for t in targets if t.split(".")[-1] not in allowed and t != _ALL_LINEAR]
         if bad:
             raise AdapterError(name, f"target_modules {bad} are outside the supported set "
-                                     f"{', '.join(LORA_MODULES)}")
+                                     f"{', '.join(allowed)}")
     params = cfg.get("target_parameters")
     if params is not None and (not isinstance(params, list) or any(not isinstance(p, str) for p in params)):
         raise AdapterError(name, f"target_parameters must be a list of parameter names, got {params!r}")
     for p in params or ():
-        if p.split(".")[-1] == "weight" and p.split(".")[-2:-1] == ["gate"]:
-            raise AdapterError(name, f"target_parameters {p!r}: LoRA on the MoE router (mlp.gate) is not "
-                                     "supported; the experts' gate_up_proj and down_proj are")
-        if p.split(".")[-1] not in ("gate_up_proj", "down_proj"):
-            raise AdapterError(name, f"target_parameters {p!r} is not supported; only the MoE experts' "
-                                     "gate_up_proj and down_proj are")
+        if p.split(".")[-1] not in ("gate_up_proj", "down_proj") and not _is_router_parameter(p):
+            raise AdapterError(name, f"target_parameters {p!r} is not supported; only a Qwen3-MoE's router "
+                                     "(gate.weight) and experts (gate_up_proj, down_proj) are")
     r = cfg.get("r", 8)
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise AdapterError(name, f"r must be a positive integer, got {r!r}")
@@ -221,10 +220,11 @@ def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: M
                                      f"{', '.join(LORA_MODULES)} (embedding, lm_head and other "
                                      "targets are not supported)")
         layer, module, ab = int(m.group(1)), m.group(3), LoRAType(m.group(4))
-        if module == "gate" and m.group(2) == "mlp" and model_cfg.moe_layers:
-            raise AdapterError(name, f"tensor {key!r}: LoRA on the MoE router (mlp.gate) is not supported; "
-                                     "on the experts (gate_up_proj, down_proj) and the attention it is")
-        if module not in LORA_MODULES:
+        if module == ROUTER_LORA_MODULE and m.group(2) == "mlp":
+            if layer not in model_cfg.moe_layers:
+                raise AdapterError(name, f"tensor {key!r} adapts an MoE router (mlp.gate), but layer {layer} "
+                                         "of the base model has none (an adapter for another model?)")
+        elif module not in LORA_MODULES:
             raise AdapterError(name, f"target module {module!r} is outside the supported set "
                                      f"{', '.join(LORA_MODULES)}")
         if layer >= model_cfg.num_layers:
@@ -252,6 +252,8 @@ def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: M
         if r > max_lora_rank:
             raise AdapterError(name, f"rank {r} ({module}) exceeds max_lora_rank={max_lora_rank}")
         module_key = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
+        if module == ROUTER_LORA_MODULE and any(map(_is_router_parameter, cfg.get("target_parameters") or ())):
+            module_key += ".weight"  # PEFT's key of a targeted parameter, as its patterns see it
         alpha = float(_pattern_value(alpha_pattern, module_key, alpha_default))
         r_cfg = int(_pattern_value(rank_pattern, module_key, r_default))
         if r_cfg != r:
@@ -260,6 +262,11 @@ def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: M
         plan.setdefault(module, {})[layer] = (ab[LoRAType.A], ab[LoRAType.B], scaling_of(alpha, r) / default_scaling)
         max_rank = max(max_rank, r)
     return plan, max_rank, default_scaling
+
+
+def _is_router_parameter(p: str) -> bool:
+    """Whether a target_parameters entry names the MoE router's weight (gate.weight)."""
+    return p.split(".")[-2:] == ["gate", "weight"]
 
 
 def _experts_of(module: str, model_cfg: ModelConfig) -> int:

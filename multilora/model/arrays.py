@@ -28,7 +28,9 @@ _MODEL_DIMS: dict[str, Callable[[ModelConfig], int]] = {
     "head_dim": lambda c: c.head_dim,
     "experts": lambda c: c.num_experts,
     "moe_ffn": lambda c: c.moe_intermediate_size,
-    # the experts' LoRA pools: every expert's features side by side in one rank row
+    # the router's and the experts' LoRA pools (no features in a model without experts); the
+    # experts': every expert's features side by side in one rank row
+    "moe_embed": lambda c: c.hidden_size if c.num_experts else 0,
     "experts_embed": lambda c: c.num_experts * c.hidden_size,
     "experts_moe_ffn": lambda c: c.num_experts * c.moe_intermediate_size,
     "experts_gate_up": lambda c: c.num_experts * 2 * c.moe_intermediate_size,

@@ -34,7 +34,7 @@ from multilora.model.arrays import lora_pool, weight
 from multilora.model.attention import (decode_attention, kv_page_writes, max_pages_written, prefill_attention,
                                        softcap_logits, write_kv, write_kv_pages)
 from multilora.model.layers import apply_rope, geglu_tanh, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
-from multilora.model.moe import ExpertLoRA, grouped_experts, route
+from multilora.model.moe import ExpertLoRA, grouped_experts, select_experts
 from multilora.model.projections import PackedBf16, QuantInt8
 
 
@@ -158,8 +158,10 @@ class LoRAWeights:
     up_b_LUF: jax.Array = lora_pool(("layers", "lora_rows", "ffn"), "b", "up_proj")
     down_a_LUF: jax.Array = lora_pool(("layers", "lora_rows", "ffn"), "a", "down_proj")
     down_b_LUD: jax.Array = lora_pool(("layers", "lora_rows", "embed"), "b", "down_proj")
-    # Qwen3-MoE's experts (multilora.model.moe): a rank row holds every expert's row side by side
-    # (E * X features; no features in a model without experts)
+    # Qwen3-MoE's router (mlp.gate) and experts (multilora.model.moe; no features in a model
+    # without experts): an experts' rank row holds every expert's row side by side (E * X features)
+    router_a_LUD: jax.Array = lora_pool(("layers", "lora_rows", "moe_embed"), "a", "gate")
+    router_b_LUE: jax.Array = lora_pool(("layers", "lora_rows", "experts"), "b", "gate")
     experts_gate_up_a_LUY: jax.Array = lora_pool(("layers", "lora_rows", "experts_embed"), "a", "experts.gate_up_proj")
     experts_gate_up_b_LUZ: jax.Array = lora_pool(("layers", "lora_rows", "experts_gate_up"), "b", "experts.gate_up_proj")
     experts_down_a_LUY: jax.Array = lora_pool(("layers", "lora_rows", "experts_moe_ffn"), "a", "experts.down_proj")
@@ -349,8 +351,9 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     norm = lambda x, w: rms_norm(x, w, cfg.rms_norm_eps, cfg.gemma_norms)  # noqa: E731
     if be is not None:  # each backend's per-step metadata, once for every layer (plan_step)
         d, f = cfg.hidden_size, cfg.intermediate_size
+        dims = ((d, n * h), (d, kvh * h), (n * h, d), (d, f), (f, d)) + (((d, cfg.num_experts),) if cfg.moe_layers else ())
         for b in bes:
-            info = b.plan_step(info, t, ((d, n * h), (d, kvh * h), (n * h, d), (d, f), (f, d)), x_TD.dtype)
+            info = b.plan_step(info, t, dims, x_TD.dtype)
     # Rows with one token this step take the decode path; the prefill kernel sees them as padding.
     is_decode_T = (batch.seq_idx_T >= 0) & (batch.seq_idx_T < batch.num_decode)
     write_hm = _kv_writer(kv_write, batch, kv.page_size) if kv_heads_major else None
@@ -435,7 +438,11 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         x_TD = x_TD + o
         hid = norm(x_TD, lw.mlp_norm_LD if lw.pre_mlp_norm_LD is None else lw.pre_mlp_norm_LD)
         if sparse:  # Qwen3-MoE: its router's top-k experts, grouped, each with its LoRA
-            weights_TK, experts_TK = route(hid, lw.router_LDE, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            logits_TE = _proj(hid, lw.router_LDE)
+            if be is not None:
+                (logits_TE,) = with_lora(lambda ll, be: (be.run_lora(hid, ll.router_a_LUD, ll.router_b_LUE, info),),
+                                         idx, logits_TE)
+            weights_TK, experts_TK = select_experts(logits_TE, cfg.num_experts_per_tok, cfg.norm_topk_prob)
             adapters = None if be is None else ExpertLoRA(
                 lora.experts_gate_up_a_LUY, lora.experts_gate_up_b_LUZ, lora.experts_down_a_LUY,
                 lora.experts_down_b_LUZ, idx, info)

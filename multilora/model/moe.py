@@ -13,11 +13,13 @@ The rows' outputs are weighted, put back in token order by a gather (the inverse
 scatter-add) and summed over each token's K experts. experts_reference is the plain-jnp
 definition (every expert for every token) that tests/test_moe.py compares against.
 
-LoRA on the experts (PEFT's target_parameters on gate_up_proj and down_proj: one low-rank delta
+LoRA on the router (PEFT's target_modules "gate", saved as target_parameters gate.weight) adds
+to its logits through the LoRA backend, as any projection's. LoRA on the experts (PEFT's
+target_parameters on gate_up_proj and down_proj: one low-rank delta
 per expert, W_e + scaling * B_e A_e) is added to each routed row's gate/up and down outputs:
 each row gathers its adapter's rows of its own expert from the pools (ExpertLoRA), as bgmv
 gathers a token's; base rows add nothing, and a step without adapter rows runs none of it. The
-LoRA backends (multilora.lora.backend) serve the attention and the dense MLP; the experts' delta
+LoRA backends (multilora.lora.backend) serve the attention, the dense MLP and the router; the experts' delta
 is this one op whichever backend is chosen.
 
 Legend: T tokens, D model dim, E experts, K experts per token, M an expert's ffn dim
@@ -71,11 +73,16 @@ def route(x_TD: jax.Array, router_DE: jax.Array, k: int, norm_topk_prob: bool) -
     """(weights_TK in x's dtype, experts_TK int32): each token's k experts, most probable first."""
     logits_TE = jnp.einsum("td,de->te", x_TD.astype(router_DE.dtype), router_DE,
                            preferred_element_type=jnp.float32).astype(x_TD.dtype)
+    return select_experts(logits_TE, k, norm_topk_prob)
+
+
+def select_experts(logits_TE: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """route's choice from the router's logits (the model adds their LoRA delta first)."""
     probs_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
     top_TK, experts_TK = jax.lax.top_k(probs_TE, k)
     if norm_topk_prob:
         top_TK = top_TK / jnp.sum(top_TK, axis=-1, keepdims=True)
-    return top_TK.astype(x_TD.dtype), experts_TK.astype(jnp.int32)
+    return top_TK.astype(logits_TE.dtype), experts_TK.astype(jnp.int32)
 
 
 def _ragged(x_RX: jax.Array, w_EXY: jax.Array, sizes_E: jax.Array, out_dtype) -> jax.Array:

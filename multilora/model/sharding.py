@@ -19,8 +19,8 @@ Qwen3-MoE's experts are split like the dense MLP, each expert over its own ffn w
 the MoE block, as after a dense MLP), every device holding a slice of every expert; the router
 is replicated. So every device computes every routed row (no all-to-all, no load imbalance
 between devices), which suits a few devices; expert parallelism (experts split across devices)
-is not implemented. The experts' LoRA pools (every expert's rows side by side in a rank row)
-are replicated.
+is not implemented. The router's and the experts' LoRA pools (every expert's rows side by side
+in a rank row) are replicated.
 
 Must divide tp: the query heads, the FFN width and the experts' width (an error otherwise). May
 not: the vocabulary (embed/lm_head then replicated). See docs/distributed.md.
@@ -50,7 +50,8 @@ BASE_RULES: dict[str, object] = {
     "ffn": TP,
     "experts": None,
     "moe_ffn": TP,
-    "experts_embed": None,      # the experts' LoRA pools (E experts side by side in a row): replicated
+    "moe_embed": None,          # the router's and the experts' LoRA pools: replicated
+    "experts_embed": None,      # (the experts': E experts side by side in a row)
     "experts_moe_ffn": None,
     "experts_gate_up": None,
     "kv_heads": TP_KV,
