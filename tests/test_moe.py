@@ -231,6 +231,12 @@ def test_adapters_on_what_is_not_supported_are_refused_by_name(other, tmp_path, 
     cut = ModelConfig.from_hf_dict(dict(OTHER, mlp_only_layers=[1]))  # layer 1 dense: no router there
     with pytest.raises(AdapterError, match="layers.1.mlp.gate.lora_A.weight' adapts an MoE router"):
         load_adapter("r", router, cut, 16)
+    dense = {k.replace("self_attn.q_proj", "mlp.up_proj").replace("self_attn.k_proj", "mlp.gate_proj"): v
+             for k, v in tensors.items() if ".self_attn.q_proj" in k or ".self_attn.k_proj" in k}
+    save_file({k: (v if "lora_A" in k else np.zeros((80, v.shape[1]), np.float32)) for k, v in dense.items()},
+              str(router / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="adapts a dense MLP, but layer 0 of the base model is a mixture of experts"):
+        load_adapter("r", router, cfg, 16)
     (v4 / "adapter_config.json").write_text(json.dumps(dict(config, target_parameters=["lm_head.weight"])))
     with pytest.raises(AdapterError, match="target_parameters 'lm_head.weight' is not supported"):
         load_adapter("v4", v4, cfg, 16)

@@ -224,6 +224,9 @@ def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: M
             if layer not in model_cfg.moe_layers:
                 raise AdapterError(name, f"tensor {key!r} adapts an MoE router (mlp.gate), but layer {layer} "
                                          "of the base model has none (an adapter for another model?)")
+        elif module in ("gate_proj", "up_proj", "down_proj") and layer in model_cfg.moe_layers:
+            raise AdapterError(name, f"tensor {key!r} adapts a dense MLP, but layer {layer} of the base model "
+                                     "is a mixture of experts (an adapter for another model?)")
         elif module not in LORA_MODULES:
             raise AdapterError(name, f"target module {module!r} is outside the supported set "
                                      f"{', '.join(LORA_MODULES)}")
