@@ -59,12 +59,12 @@ TINY_CONFIGS = {
                                         full_attention=dict(rope_type="default", rope_theta=1000000.0)),
                    query_pre_attn_scalar=24, sliding_window=5, sliding_window_pattern=3,
                    tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"),
-    # Qwen3-MoE: Qwen3's attention; layers 0 and 2 sparse (4 experts of width 32, top 2,
-    # renormalised), layer 1 the dense MLP (mlp_only_layers); the router's weights widened
+    # Qwen3-MoE: Qwen3's attention; layer 0 sparse (4 experts of width 32, top 2, renormalised),
+    # layer 1 the dense MLP (mlp_only_layers); the router's weights widened
     # (make_tiny_model) so that its choices differ from token to token
     "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=256, hidden_size=64,
                       intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                      norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1, num_hidden_layers=3,
+                      norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, hidden_act="silu"),
 }

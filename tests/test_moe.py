@@ -119,7 +119,7 @@ def test_config_reads_the_experts_as_transformers_does():
     num_local_experts by transformers 5; head_dim hidden / heads unless given; a window on every
     layer with use_sliding_window; what is not Qwen3-MoE's refused by name."""
     cfg = ModelConfig.from_hf_dict(MOE)
-    assert cfg.moe_layers == (0, 2) and cfg.layer_sparse == (True, False, True) and cfg.has_dense_mlp
+    assert cfg.moe_layers == (0,) and cfg.layer_sparse == (True, False) and cfg.has_dense_mlp
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (4, 2, 32, True)
     assert cfg.qk_norm and cfg.head_dim == 32 and cfg.sliding_window is None
     assert cfg.module_dims("experts.gate_up_proj") == (4 * 64, 4 * 64) and cfg.expert_dims("experts.down_proj") == (32, 64)
@@ -128,7 +128,7 @@ def test_config_reads_the_experts_as_transformers_does():
                                         use_sliding_window=True, sliding_window=7))
     assert cfg.moe_layers == (1, 3) and cfg.num_experts == 6 and cfg.head_dim == 16
     assert cfg.layer_windows == (7, 7, 7, 7)
-    dense = ModelConfig.from_hf_dict(dict(MOE, mlp_only_layers=[0, 1, 2]))
+    dense = ModelConfig.from_hf_dict(dict(MOE, mlp_only_layers=[0, 1]))
     assert dense.moe_layers == () and dense.num_experts == 0 and not dense.layer_sparse[0]
     with pytest.raises(UnsupportedModelError, match="num_experts_per_tok=5 must be between 1 and num_experts=4"):
         ModelConfig.from_hf_dict(dict(MOE, num_experts_per_tok=5))

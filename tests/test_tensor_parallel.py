@@ -317,10 +317,10 @@ def test_qwen3_moe_on_two_devices_gives_peft_tokens(tp_runs, tiny_models, tiny_a
                                    for l, p in zip(LORAS, prompts())], MAX_NEW)
     assert r["tokens"] == want
     w = r["weights"]
-    assert w["w_gate_LEDM"]["piece"] == [3, 4, 64, 32 // 2] == w["w_up_LEDM"]["piece"]
-    assert w["w_down_LEMD"]["piece"] == [3, 4, 32 // 2, 64]
-    assert w["router_LDE"]["piece"] == w["router_LDE"]["shape"] == [3, 64, 4]
-    assert w["w_gate_LDF"]["piece"] == [3, 64, 96 // 2]  # the dense layer's MLP, as Llama's
+    assert w["w_gate_LEDM"]["piece"] == [2, 4, 64, 32 // 2] == w["w_up_LEDM"]["piece"]
+    assert w["w_down_LEMD"]["piece"] == [2, 4, 32 // 2, 64]
+    assert w["router_LDE"]["piece"] == w["router_LDE"]["shape"] == [2, 64, 4]
+    assert w["w_gate_LDF"]["piece"] == [2, 64, 96 // 2]  # the dense layer's MLP, as Llama's
     assert r["compiles_after_warmup"] == 0 and r["lora_kept_sharding"] and r["kv_kept_sharding"]
 
 
