@@ -201,8 +201,8 @@ class PeftReference:
         model = None
         for name, folder in self.adapter_dirs.items():
             if own:
-                self._own[name] = PeftModel.from_pretrained(
-                    AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype), folder).to(self.dtype).eval()
+                own_base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+                self._own[name] = PeftModel.from_pretrained(own_base, folder).to(self.dtype).eval()
             elif model is None:
                 model = PeftModel.from_pretrained(base, folder, adapter_name=name)
             else:

@@ -452,8 +452,8 @@ def _make_recipe(name: str, cfg: dict, entries: dict, header: bytes, model_cfg: 
         a_start, b_start = size, size + L * r_mod * d_in
         size = b_start + L * d_out * r_mod
         # the experts' tensors are rearranged on the way (_copy_part), which the copier does not do
-        native = experts == 1 and dtype in _DST_KINDS and all(entries[k][0] in _SRC_KINDS for ka, kb, _ in layers.values()
-                                             for k in (ka, kb))
+        native = experts == 1 and dtype in _DST_KINDS and all(
+            entries[k][0] in _SRC_KINDS for ka, kb, _ in layers.values() for k in (ka, kb))
         jobs = []  # multilora_copy_tensors' rows: src offset, kind, dst offset, rows, cols, strides, scale
         for layer, (ka, kb, ratio) in sorted(layers.items()) if native else ():
             r = entries[ka][1][0]

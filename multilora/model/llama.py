@@ -162,8 +162,10 @@ class LoRAWeights:
     # without experts): an experts' rank row holds every expert's row side by side (E * X features)
     router_a_LUD: jax.Array = lora_pool(("layers", "lora_rows", "moe_embed"), "a", "gate")
     router_b_LUE: jax.Array = lora_pool(("layers", "lora_rows", "experts"), "b", "gate")
-    experts_gate_up_a_LUY: jax.Array = lora_pool(("layers", "lora_rows", "experts_embed"), "a", "experts.gate_up_proj")
-    experts_gate_up_b_LUZ: jax.Array = lora_pool(("layers", "lora_rows", "experts_gate_up"), "b", "experts.gate_up_proj")
+    experts_gate_up_a_LUY: jax.Array = lora_pool(("layers", "lora_rows", "experts_embed"), "a",
+                                                 "experts.gate_up_proj")
+    experts_gate_up_b_LUZ: jax.Array = lora_pool(("layers", "lora_rows", "experts_gate_up"), "b",
+                                                 "experts.gate_up_proj")
     experts_down_a_LUY: jax.Array = lora_pool(("layers", "lora_rows", "experts_moe_ffn"), "a", "experts.down_proj")
     experts_down_b_LUZ: jax.Array = lora_pool(("layers", "lora_rows", "experts_embed"), "b", "experts.down_proj")
 
@@ -351,7 +353,8 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     norm = lambda x, w: rms_norm(x, w, cfg.rms_norm_eps, cfg.gemma_norms)  # noqa: E731
     if be is not None:  # each backend's per-step metadata, once for every layer (plan_step)
         d, f = cfg.hidden_size, cfg.intermediate_size
-        dims = ((d, n * h), (d, kvh * h), (n * h, d), (d, f), (f, d)) + (((d, cfg.num_experts),) if cfg.moe_layers else ())
+        dims = ((d, n * h), (d, kvh * h), (n * h, d), (d, f), (f, d))
+        dims += ((d, cfg.num_experts),) if cfg.moe_layers else ()  # the router's LoRA
         for b in bes:
             info = b.plan_step(info, t, dims, x_TD.dtype)
     # Rows with one token this step take the decode path; the prefill kernel sees them as padding.
