@@ -18,12 +18,19 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe")
 _ARCH_OF_TYPE = dict(zip(SUPPORTED_MODEL_TYPES, SUPPORTED_ARCHITECTURES))
 
 # The projections a LoRA adapter may target, in the order the model applies them.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Qwen3-MoE's router (mlp.gate: hidden -> experts) and its experts as PEFT adapts them
+# (target_parameters on transformers 5's fused expert tensors): one LoRA per expert on
+# gate_up_proj (gate and up stacked) and on down_proj.
+ROUTER_LORA_MODULE = "gate"
+EXPERT_LORA_MODULES = ("experts.gate_up_proj", "experts.down_proj")
+ALL_LORA_MODULES = LORA_MODULES + (ROUTER_LORA_MODULE,) + EXPERT_LORA_MODULES
 
 # The adapter slot meaning "base model only" (its buffers are zeros). Defined here, in a module
 # without jax, so that the host bookkeeping (adapters/registry.py) can use it without importing jax.
@@ -87,6 +94,24 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     # Gemma 3: the sliding-window layers' own RoPE base (no scaling); None: every layer rope_theta's
     local_rope_theta: float | None = None
+    # Qwen3-MoE: the layers in moe_layers replace the MLP by num_experts SwiGLU experts of width
+    # moe_intermediate_size, num_experts_per_tok of them per token, picked by a router (softmax in
+    # float32, top-k, renormalised when norm_topk_prob); the other layers keep the dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+
+    @property
+    def layer_sparse(self) -> tuple[bool, ...]:
+        """Whether each layer's MLP is the sparse mixture of experts (Qwen3-MoE's moe_layers)."""
+        return tuple(i in self.moe_layers for i in range(self.num_layers))
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether any layer runs the dense MLP (every layer but a mixture-of-experts one)."""
+        return len(self.moe_layers) < self.num_layers
 
     @property
     def q_dim(self) -> int:
@@ -101,8 +126,18 @@ class ModelConfig:
         """Each layer's sliding window (None: it attends to every earlier key)."""
         return tuple(None if i in self.global_layers else self.sliding_window for i in range(self.num_layers))
 
+    def expert_dims(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of one expert's projection (EXPERT_LORA_MODULES)."""
+        d, m = self.hidden_size, self.moe_intermediate_size
+        return {"experts.gate_up_proj": (d, 2 * m), "experts.down_proj": (m, d)}[module]
+
     def module_dims(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of a projection, as a LoRA adapter must match them."""
+        """(in_features, out_features) of a projection, as a LoRA adapter must match them; an
+        expert module's are every expert's side by side (E times expert_dims: how a rank row of
+        its pool holds them)."""
+        if module in EXPERT_LORA_MODULES:
+            i, o = self.expert_dims(module)
+            return self.num_experts * i, self.num_experts * o
         d, f = self.hidden_size, self.intermediate_size
         return {
             "q_proj": (d, self.q_dim),
@@ -112,6 +147,7 @@ class ModelConfig:
             "gate_proj": (d, f),
             "up_proj": (d, f),
             "down_proj": (f, d),
+            ROUTER_LORA_MODULE: (d, self.num_experts),
         }[module]
 
     @classmethod
@@ -157,6 +193,7 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         sliding, global_layers = _sliding_window(cfg, arch, int(cfg["num_hidden_layers"]))
+        moe = _moe_fields(cfg, int(cfg["num_hidden_layers"])) if arch == "Qwen3MoeForCausalLM" else {}
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -177,7 +214,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=sliding,
             global_layers=global_layers,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             gemma_norms=gemma,
             hidden_act="gelu_tanh" if gemma else "silu",
             embed_scale=gemma,
@@ -188,6 +225,7 @@ class ModelConfig:
             final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping", None if gemma3 else 30.0))
             if gemma else None,
             local_rope_theta=local_theta,
+            **moe,
         )
 
     @classmethod
@@ -196,6 +234,28 @@ class ModelConfig:
         if not p.is_file():
             raise FileNotFoundError(f"no config.json in model folder {str(path)!r}")
         return cls.from_hf_dict(json.loads(p.read_text()))
+
+
+def _moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields, as transformers' Qwen3MoeConfig reads them (num_experts is
+    saved as num_local_experts by transformers 5): a layer is sparse unless it is in
+    mlp_only_layers, when num_experts > 0 and (i + 1) % decoder_sparse_step == 0."""
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 128)))
+    top_k = int(cfg.get("num_experts_per_tok", 8))
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense = set(cfg.get("mlp_only_layers") or ())
+    if experts < 0 or step < 1:
+        raise UnsupportedModelError(f"num_experts={experts} and decoder_sparse_step={step} must be "
+                                    "non-negative and positive")
+    sparse = tuple(i for i in range(num_layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    if sparse and not 1 <= top_k <= experts:
+        raise UnsupportedModelError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={experts}")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise UnsupportedModelError("a shared expert (shared_expert_intermediate_size, Qwen2-MoE's) is not "
+                                    "supported; Qwen3-MoE has none")
+    return dict(num_experts=experts if sparse else 0, num_experts_per_tok=top_k if sparse else 0,
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size", 768)) if sparse else 0,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=sparse)
 
 
 def _optional_float(x) -> float | None:
@@ -222,10 +282,13 @@ def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[in
     every layer; Qwen2/Qwen3's (use_sliding_window) on the layers `layer_types` marks, by default
     those from max_window_layers on; Gemma 2's on the layers `layer_types` marks, by default every
     other layer from layer 0; Gemma 3's likewise, by default all but every sliding_window_pattern-th
-    (6); Llama's nowhere (transformers' Llama has no sliding window)."""
+    (6); Qwen3-MoE's on every layer with use_sliding_window; Llama's nowhere (transformers' Llama
+    has no sliding window)."""
     window = cfg.get("sliding_window")
     if arch == "MistralForCausalLM":
         return (int(window) if cfg.get("use_sliding_window", True) and window else None), ()
+    if arch == "Qwen3MoeForCausalLM":  # transformers' Qwen3-MoE: the window on every layer, or none
+        return (int(window) if cfg.get("use_sliding_window", False) and window else None), ()
     if arch == "Gemma2ForCausalLM":
         window = cfg.get("sliding_window", 4096)
         default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]

@@ -263,7 +263,8 @@ def slot_fields(cfg, p):
     def b(m):  # the slots keep B as (rank, out)
         return jnp.swapaxes(p[m][1], 1, 2) if m in p else jnp.zeros((L, R, shapes[m][1]), jnp.float32)
 
-    return dict(
+    from multilora.adapters.pool import blocks_of, lora_feature_dims
+    out = dict(
         qkv_a_LUD=jnp.concatenate([a("q_proj"), a("k_proj"), a("v_proj")], axis=1),
         q_b_LUO=b("q_proj"), k_b_LUO=b("k_proj"), v_b_LUO=b("v_proj"),
         o_a_LUO=a("o_proj"), o_b_LUD=b("o_proj"),
@@ -271,6 +272,9 @@ def slot_fields(cfg, p):
         gate_b_LUF=b("gate_proj"), up_b_LUF=b("up_proj"),
         down_a_LUF=a("down_proj"), down_b_LUD=b("down_proj"),
     )
+    for k, width in lora_feature_dims(cfg).items():  # the pools these adapters leave empty (an MoE's)
+        out.setdefault(k, jnp.zeros((L, blocks_of(k) * R, width), jnp.float32))
+    return out
 
 
 def lora_weights(cfg, params: dict):

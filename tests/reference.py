@@ -59,6 +59,14 @@ TINY_CONFIGS = {
                                         full_attention=dict(rope_type="default", rope_theta=1000000.0)),
                    query_pre_attn_scalar=24, sliding_window=5, sliding_window_pattern=3,
                    tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"),
+    # Qwen3-MoE: Qwen3's attention; layer 0 sparse (4 experts of width 32, top 2, renormalised),
+    # layer 1 the dense MLP (mlp_only_layers); the router's weights widened
+    # (make_tiny_model) so that its choices differ from token to token
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=256, hidden_size=64,
+                      intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, hidden_act="silu"),
 }
 # The kinds every parity test runs on; the others (Qwen3, Mistral, Gemma 2) run in a subset of the
 # tests and backends (tests/test_model_parity.py), which keeps the suite's time in bounds.
@@ -102,16 +110,19 @@ def make_tiny_tokenizer(folder: Path) -> int:
     return tok.get_vocab_size()
 
 
-def make_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
+def make_tiny_model(folder: Path, kind: str | dict, seed: int = 0) -> Path:
+    """A random checkpoint of TINY_CONFIGS[kind] (or of the config dict `kind`) in folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    cfg_dict = dict(TINY_CONFIGS[kind])
+    cfg_dict = dict(TINY_CONFIGS[kind] if isinstance(kind, str) else kind)
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**cfg_dict)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():  # HF init is tiny (biases zero); widen it so that errors show in the logits
         for name, p in model.named_parameters():
-            if p.ndim == 2:
+            if p.ndim in (2, 3):  # 3: transformers 5's fused experts (E, out, in)
                 p.normal_(0.0, 0.08)
+            if name.endswith("mlp.gate.weight"):  # the MoE router: choices that vary token to token
+                p.normal_(0.0, 0.5)
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.2)
             if name.endswith(("q_norm.weight", "k_norm.weight")):  # ones by default: a no-op to test
@@ -176,15 +187,23 @@ class PeftReference:
         self.model_dir, self.adapter_dirs = Path(model_dir), dict(adapter_dirs)
         self.dtype = dtype  # the model and adapters run in it (bfloat16: PEFT's bf16 reference)
         self._model = None
+        self._own: dict[str, object] = {}  # adapter -> a model of its own (see _load)
         self._memo: dict[tuple, np.ndarray] = {}
 
     def _load(self):
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+        # PEFT holds several adapters with target_parameters (MoE experts) in one model only when
+        # they target the same parameters: then each adapter gets a model of its own
+        own = any(json.loads((Path(f) / "adapter_config.json").read_text()).get("target_parameters")
+                  for f in self.adapter_dirs.values())
         model = None
         for name, folder in self.adapter_dirs.items():
-            if model is None:
+            if own:
+                own_base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+                self._own[name] = PeftModel.from_pretrained(own_base, folder).to(self.dtype).eval()
+            elif model is None:
                 model = PeftModel.from_pretrained(base, folder, adapter_name=name)
             else:
                 model.load_adapter(folder, adapter_name=name)
@@ -198,7 +217,9 @@ class PeftReference:
                 self._load()
             ids = torch.tensor([list(key[1])])
             with torch.no_grad():
-                if adapter is None:
+                if adapter in self._own:
+                    out = self._own[adapter](ids)
+                elif adapter is None:
                     if hasattr(self._model, "disable_adapter"):
                         with self._model.disable_adapter():
                             out = self._model(ids)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from multilora.config import LORA_MODULES, ModelConfig
+from multilora.config import ALL_LORA_MODULES, LORA_MODULES, ModelConfig
 from multilora.adapters.pool import POOLS, lora_buffer_shapes, lora_feature_dims
 from multilora.model.arrays import arrays, shape_of
 from multilora.model.llama import LayerWeights, LoRAWeights, Weights
@@ -24,10 +24,10 @@ def test_every_field_declares_its_array():
     for cls in (LayerWeights, LoRAWeights):
         assert [f.name for f in dataclasses.fields(cls)] == [n for n, _ in arrays(cls)]
     assert [f.name for f in dataclasses.fields(Weights) if f.name != "layers"] == [n for n, _ in arrays(Weights)]
-    # each PEFT module: one A block and one B pool, and nothing else
+    # each PEFT module (the experts' too): one A block and one B pool, and nothing else
     for side in ("a", "b"):
         mods = [m for info in POOLS.values() if info.side == side for m in info.modules]
-        assert sorted(mods) == sorted(LORA_MODULES), side
+        assert sorted(mods) == sorted(ALL_LORA_MODULES), side
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "tied", "qwen3", "gemma2"])

@@ -3,7 +3,7 @@
 The pytest process has already started JAX with one CPU device, so every engine here runs in a
 subprocess: this file is also that subprocess's script (`python -m tests.test_tensor_parallel
 tp|multihost SPEC.json`). One subprocess with 4 CPU devices builds every single-process engine
-(tp 1, 2, 4 on both LoRA backends; a model with one KV head; a Qwen3 and a Gemma 2 on tp=2; tp=3
+(tp 1, 2, 4 on both LoRA backends; a model with one KV head; a Qwen3, a Gemma 2 and a Qwen3-MoE on tp=2; tp=3
 for 4 heads) and prints JSON; then two processes joined by jax.distributed (gloo collectives on
 127.0.0.1), 2 CPU devices each, run one tp=4 engine in lockstep. The tests assert on those results:
 same greedy tokens as one device for a mixed batch (base rows and three adapters), weights, adapter
@@ -42,10 +42,13 @@ LENGTHS = [5, 13, 9, 20, 3, 17, 30, 11]   # 108 tokens: chunked prefills over se
 LLAMA_RUNS = [dict(model="llama", tp=tp, backend=be) for be in ("bgmv", "sgmv") for tp in (1, 2, 4)]
 QWEN_RUNS = [dict(model="qwen2", tp=tp, backend="sgmv") for tp in (1, 2, 4)]
 NEW_RUNS = [dict(model=m, tp=2, backend="bgmv") for m in ("qwen3", "gemma2")]  # against PEFT: no tp=1 run
+# Qwen3-MoE: adapter c's experts' gate_up at twice its rank (PEFT fuses gate and up): rank 32
+MOE_RUNS = [dict(model="qwen3_moe", tp=2, backend="bgmv", max_lora_rank=32)]
 ERROR_RUNS = [dict(model="llama", tp=3, backend="bgmv"), dict(model="llama", tp=8, backend="bgmv")]
 
 # The arrays whose per-device pieces are reported: weights, adapter slots, KV cache.
 WEIGHT_FIELDS = ["embed_VD", "lm_head_DV", "wq_LDO", "wk_LDO", "wo_LOD", "w_gate_LDF", "w_down_LFD", "bq_LO",
+                 "router_LDE", "w_gate_LEDM", "w_up_LEDM", "w_down_LEMD",
                  "q_norm_LH", "k_norm_LH", "post_attn_norm_LD"]
 LORA_FIELDS = ["qkv_a_LUD", "q_b_LUO", "k_b_LUO", "v_b_LUO", "o_a_LUO", "o_b_LUD",
                "gate_up_a_LUD", "gate_b_LUF", "up_b_LUF", "down_a_LUF", "down_b_LUD"]
@@ -62,8 +65,8 @@ def _engine(spec, model, tp, backend, **extra):
     from multilora.engine.runner import Buckets
     names = extra.pop("names", tuple(ADAPTERS))
     adapters = {k: spec["adapters"][model][v] for k, v in ADAPTERS.items() if k in names}
-    return Engine(spec["models"][model], adapters, **KW, buckets=Buckets(**BUCKETS), lora_backend=backend,
-                  tensor_parallel_size=tp, **extra)
+    return Engine(spec["models"][model], adapters, **{**KW, **extra}, buckets=Buckets(**BUCKETS),
+                  lora_backend=backend, tensor_parallel_size=tp)
 
 
 def _generate(eng):
@@ -119,7 +122,8 @@ def _worker_tp(spec) -> dict:
     for run in spec["runs"]:
         r = dict(run)
         try:
-            eng = _engine(spec, run["model"], run["tp"], run["backend"])
+            eng = _engine(spec, run["model"], run["tp"], run["backend"],
+                          **{k: v for k, v in run.items() if k not in ("model", "tp", "backend")})
         except ValueError as e:
             r["error"] = str(e)
             results.append(r)
@@ -180,7 +184,7 @@ def _parse(stdout: str) -> dict:
 def _spec(tiny_models, tiny_adapters, **kw) -> dict:
     return dict(models={k: str(v) for k, v in tiny_models.items()},
                 adapters={m: {ad: str(tiny_adapters[(m, ad)]) for ad in ADAPTERS.values()}
-                          for m in ("llama", "qwen2", "qwen3", "gemma2")}, **kw)
+                          for m in ("llama", "qwen2", "qwen3", "gemma2", "qwen3_moe")}, **kw)
 
 
 def _launch(mode: str, spec: dict, path: Path) -> subprocess.Popen:
@@ -203,7 +207,7 @@ def _finish(proc: subprocess.Popen, timeout: float) -> dict:
 
 @pytest.fixture(scope="module")
 def tp_runs(tiny_models, tiny_adapters, tmp_path_factory):
-    spec = _spec(tiny_models, tiny_adapters, devices=4, runs=LLAMA_RUNS + QWEN_RUNS + NEW_RUNS + ERROR_RUNS)
+    spec = _spec(tiny_models, tiny_adapters, devices=4, runs=LLAMA_RUNS + QWEN_RUNS + NEW_RUNS + MOE_RUNS + ERROR_RUNS)
     res = _finish(_launch("tp", spec, tmp_path_factory.mktemp("tp") / "spec.json"), timeout=900)
     assert len(res["devices"]) == 4
     return {(r["model"], r["tp"], r["backend"]): r for r in res["runs"]}
@@ -300,6 +304,23 @@ def test_newer_architectures_on_two_devices_give_peft_tokens(model, tp_runs, tin
     norms = {"qwen3": ("q_norm_LH", "k_norm_LH"), "gemma2": ("post_attn_norm_LD",)}[model]
     for f in norms:
         assert w[f]["piece"] == w[f]["shape"] and w[f]["devices"] == 2, f
+    assert r["compiles_after_warmup"] == 0 and r["lora_kept_sharding"] and r["kv_kept_sharding"]
+
+
+def test_qwen3_moe_on_two_devices_gives_peft_tokens(tp_runs, tiny_models, tiny_adapters, peft_greedy_cache):
+    """The Qwen3-MoE tiny (4 experts of width 32, layer 1 dense) on tp=2, adapters with the
+    experts' LoRA beside base rows: PEFT's greedy tokens; each expert split over its width (gate
+    and up by output, down by input), the router replicated."""
+    r = tp_runs[("qwen3_moe", 2, "bgmv")]
+    want = peft_greedy_cache.many(tiny_models["qwen3_moe"],
+                                  [(None if l is None else tiny_adapters[("qwen3_moe", ADAPTERS[l])], p)
+                                   for l, p in zip(LORAS, prompts())], MAX_NEW)
+    assert r["tokens"] == want
+    w = r["weights"]
+    assert w["w_gate_LEDM"]["piece"] == [2, 4, 64, 32 // 2] == w["w_up_LEDM"]["piece"]
+    assert w["w_down_LEMD"]["piece"] == [2, 4, 32 // 2, 64]
+    assert w["router_LDE"]["piece"] == w["router_LDE"]["shape"] == [2, 64, 4]
+    assert w["w_gate_LDF"]["piece"] == [2, 64, 96 // 2]  # the dense layer's MLP, as Llama's
     assert r["compiles_after_warmup"] == 0 and r["lora_kept_sharding"] and r["kv_kept_sharding"]
 
 

@@ -21,11 +21,18 @@ from typing import Any, Optional
 import ml_dtypes  # bfloat16 for numpy: bf16 adapter files and host copies
 import numpy as np
 
-from multilora.config import LORA_MODULES, LoRAType, ModelConfig
+from multilora.config import (ALL_LORA_MODULES, EXPERT_LORA_MODULES, LORA_MODULES, ROUTER_LORA_MODULE, LoRAType,
+                              ModelConfig)
 from multilora.adapters.pacing import checkpoint
 from multilora.adapters.safetensors_views import Scratch, read_header, read_tensors, views
 
 _KEY_RE = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.(?:[\w-]+\.)?weight$")
+# PEFT's LoRA on a Qwen3-MoE layer's experts (target_parameters on transformers 5's fused
+# gate_up_proj and down_proj): one ParamWrapper per parameter, nested (the inner one under
+# base_layer), each lora_A (r * E, in), lora_B (out, r * E); which parameter a wrapper adapts is
+# told by its shapes (experts.gate_up_proj: D -> 2M, experts.down_proj: M -> D, never both).
+_EXPERT_KEY_RE = re.compile(r"layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)\.lora_([AB])\.(?:[\w-]+\.)?weight$")
+_PER_EXPERT_KEY_RE = re.compile(r"layers\.\d+\.mlp\.experts\.\d+\.")
 _ALL_LINEAR = "all-linear"
 _HASH_CHUNK = 1 << 20  # bytes hashed between two checkpoints (multilora.adapters.pacing)
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -57,7 +64,7 @@ class LoRAAdapter:
 
     @property
     def target_modules(self) -> tuple[str, ...]:
-        return tuple(m for m in LORA_MODULES if m in self.modules)
+        return tuple(m for m in ALL_LORA_MODULES if m in self.modules)
 
     @property
     def content_hash(self) -> bytes:
@@ -136,10 +143,18 @@ def _check_config(name: str, cfg: dict) -> None:
     if isinstance(targets, list):
         if any(not isinstance(t, str) for t in targets):
             raise AdapterError(name, f"target_modules must hold module names (strings), got {targets!r}")
-        bad = [t for t in targets if t.split(".")[-1] not in LORA_MODULES and t != _ALL_LINEAR]
+        allowed = LORA_MODULES + (ROUTER_LORA_MODULE,)
+        bad = [t for t in targets if t.split(".")[-1] not in allowed and t != _ALL_LINEAR]
         if bad:
             raise AdapterError(name, f"target_modules {bad} are outside the supported set "
-                                     f"{', '.join(LORA_MODULES)}")
+                                     f"{', '.join(allowed)}")
+    params = cfg.get("target_parameters")
+    if params is not None and (not isinstance(params, list) or any(not isinstance(p, str) for p in params)):
+        raise AdapterError(name, f"target_parameters must be a list of parameter names, got {params!r}")
+    for p in params or ():
+        if p.split(".")[-1] not in ("gate_up_proj", "down_proj") and not _is_router_parameter(p):
+            raise AdapterError(name, f"target_parameters {p!r} is not supported; only a Qwen3-MoE's router "
+                                     "(gate.weight) and experts (gate_up_proj, down_proj) are")
     r = cfg.get("r", 8)
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise AdapterError(name, f"r must be a positive integer, got {r!r}")
@@ -190,14 +205,29 @@ def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: M
 
     default_scaling = scaling_of(alpha_default, r_default)
     found: dict[tuple[int, str], dict[LoRAType, str]] = {}
+    for (layer, module), ab in _expert_keys(name, shapes, model_cfg).items():
+        found[(layer, module)] = ab
     for key in shapes:
+        if _EXPERT_KEY_RE.search(key):
+            continue
+        if _PER_EXPERT_KEY_RE.search(key):
+            raise AdapterError(name, f"tensor {key!r}: per-expert LoRA tensors (transformers 4's layout) are "
+                                     "not supported; PEFT on transformers 5 saves the experts' LoRA fused "
+                                     "(target_parameters gate_up_proj, down_proj), which is")
         m = _KEY_RE.search(key)
         if m is None:
             raise AdapterError(name, f"tensor {key!r} is not a LoRA A/B weight of "
                                      f"{', '.join(LORA_MODULES)} (embedding, lm_head and other "
                                      "targets are not supported)")
         layer, module, ab = int(m.group(1)), m.group(3), LoRAType(m.group(4))
-        if module not in LORA_MODULES:
+        if module == ROUTER_LORA_MODULE and m.group(2) == "mlp":
+            if layer not in model_cfg.moe_layers:
+                raise AdapterError(name, f"tensor {key!r} adapts an MoE router (mlp.gate), but layer {layer} "
+                                         "of the base model has none (an adapter for another model?)")
+        elif module in ("gate_proj", "up_proj", "down_proj") and layer in model_cfg.moe_layers:
+            raise AdapterError(name, f"tensor {key!r} adapts a dense MLP, but layer {layer} of the base model "
+                                     "is a mixture of experts (an adapter for another model?)")
+        elif module not in LORA_MODULES:
             raise AdapterError(name, f"target module {module!r} is outside the supported set "
                                      f"{', '.join(LORA_MODULES)}")
         if layer >= model_cfg.num_layers:
@@ -214,15 +244,19 @@ def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: M
             raise AdapterError(name, f"layer {layer} {module} has lora_{''.join(t.value for t in ab)} "
                                      "but not its pair")
         sa, sb = tuple(shapes[ab[LoRAType.A]]), tuple(shapes[ab[LoRAType.B]])
-        d_in, d_out = model_cfg.module_dims(module)
-        r = sa[0] if sa else 0
-        if len(sa) != 2 or len(sb) != 2 or sa[1] != d_in or sb != (d_out, r):
+        experts = _experts_of(module, model_cfg)
+        d_in, d_out = model_cfg.expert_dims(module) if experts > 1 else model_cfg.module_dims(module)
+        r = sa[0] // experts if sa else 0  # an expert module's A holds every expert's r rows
+        if len(sa) != 2 or len(sb) != 2 or sa != (r * experts, d_in) or sb != (d_out, r * experts):
             raise AdapterError(name, f"layer {layer} {module}: lora_A {sa} / lora_B {sb} "
-                                     f"do not fit the base model's {module} ({d_in} -> {d_out}); "
+                                     f"do not fit the base model's {module} ({d_in} -> {d_out}"
+                                     f"{f', {experts} experts' if experts > 1 else ''}); "
                                      "an adapter for another model?")
         if r > max_lora_rank:
             raise AdapterError(name, f"rank {r} ({module}) exceeds max_lora_rank={max_lora_rank}")
         module_key = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
+        if module == ROUTER_LORA_MODULE and any(map(_is_router_parameter, cfg.get("target_parameters") or ())):
+            module_key += ".weight"  # PEFT's key of a targeted parameter, as its patterns see it
         alpha = float(_pattern_value(alpha_pattern, module_key, alpha_default))
         r_cfg = int(_pattern_value(rank_pattern, module_key, r_default))
         if r_cfg != r:
@@ -233,11 +267,54 @@ def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: M
     return plan, max_rank, default_scaling
 
 
+def _is_router_parameter(p: str) -> bool:
+    """Whether a target_parameters entry names the MoE router's weight (gate.weight)."""
+    return p.split(".")[-2:] == ["gate", "weight"]
+
+
+def _experts_of(module: str, model_cfg: ModelConfig) -> int:
+    """How many experts' LoRAs one of the module's tensors holds (1: a plain projection)."""
+    return max(model_cfg.num_experts, 1) if module in EXPERT_LORA_MODULES else 1
+
+
+def _expert_keys(name: str, shapes: dict[str, tuple[int, ...]],
+                 model_cfg: ModelConfig) -> dict[tuple[int, str], dict[LoRAType, str]]:
+    """(layer, expert module) -> its A and B keys, from PEFT's nested ParamWrapper keys, each
+    wrapper's module told by its shapes (see _EXPERT_KEY_RE)."""
+    wrappers: dict[tuple[int, str], dict[LoRAType, str]] = {}
+    for key in shapes:
+        m = _EXPERT_KEY_RE.search(key)
+        if m is not None:
+            wrappers.setdefault((int(m.group(1)), m.group(2)), {})[LoRAType(m.group(3))] = key
+    out: dict[tuple[int, str], dict[LoRAType, str]] = {}
+    for (layer, _), ab in sorted(wrappers.items()):
+        if not model_cfg.moe_layers:
+            raise AdapterError(name, f"tensor {next(iter(ab.values()))!r} adapts MoE experts, but the base "
+                                     "model has none (an adapter for another model?)")
+        if layer not in model_cfg.moe_layers:
+            raise AdapterError(name, f"tensor {next(iter(ab.values()))!r} adapts experts in layer {layer}, "
+                                     "whose MLP is dense (an adapter for another model?)")
+        if set(ab) != set(LoRAType):
+            key = next(iter(ab.values()))
+            raise AdapterError(name, f"tensor {key!r} has no lora_{'B' if LoRAType.A in ab else 'A'} beside it")
+        a_in, b_out = shapes[ab[LoRAType.A]][-1], shapes[ab[LoRAType.B]][0]
+        module = next((mod for mod in EXPERT_LORA_MODULES if model_cfg.expert_dims(mod) == (a_in, b_out)), None)
+        if module is None:
+            raise AdapterError(name, f"layer {layer} experts: lora_A {tuple(shapes[ab[LoRAType.A]])} / lora_B "
+                                     f"{tuple(shapes[ab[LoRAType.B]])} fit neither gate_up_proj "
+                                     f"{model_cfg.expert_dims(EXPERT_LORA_MODULES[0])} nor down_proj "
+                                     f"{model_cfg.expert_dims(EXPERT_LORA_MODULES[1])} of the base model's experts")
+        if (layer, module) in out:
+            raise AdapterError(name, f"layer {layer} adapts the experts' {module.split('.')[1]} twice")
+        out[(layer, module)] = ab
+    return out
+
+
 def _host_bytes(plan, shapes, model_cfg: ModelConfig, itemsize: int) -> int:
     total = 0
     for module, layers in plan.items():
         d_in, d_out = model_cfg.module_dims(module)
-        r_mod = max(shapes[ka][0] for ka, _, _ in layers.values())
+        r_mod = max(shapes[ka][0] for ka, _, _ in layers.values()) // _experts_of(module, model_cfg)
         total += itemsize * model_cfg.num_layers * r_mod * (d_in + d_out)
     return total
 
@@ -340,6 +417,7 @@ class _Part:
     # (layer, A key, B key, scaling ratio) for the numpy path
     layers: tuple[tuple[int, str, str, float], ...]
     jobs: Optional[np.ndarray]    # (n, 8) int64 for kernels.tensor_copier, None: the numpy path
+    experts: int = 1              # an expert module's: its tensors hold this many experts' LoRAs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,12 +446,14 @@ def _make_recipe(name: str, cfg: dict, entries: dict, header: bytes, model_cfg: 
     parts, size = [], 0
     for module, layers in plan.items():
         d_in, d_out = model_cfg.module_dims(module)
-        r_mod = max(entries[ka][1][0] for ka, _, _ in layers.values())
+        experts = _experts_of(module, model_cfg)
+        r_mod = max(entries[ka][1][0] for ka, _, _ in layers.values()) // experts
         L = model_cfg.num_layers
         a_start, b_start = size, size + L * r_mod * d_in
         size = b_start + L * d_out * r_mod
-        native = dtype in _DST_KINDS and all(entries[k][0] in _SRC_KINDS for ka, kb, _ in layers.values()
-                                             for k in (ka, kb))
+        # the experts' tensors are rearranged on the way (_copy_part), which the copier does not do
+        native = experts == 1 and dtype in _DST_KINDS and all(
+            entries[k][0] in _SRC_KINDS for ka, kb, _ in layers.values() for k in (ka, kb))
         jobs = []  # multilora_copy_tensors' rows: src offset, kind, dst offset, rows, cols, strides, scale
         for layer, (ka, kb, ratio) in sorted(layers.items()) if native else ():
             r = entries[ka][1][0]
@@ -385,7 +465,7 @@ def _make_recipe(name: str, cfg: dict, entries: dict, header: bytes, model_cfg: 
                            b_shape=(L, d_out, r_mod),
                            keys=tuple(k for ka, kb, _ in layers.values() for k in (ka, kb)),
                            layers=tuple((layer, ka, kb, ratio) for layer, (ka, kb, ratio) in sorted(layers.items())),
-                           jobs=np.ascontiguousarray(jobs, np.int64) if native else None))
+                           jobs=np.ascontiguousarray(jobs, np.int64) if native else None, experts=experts))
     return _Recipe(parts=tuple(parts), size=size, rank=max_rank, scaling=default_scaling)
 
 
@@ -416,12 +496,16 @@ def _bad_values(name: str, part: _Part, tensors: dict, dtype: np.dtype) -> Adapt
 def _copy_part(part: _Part, tensors: dict, a_LRI: np.ndarray, b_LOR: np.ndarray) -> bool:
     """One module's tensors into its host arrays by numpy (each value rounded once to the host
     dtype); False if the result holds NaN or Inf."""
+    e = part.experts
     for layer, ka, kb, ratio in part.layers:
-        r = tensors[ka].shape[0]
-        _round_into(a_LRI[layer, :r], tensors[ka])
+        a_ri, b_or = tensors[ka], tensors[kb]
+        r = a_ri.shape[0] // e
+        if e > 1:  # PEFT's A rows e * r + j and B columns j * E + e -> expert e's run of a rank row
+            a_ri = np.ascontiguousarray(a_ri.reshape(e, r, -1).transpose(1, 0, 2).reshape(r, -1))
+            b_or = np.ascontiguousarray(b_or.reshape(-1, r, e).transpose(2, 0, 1).reshape(-1, r))
+        _round_into(a_LRI[layer, :r], a_ri)
         # a pattern's scaling ratio, folded into B in float32 before the one rounding
-        _round_into(b_LOR[layer, :, :r], tensors[kb] if ratio == 1.0
-                    else tensors[kb].astype(np.float32) * np.float32(ratio))
+        _round_into(b_LOR[layer, :, :r], b_or if ratio == 1.0 else b_or.astype(np.float32) * np.float32(ratio))
     return _all_finite(a_LRI) and _all_finite(b_LOR)
 
 

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from multilora.config import LORA_MODULES
+from multilora.config import ALL_LORA_MODULES
 from multilora.adapters.adapter import LoRAAdapter
 
 MIX_PREFIX = "mix:"
@@ -57,7 +57,7 @@ def mix_adapters(name: str, path: str, parts: Sequence[tuple[LoRAAdapter, float]
     in the parts' host dtype (the pool's): B's blocks are scaled in float32 and rounded once
     more where that dtype is bfloat16 (exact on the float32 path)."""
     modules = {}
-    for m in LORA_MODULES:
+    for m in ALL_LORA_MODULES:
         have = [(ad, w) for ad, w in parts if m in ad.modules]
         if not have:
             continue

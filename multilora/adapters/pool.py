@@ -207,6 +207,8 @@ def write_rows(lora: LoRAWeights, rows_R: jax.Array, new: LoRAWeights, native: b
     pool kernel (one CPU device), which writes the rows in place in the donated pool."""
     def one(field):
         buf, x = getattr(lora, field), getattr(new, field)
+        if buf.size == 0:  # the experts' pools of a model without experts
+            return buf
         b = blocks_of(field)
         idx = stacked_rows(rows_R, b, buf.shape[1] // b)
         if native:

@@ -26,6 +26,14 @@ _MODEL_DIMS: dict[str, Callable[[ModelConfig], int]] = {
     "kv_out": lambda c: c.kv_dim,
     "ffn": lambda c: c.intermediate_size,
     "head_dim": lambda c: c.head_dim,
+    "experts": lambda c: c.num_experts,
+    "moe_ffn": lambda c: c.moe_intermediate_size,
+    # the router's and the experts' LoRA pools (no features in a model without experts); the
+    # experts': every expert's features side by side in one rank row
+    "moe_embed": lambda c: c.hidden_size if c.num_experts else 0,
+    "experts_embed": lambda c: c.num_experts * c.hidden_size,
+    "experts_moe_ffn": lambda c: c.num_experts * c.moe_intermediate_size,
+    "experts_gate_up": lambda c: c.num_experts * 2 * c.moe_intermediate_size,
 }
 
 
@@ -38,7 +46,10 @@ class ArrayInfo:
     """axes: the logical axis names (shape and sharding). key: the checkpoint tensor's name,
     under "model.layers.{i}." for a per-layer array (stacked along "layers"); transpose: the
     checkpoint holds it (out, in). present: whether this model config has it (biases, an untied
-    LM head). LoRA pools: side "a" or "b" and the PEFT modules whose rows they hold (several
+    LM head). in_layers: the layers whose checkpoint holds a per-layer array (None: every layer;
+    the others' entries are zeros: Qwen3-MoE's dense MLP and experts, each in its own layers).
+    A key with "{e}" names one expert's tensor (the array stacks them along "experts").
+    LoRA pools: side "a" or "b" and the PEFT modules whose rows they hold (several
     modules: one block of rows each, stacked)."""
 
     axes: tuple[str, ...]
@@ -47,6 +58,7 @@ class ArrayInfo:
     present: Callable[[ModelConfig], bool] = _always
     side: Optional[str] = None
     modules: tuple[str, ...] = ()
+    in_layers: Optional[Callable[[ModelConfig], tuple[int, ...]]] = None
 
     @property
     def blocks(self) -> int:
@@ -55,9 +67,10 @@ class ArrayInfo:
 
 
 def weight(axes: tuple[str, ...], key: str, *, transpose: bool = False,
-           present: Optional[Callable[[ModelConfig], bool]] = None):
+           present: Optional[Callable[[ModelConfig], bool]] = None,
+           in_layers: Optional[Callable[[ModelConfig], tuple[int, ...]]] = None):
     """A dataclass field declaring a model weight; optional ones (present given) default to None."""
-    info = ArrayInfo(tuple(axes), key, transpose, present or _always)
+    info = ArrayInfo(tuple(axes), key, transpose, present or _always, in_layers=in_layers)
     if present is None:
         return dataclasses.field(metadata={"array": info})
     return dataclasses.field(default=None, metadata={"array": info})

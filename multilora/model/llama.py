@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, SmolLM2) as a pure function of pytrees.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2/3, SmolLM2) as a pure
+function of pytrees.
 
     forward(weights, lora, kv, batch, cfg, backend) -> (logits, kv)   [hidden=True: + x_TD]
 
@@ -9,7 +10,8 @@ chunks together (see Batch); every projection adds its per-token LoRA delta thro
 and a step with no adapter row skips the LoRA ops (slot 0 adds nothing either way).
 
 Legend: L layers, T tokens, D model dim, N/K query/kv heads, H head dim, F ffn dim, V vocab,
-P pages, p page size, X the step's pages, Q logits rows, U adapter pool rows, O out features.
+P pages, p page size, X the step's pages, Q logits rows, U adapter pool rows, O out features,
+E experts, M an expert's ffn dim.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from multilora.model.arrays import lora_pool, weight
 from multilora.model.attention import (decode_attention, kv_page_writes, max_pages_written, prefill_attention,
                                        softcap_logits, write_kv, write_kv_pages)
 from multilora.model.layers import apply_rope, geglu_tanh, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from multilora.model.moe import ExpertLoRA, grouped_experts, select_experts
 from multilora.model.packing import PackSpec, unpack
 from multilora.model.projections import PackedBf16, QuantInt8
 
@@ -60,21 +63,55 @@ def _untied(cfg: ModelConfig) -> bool:
     return not cfg.tie_word_embeddings
 
 
+def _has_dense_mlp(cfg: ModelConfig) -> bool:
+    return cfg.has_dense_mlp
+
+
+def _dense_layers(cfg: ModelConfig) -> tuple[int, ...]:
+    return tuple(i for i in range(cfg.num_layers) if i not in cfg.moe_layers)
+
+
+def _has_experts(cfg: ModelConfig) -> bool:
+    return bool(cfg.moe_layers)
+
+
+def _moe_layers(cfg: ModelConfig) -> tuple[int, ...]:
+    return cfg.moe_layers
+
+
 # Each array is declared once, here (multilora.model.arrays): its logical axes (which give its
 # shape and its sharding) and its checkpoint tensor (per layer, under "model.layers.{i}.").
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerWeights:
-    """One entry per layer, stacked along L. Projections are stored (in, out)."""
+    """One entry per layer, stacked along L. Projections are stored (in, out). A Qwen3-MoE with
+    both kinds of layer stacks the dense MLP and the experts over every layer, zeros in the
+    layers of the other kind (memory spent only where a model mixes them: Qwen3-MoE's releases
+    have every layer sparse)."""
 
     attn_norm_LD: jax.Array = weight(("layers", "embed"), "input_layernorm.weight")
     wq_LDO: jax.Array = weight(("layers", "embed", "q_out"), "self_attn.q_proj.weight", transpose=True)
     wk_LDO: jax.Array = weight(("layers", "embed", "kv_out"), "self_attn.k_proj.weight", transpose=True)
     wv_LDO: jax.Array = weight(("layers", "embed", "kv_out"), "self_attn.v_proj.weight", transpose=True)
     wo_LOD: jax.Array = weight(("layers", "q_out", "embed"), "self_attn.o_proj.weight", transpose=True)
-    w_gate_LDF: jax.Array = weight(("layers", "embed", "ffn"), "mlp.gate_proj.weight", transpose=True)
-    w_up_LDF: jax.Array = weight(("layers", "embed", "ffn"), "mlp.up_proj.weight", transpose=True)
-    w_down_LFD: jax.Array = weight(("layers", "ffn", "embed"), "mlp.down_proj.weight", transpose=True)
+    w_gate_LDF: Optional[jax.Array] = weight(("layers", "embed", "ffn"), "mlp.gate_proj.weight", transpose=True,
+                                             present=_has_dense_mlp, in_layers=_dense_layers)
+    w_up_LDF: Optional[jax.Array] = weight(("layers", "embed", "ffn"), "mlp.up_proj.weight", transpose=True,
+                                           present=_has_dense_mlp, in_layers=_dense_layers)
+    w_down_LFD: Optional[jax.Array] = weight(("layers", "ffn", "embed"), "mlp.down_proj.weight", transpose=True,
+                                             present=_has_dense_mlp, in_layers=_dense_layers)
+    # Qwen3-MoE's sparse layers (multilora.model.moe): the router and the experts' SwiGLU MLPs
+    router_LDE: Optional[jax.Array] = weight(("layers", "embed", "experts"), "mlp.gate.weight", transpose=True,
+                                             present=_has_experts, in_layers=_moe_layers)
+    w_gate_LEDM: Optional[jax.Array] = weight(("layers", "experts", "embed", "moe_ffn"),
+                                              "mlp.experts.{e}.gate_proj.weight", transpose=True,
+                                              present=_has_experts, in_layers=_moe_layers)
+    w_up_LEDM: Optional[jax.Array] = weight(("layers", "experts", "embed", "moe_ffn"),
+                                            "mlp.experts.{e}.up_proj.weight", transpose=True,
+                                            present=_has_experts, in_layers=_moe_layers)
+    w_down_LEMD: Optional[jax.Array] = weight(("layers", "experts", "moe_ffn", "embed"),
+                                              "mlp.experts.{e}.down_proj.weight", transpose=True,
+                                              present=_has_experts, in_layers=_moe_layers)
     bq_LO: Optional[jax.Array] = weight(("layers", "q_out"), "self_attn.q_proj.bias", present=_has_qkv_bias)
     bk_LO: Optional[jax.Array] = weight(("layers", "kv_out"), "self_attn.k_proj.bias", present=_has_qkv_bias)
     bv_LO: Optional[jax.Array] = weight(("layers", "kv_out"), "self_attn.v_proj.bias", present=_has_qkv_bias)
@@ -122,6 +159,16 @@ class LoRAWeights:
     up_b_LUF: jax.Array = lora_pool(("layers", "lora_rows", "ffn"), "b", "up_proj")
     down_a_LUF: jax.Array = lora_pool(("layers", "lora_rows", "ffn"), "a", "down_proj")
     down_b_LUD: jax.Array = lora_pool(("layers", "lora_rows", "embed"), "b", "down_proj")
+    # Qwen3-MoE's router (mlp.gate) and experts (multilora.model.moe; no features in a model
+    # without experts): an experts' rank row holds every expert's row side by side (E * X features)
+    router_a_LUD: jax.Array = lora_pool(("layers", "lora_rows", "moe_embed"), "a", "gate")
+    router_b_LUE: jax.Array = lora_pool(("layers", "lora_rows", "experts"), "b", "gate")
+    experts_gate_up_a_LUY: jax.Array = lora_pool(("layers", "lora_rows", "experts_embed"), "a",
+                                                 "experts.gate_up_proj")
+    experts_gate_up_b_LUZ: jax.Array = lora_pool(("layers", "lora_rows", "experts_gate_up"), "b",
+                                                 "experts.gate_up_proj")
+    experts_down_a_LUY: jax.Array = lora_pool(("layers", "lora_rows", "experts_moe_ffn"), "a", "experts.down_proj")
+    experts_down_b_LUZ: jax.Array = lora_pool(("layers", "lora_rows", "experts_embed"), "b", "experts.down_proj")
 
 
 @jax.tree_util.register_dataclass
@@ -318,8 +365,10 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     norm = lambda x, w: rms_norm(x, w, cfg.rms_norm_eps, cfg.gemma_norms)  # noqa: E731
     if be is not None:  # each backend's per-step metadata, once for every layer (plan_step)
         d, f = cfg.hidden_size, cfg.intermediate_size
+        dims = ((d, n * h), (d, kvh * h), (n * h, d), (d, f), (f, d))
+        dims += ((d, cfg.num_experts),) if cfg.moe_layers else ()  # the router's LoRA
         for b in bes:
-            info = b.plan_step(info, t, ((d, n * h), (d, kvh * h), (n * h, d), (d, f), (f, d)), x_TD.dtype)
+            info = b.plan_step(info, t, dims, x_TD.dtype)
     # Rows with one token this step take the decode path; the prefill kernel sees them as padding.
     is_decode_T = (batch.seq_idx_T >= 0) & (batch.seq_idx_T < batch.num_decode)
     write_hm = _kv_writer(kv_write, batch, kv.page_size) if kv_heads_major else None
@@ -355,8 +404,10 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         f.name: getattr(stacked, f.name) for f in dataclasses.fields(stacked)
         if isinstance(getattr(stacked, f.name), PackedBf16)}
 
-    def layer(carry, xs, window):
-        # window: this layer's sliding window, static (cfg.layer_windows; None: global)
+    def layer(carry, xs, spec):
+        # spec: this layer's (sliding window, sparse MLP), static (cfg.layer_windows, None:
+        # global; cfg.layer_sparse)
+        window, sparse = spec
         x_TD, k_cache, v_cache = carry
         lw, idx = xs
         lw = dataclasses.replace(lw, **packed) if packed else lw
@@ -401,6 +452,17 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
             o = norm(o, lw.post_attn_norm_LD)
         x_TD = x_TD + o
         hid = norm(x_TD, lw.mlp_norm_LD if lw.pre_mlp_norm_LD is None else lw.pre_mlp_norm_LD)
+        if sparse:  # Qwen3-MoE: its router's top-k experts, grouped, each with its LoRA
+            logits_TE = _proj(hid, lw.router_LDE)
+            if be is not None:
+                (logits_TE,) = with_lora(lambda ll, be: (be.run_lora(hid, ll.router_a_LUD, ll.router_b_LUE, info),),
+                                         idx, logits_TE)
+            weights_TK, experts_TK = select_experts(logits_TE, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            adapters = None if be is None else ExpertLoRA(
+                lora.experts_gate_up_a_LUY, lora.experts_gate_up_b_LUZ, lora.experts_down_a_LUY,
+                lora.experts_down_b_LUZ, idx, info)
+            return (x_TD + grouped_experts(hid, weights_TK, experts_TK, lw.w_gate_LEDM, lw.w_up_LEDM,
+                                           lw.w_down_LEMD, adapters), k_cache, v_cache), None
         gate, up = _proj(hid, lw.w_gate_LDF, layer=idx), _proj(hid, lw.w_up_LDF, layer=idx)
         if be is not None:
             gate, up = with_lora(lambda ll, be: be.run_gate_up_lora(
@@ -416,15 +478,16 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     # (L, P, K, p, H): the order a KV_HEADS_MAJOR cache has in memory, so the swap is free
     swap = (lambda a: jnp.swapaxes(a, 2, 3)) if kv_heads_major else (lambda a: a)  # noqa: E731
     carry = (x_TD, swap(kv.k_LPpKH), swap(kv.v_LPpKH))
+    specs = tuple(zip(cfg.layer_windows, cfg.layer_sparse))
     if isinstance(weights.layers, tuple):  # one LayerWeights per layer: unrolled, nothing sliced
         if len(weights.layers) != cfg.num_layers:
             raise ValueError(f"weights hold {len(weights.layers)} split layers; the config has "
                              f"num_layers={cfg.num_layers}")
         for i, lw in enumerate(weights.layers):
-            carry, _ = layer(carry, (lw, jnp.int32(i)), cfg.layer_windows[i])
+            carry, _ = layer(carry, (lw, jnp.int32(i)), specs[i])
     else:
         sliced = dataclasses.replace(stacked, **{name: None for name in packed}) if packed else stacked
-        carry = _scan_layers(layer, carry, sliced, cfg.layer_windows)
+        carry = _scan_layers(layer, carry, sliced, specs)
     x_TD, k_cache, v_cache = carry
     k_cache, v_cache = swap(k_cache), swap(v_cache)
     logits = head_logits(weights, cfg, jnp.take(x_TD, batch.logits_idx_Q, axis=0, mode="clip"))
@@ -440,9 +503,10 @@ def _window_period(windows) -> int:
 
 def _scan_layers(layer, carry, stacked, windows):
     """layer(carry, (weights of layer i, i), windows[i]) for every layer, under one lax.scan over
-    groups of p layers, p the period of the windows (1 where every layer has the same; Gemma 2's
-    alternating local and global layers: 2): inside a group each layer's window is static. The
-    layers past the last whole group run after it, unrolled."""
+    groups of p layers, p the period of the windows (each layer's static spec: its window and
+    whether its MLP is sparse; 1 where every layer has the same; Gemma 2's alternating local and
+    global layers: 2): inside a group each layer's spec is static. The layers past the last
+    whole group run after it, unrolled."""
     p, num = _window_period(windows), len(windows)
     g = num // p
 

@@ -108,10 +108,19 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig | None = None, dtype="f
             raise ValueError(f"tensor {name!r} has shape {tuple(a.shape)}, config.json implies {tuple(shape)}")
         return np.asarray(a, dtype=np.float32) if a.dtype != np.float32 else a
 
+    def layer_host(i: int, info: ArrayInfo, shape: tuple[int, ...]) -> np.ndarray:
+        if info.in_layers is not None and i not in info.in_layers(cfg):
+            return np.zeros(shape, np.float32)
+        if "{e}" not in info.key:
+            return host(f"model.layers.{i}.{info.key}", info, shape)
+        if f"model.layers.{i}.{info.key.format(e=0)}" not in idx:
+            return _fused_experts(idx, i, info, shape)
+        return np.stack([host(f"model.layers.{i}.{info.key.format(e=e)}", info, shape[1:]) for e in range(shape[0])])
+
     def read(info: ArrayInfo) -> np.ndarray:
         shape = shape_of(info, cfg)
         if info.axes[0] == "layers":
-            out = np.stack([host(f"model.layers.{i}.{info.key}", info, shape[1:]) for i in range(cfg.num_layers)])
+            out = np.stack([layer_host(i, info, shape[1:]) for i in range(cfg.num_layers)])
         else:
             out = host(info.key, info, shape)
         bar.update()
@@ -123,6 +132,33 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig | None = None, dtype="f
     finally:
         idx.close()
     return cfg, place_weights(host_w, cfg, mesh, dt)
+
+
+# An expert's tensor (mlp.experts.{e}.<name>.weight, what transformers' save_pretrained writes) ->
+# the fused 3-D tensor holding every expert's (transformers' Qwen3MoeExperts in memory, (E, out, in)):
+# its name and, for gate and up, which half of gate_up_proj's out features.
+_FUSED_EXPERTS = {"mlp.experts.{e}.gate_proj.weight": ("mlp.experts.gate_up_proj", 0),
+                  "mlp.experts.{e}.up_proj.weight": ("mlp.experts.gate_up_proj", 1),
+                  "mlp.experts.{e}.down_proj.weight": ("mlp.experts.down_proj", None)}
+
+
+def _fused_experts(idx: _TensorIndex, layer: int, info: ArrayInfo, shape: tuple[int, ...]) -> np.ndarray:
+    """Layer `layer`'s experts (E, in, out) from a checkpoint that holds them fused."""
+    name, half = _FUSED_EXPERTS[info.key]
+    key = f"model.layers.{layer}.{name}"
+    if key not in idx:
+        raise KeyError(f"checkpoint has neither {f'model.layers.{layer}.{info.key}'.format(e=0)!r} "
+                       f"(per expert) nor {key!r} (fused)")
+    a = idx.get(key)
+    if half is not None:
+        if a.ndim != 3 or a.shape[1] % 2:
+            raise ValueError(f"tensor {key!r} has shape {tuple(a.shape)}, expected (experts, 2 * "
+                             "moe_intermediate_size, hidden_size)")
+        a = a[:, :a.shape[1] // 2] if half == 0 else a[:, a.shape[1] // 2:]
+    a = np.swapaxes(a, 1, 2)
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"tensor {key!r} gives experts of shape {tuple(a.shape)}, config.json implies {tuple(shape)}")
+    return np.asarray(a, dtype=np.float32)
 
 
 def place_weights(host_w: Weights, cfg: ModelConfig, mesh, dtype) -> Weights:

@@ -35,8 +35,16 @@ from multilora import kernels
 
 PROJECTION_DTYPES = ("auto", "float32", "bfloat16")
 AUTO_ENV = "MULTILORA_PROJECTION_DTYPE"
-# The LayerWeights fields that are (in, out) projection matrices.
+# The LayerWeights fields that are (in, out) projection matrices (the MLP's absent from a model
+# whose every layer is a mixture of experts).
 PROJECTIONS = ("wq_LDO", "wk_LDO", "wv_LDO", "wo_LOD", "w_gate_LDF", "w_up_LDF", "w_down_LFD")
+# Qwen3-MoE's experts, (E, in, out) a layer: XLA's grouped matmul runs them (multilora.model.moe),
+# in bfloat16 in both bfloat16 modes (never packed), and in the float dtype under int8.
+EXPERTS = ("w_gate_LEDM", "w_up_LEDM", "w_down_LEMD")
+
+
+def _present(layers, names):
+    return [n for n in names if getattr(layers, n) is not None]
 
 
 @jax.tree_util.register_dataclass
@@ -133,18 +141,20 @@ def convert(weights, mode: str):
     A tied embedding keeps its float32 table for the token lookup."""
     layers = weights.layers
     if mode in ("float32", "float16"):
-        change = {n: getattr(layers, n).astype(mode) for n in PROJECTIONS if getattr(layers, n).dtype != mode}
+        change = {n: getattr(layers, n).astype(mode) for n in _present(layers, PROJECTIONS + EXPERTS)
+                  if getattr(layers, n).dtype != mode}
         return dataclasses.replace(weights, layers=dataclasses.replace(layers, **change)) if change else weights
     if mode == "bfloat16":
-        change = {n: getattr(layers, n).astype(jnp.bfloat16) for n in PROJECTIONS}
+        change = {n: getattr(layers, n).astype(jnp.bfloat16) for n in _present(layers, PROJECTIONS + EXPERTS)}
         head = weights.lm_head_DV.astype(jnp.bfloat16) if weights.lm_head_DV is not None else None
         return dataclasses.replace(weights, layers=dataclasses.replace(layers, **change), lm_head_DV=head)
     if mode == "int8":  # a layer at a time: the float32 temporaries are one layer's, not the model's
-        change = {n: _quantize_layers(getattr(layers, n)) for n in PROJECTIONS}
+        change = {n: _quantize_layers(getattr(layers, n)) for n in _present(layers, PROJECTIONS)}
         return dataclasses.replace(weights, layers=dataclasses.replace(layers, **change))
     if mode != "bfloat16-packed":
         raise ValueError(f"unknown projection mode {mode!r}")
-    change = {n: pack(getattr(layers, n)) for n in PROJECTIONS}
+    change = {n: pack(getattr(layers, n)) for n in _present(layers, PROJECTIONS)}
+    change.update({n: getattr(layers, n).astype(jnp.bfloat16) for n in _present(layers, EXPERTS)})
     head_DV = weights.lm_head_DV if weights.lm_head_DV is not None else weights.embed_VD.T
     return dataclasses.replace(weights, layers=dataclasses.replace(layers, **change),
                                lm_head_DV=pack(head_DV[None]))

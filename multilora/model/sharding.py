@@ -14,8 +14,16 @@ group copied on tp / g devices, which is the layout XLA would otherwise build in
 and undo with an all-gather of the whole cache at its end. One KV head (tp / g = tp): every device
 holds the whole KV cache and computes all of k and v.
 
-Must divide tp: the query heads and the FFN width (an error otherwise). May not: the vocabulary
-(embed/lm_head then replicated). See docs/distributed.md.
+Qwen3-MoE's experts are split like the dense MLP, each expert over its own ffn width
+(moe_intermediate_size: gate/up by output features, down by input features; one all-reduce after
+the MoE block, as after a dense MLP), every device holding a slice of every expert; the router
+is replicated. So every device computes every routed row (no all-to-all, no load imbalance
+between devices), which suits a few devices; expert parallelism (experts split across devices)
+is not implemented. The router's and the experts' LoRA pools (every expert's rows side by side
+in a rank row) are replicated.
+
+Must divide tp: the query heads, the FFN width and the experts' width (an error otherwise). May
+not: the vocabulary (embed/lm_head then replicated). See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -40,6 +48,12 @@ BASE_RULES: dict[str, object] = {
     "q_out": TP,
     "kv_out": TP_KV,
     "ffn": TP,
+    "experts": None,
+    "moe_ffn": TP,
+    "moe_embed": None,          # the router's and the experts' LoRA pools: replicated
+    "experts_embed": None,      # (the experts': E experts side by side in a row)
+    "experts_moe_ffn": None,
+    "experts_gate_up": None,
     "kv_heads": TP_KV,
     "head_dim": None,
     "pages": None,
@@ -85,17 +99,21 @@ def rules_for(cfg: ModelConfig, mesh: Mesh) -> dict[str, object]:
     rules = dict(BASE_RULES)
     if tp == 1:
         return {k: None for k in rules}
-    bad = [f"{name}={n}" for name, n in (("num_attention_heads", cfg.num_heads),
-                                          ("intermediate_size", cfg.intermediate_size)) if n % tp]
+    split = [("num_attention_heads", cfg.num_heads)]
+    split += [("intermediate_size", cfg.intermediate_size)] if cfg.has_dense_mlp else []
+    split += [("moe_intermediate_size", cfg.moe_intermediate_size)] if cfg.moe_layers else []
+    bad = [f"{name}={n}" for name, n in split if n % tp]
     if bad:
         raise ValueError(f"tensor_parallel_size={tp} must divide the model's {' and '.join(bad)} "
-                         f"(query heads and FFN width are split across devices); choose a divisor of "
-                         f"{math.gcd(cfg.num_heads, cfg.intermediate_size)}")
+                         f"(query heads and FFN widths are split across devices); choose a divisor of "
+                         f"{math.gcd(*(n for _, n in split))}")
     if cfg.num_kv_heads % mesh.shape[TP_KV]:
         rules["kv_out"] = None
         rules["kv_heads"] = None
     if cfg.vocab_size % tp:
         rules["vocab"] = None
+    if cfg.intermediate_size % tp:  # no dense MLP (checked above): only the idle LoRA pools have it
+        rules["ffn"] = None
     return rules
 
 
