@@ -88,7 +88,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
+def _release_compiled_programs(request):
     """After each test file: drop JAX's caches of compiled programs. Each XLA CPU executable holds
     memory mappings of its JIT code; the whole suite in one process compiles enough of them to
     pass the kernel's limit on mappings (vm.max_map_count, 65530), and then LLVM's next
@@ -100,3 +100,7 @@ def _release_compiled_programs():
     import jax
     jax.clear_caches()
     gc.collect()
+    log = os.environ.get("MULTILORA_TEST_MAPS_LOG")  # where the process's mapping count after each file goes
+    if log:
+        with open("/proc/self/maps") as maps, open(log, "a") as out:
+            out.write(f"{request.module.__name__} {sum(1 for _ in maps)}\n")

@@ -34,6 +34,14 @@ SPEC = ["a_all_r8", "b_attn_r4_rslora", "c_mlp_r16", "d_regex_patterns"]
 _ENGINES: list[Engine] = []
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _forget_engines():
+    """After this file, its engines go (other files import its helpers, and with them this
+    list: engines kept for the whole session keep their executables' memory mappings)."""
+    yield
+    _ENGINES.clear()
+
+
 def make_engine(model_dir, adapters, **overrides) -> Engine:
     eng = Engine(str(model_dir), {k: str(v) for k, v in adapters.items()}, **{**KW, **overrides})
     _ENGINES.append(eng)
