@@ -169,3 +169,40 @@ def test_the_setting_is_checked_and_defaults_to_accelerators_only():
     assert engine_config_from_args(p.parse_args(["--async-scheduling"])).async_scheduling is True
     assert engine_config_from_args(p.parse_args(["--no-async-scheduling"])).async_scheduling is False
     assert engine_config_from_args(p.parse_args([])).async_scheduling is None
+
+
+def test_the_server_streams_an_async_engines_tokens(setup):
+    """Through the HTTP server and the openai client, streamed and not, base and adapters at
+    once: the async engine's completions are the sync engine's text."""
+    import concurrent.futures
+
+    import openai
+
+    from multilora.server.app import build_app
+    from multilora.server.async_engine import AsyncEngine
+    from tests.test_server import API_KEY, serve_in_thread
+
+    engines, _, _ = setup
+    prompts = prompts_of(64, [10, 17, 5, 23])
+    loras = [None, "a", "b", "c"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = [o.text for o in engines[False].generate(prompts, params, lora=loras)]
+    server, thread, url = serve_in_thread(build_app(AsyncEngine(engines[True], max_queue=16), api_key=API_KEY))
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, timeout=120, max_retries=0)
+        names = [lora or engines[True].model_name for lora in loras]
+
+        def ask(i, stream):
+            kw = dict(model=names[i], prompt=prompts[i], max_tokens=12, temperature=0.0,
+                      extra_body={"ignore_eos": True})
+            if not stream:
+                return client.completions.create(**kw).choices[0].text
+            return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda a: ask(*a), [(i, s) for s in (False, True) for i in range(len(prompts))]))
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert got == want + want
+    assert_clean(engines[True])
