@@ -378,9 +378,10 @@ class LoRAConfig:
 
 
 SPECULATIVE_METHODS = ("ngram",)
-# The never-a-loss rule's default (SpeculativeConfig.max_step_tokens): below this many tokens a
-# step's time is nearly flat on the machines measured (docs/engine.md, "Speculative decoding").
-SPECULATIVE_STEP_TOKENS = 32
+# The never-a-loss rule's default (SpeculativeConfig.max_step_tokens): up to this many tokens a
+# step of SmolLM2-135M took about the time of a one-token step on the 2-core CPU machine, 1.1-1.3x
+# at 16, 1.2-1.6x at 32 (docs/engine.md, "Speculative decoding"; not measured on a TPU yet).
+SPECULATIVE_STEP_TOKENS = 8
 
 
 @dataclasses.dataclass(frozen=True)
