@@ -24,6 +24,7 @@ from multilora.engine.engine import Engine
 from multilora.engine.request import SamplingParams
 from multilora.engine.speculative import Speculator, propose_ngram
 from multilora.engine.structured import StructuredOutput
+from multilora.server.async_engine import AsyncEngine
 from multilora.server.metrics import Metrics
 from tests import reference
 from tests.test_engine import GREEDY, KW, check_vs_peft, prompts_of
@@ -270,7 +271,16 @@ def test_prefix_cache_async_scheduling_and_the_never_a_loss_rule(setup):
     assert_clean(eng)
 
 
-def test_the_counters_are_in_metrics_under_vllms_names():
+def test_the_counters_are_in_metrics_under_vllms_names(setup):
+    off, on, _, _ = setup
+    for eng in (off, on):  # the server's snapshot of the engine (taken after every step)
+        published = AsyncEngine(eng)
+        published._publish()
+        text = published.metrics.render()
+        drafts = f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="{eng.model_name}"}}'
+        assert (drafts in text) == (eng is on)
+        if eng is on:
+            assert f"{drafts} {on.speculator.stats['num_drafts']}\n" in text and on.speculator.stats["num_drafts"] > 0
     m = Metrics("base")
     text = m.render()
     assert "vllm:spec_decode" not in text  # off: not exported
