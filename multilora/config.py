@@ -377,6 +377,69 @@ class LoRAConfig:
         return self.adapter_rows + PAGE_ROWS
 
 
+SPECULATIVE_METHODS = ("ngram",)
+# The never-a-loss rule's default (SpeculativeConfig.max_step_tokens): up to this many tokens a
+# step of SmolLM2-135M took about the time of a one-token step on the 2-core CPU machine, 1.1-1.3x
+# at 16, 1.2-1.6x at 32 (docs/engine.md, "Speculative decoding"; not measured on a TPU yet).
+SPECULATIVE_STEP_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's names: `method` "ngram" (prompt lookup: the tokens that
+    followed the last earlier occurrence of the sequence's last n tokens, n from
+    prompt_lookup_max down to prompt_lookup_min) drafts up to num_speculative_tokens tokens per
+    decode row, verified in one step. The never-a-loss rule: drafts are added only while the
+    step, drafts included, computes at most max_step_tokens tokens, and (vLLM's
+    disable_by_batch_size) not in a step of at least that many sequences."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: Optional[int] = None   # None: prompt_lookup_min, else 5 (vLLM's defaults)
+    prompt_lookup_min: Optional[int] = None   # None: prompt_lookup_max, else 5
+    max_step_tokens: int = SPECULATIVE_STEP_TOKENS
+    disable_by_batch_size: Optional[int] = None
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1), ("prompt_lookup_max", 1),
+                          ("max_step_tokens", 2)):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < low:
+                raise ValueError(f"speculative_config: {name} must be an integer >= {low}, got {val!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must be "
+                             f"<= prompt_lookup_max ({self.prompt_lookup_max})")
+        b = self.disable_by_batch_size
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be None or an integer >= 1, got {b!r}")
+
+    @classmethod
+    def parse(cls, value: Any) -> Optional["SpeculativeConfig"]:
+        """From a SpeculativeConfig, a dict, its JSON text (the command line's) or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object (a dict), got {type(value).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; "
+                             f"allowed: {', '.join(known)}")
+        return cls(**value)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything an Engine is built with besides the model and its adapters: one object that
@@ -409,8 +472,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     compilation_cache_dir: Optional[str] = None  # None: $MULTILORA_COMPILATION_CACHE or ~/.cache
+    # speculative decoding (a dict, JSON text or SpeculativeConfig; None: off)
+    speculative_config: Optional[SpeculativeConfig] = None
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "page_size",
                      "tensor_parallel_size"):
             val = getattr(self, name)

@@ -55,6 +55,9 @@ _HELP = {
     "max_num_seqs": "sequences running at once (decode rows per step)",
     "seed": "engine seed: a request without its own seed samples from one derived from this and its "
             "arrival order, so the same requests in the same order repeat",
+    "speculative_config": "speculative decoding as JSON, vLLM's names: '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                          "(also max_step_tokens, disable_by_batch_size: when it steps aside); default: off",
     "compilation_cache_dir": "JAX's persistent compilation cache (default: $MULTILORA_COMPILATION_CACHE, "
                              "else under the user cache)",
 }
@@ -102,6 +105,11 @@ def distributed_kwargs(args) -> dict | None:
 
 
 def engine_kwargs(args) -> dict:
-    """Engine(**engine_kwargs(args)): the model, its adapters, the config and the processes."""
+    """Engine(**engine_kwargs(args)): the model, its adapters, the config and the processes. A bad
+    option ends the command with its message (a launch error, not a traceback)."""
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     return dict(model=args.model, lora_modules=parse_lora_modules(args.lora_modules),
-                config=engine_config_from_args(args), distributed=distributed_kwargs(args))
+                config=config, distributed=distributed_kwargs(args))

@@ -26,6 +26,7 @@ class SeqChunk:
     start_pos: int             # tokens of the sequence already in the cache
     block_table: Sequence[int] # the sequence's pages, enough for start_pos + len(token_ids)
     slot: int                  # adapter slot (0: base model)
+    num_logits: int = 1        # its last this many tokens give logits rows (speculative drafts: 1 + drafts)
 
     @property
     def num_pages(self) -> int:
@@ -45,15 +46,17 @@ def build_batch(chunks: Sequence[SeqChunk], *, num_tokens: int, num_pages: int, 
                 page_size: int, prepare_lora: Optional[Callable[[np.ndarray], LoRABatchInfo]] = None,
                 all_logits: bool = False) -> Batch:
     """Pad the chunks (single-token ones first, see decode_first) to a (num_tokens, num_pages)
-    bucket. Logits rows: one per chunk (its last token), or every token with all_logits."""
+    bucket. Logits rows: each chunk's last num_logits tokens (one: its last token), in order, or
+    every token with all_logits."""
     total = sum(len(c.token_ids) for c in chunks)
     if total > num_tokens:
         raise ValueError(f"{len(chunks)} sequences / {total} tokens exceed the bucket's {num_tokens} tokens")
-    if len(chunks) > num_logits and not all_logits:
-        raise ValueError(f"{len(chunks)} sequences exceed the bucket's {num_logits} logits rows")
+    rows = sum(c.num_logits for c in chunks)
+    if rows > num_logits and not all_logits:
+        raise ValueError(f"{len(chunks)} sequences' {rows} logits rows exceed the bucket's {num_logits}")
     lens = [len(c.token_ids) for c in chunks]
-    if any(n < 1 for n in lens):
-        raise ValueError("every chunk computes at least one token")
+    if any(n < 1 for n in lens) or any(not 1 <= c.num_logits <= n for c, n in zip(chunks, lens)):
+        raise ValueError("every chunk computes at least one token, and 1 to all of its tokens give logits")
     num_decode = next((i for i, n in enumerate(lens) if n > 1), len(lens))
     if any(n == 1 for n in lens[num_decode:]):
         raise ValueError("single-token chunks must come first (see decode_first)")
@@ -65,7 +68,7 @@ def build_batch(chunks: Sequence[SeqChunk], *, num_tokens: int, num_pages: int, 
     kv_pages = np.full(num_pages, TRASH_PAGE, np.int32)
     kv_page_seq = np.full(num_pages, num_tokens, np.int32)
     last_idx = np.zeros(num_tokens if all_logits else num_logits, np.int32)
-    t = x = 0
+    t = x = q = 0
     for b, c in enumerate(chunks):
         n = lens[b]
         end = c.start_pos + n
@@ -85,7 +88,8 @@ def build_batch(chunks: Sequence[SeqChunk], *, num_tokens: int, num_pages: int, 
         slot_mapping[t:t + n] = pages[pos // page_size] * page_size + pos % page_size
         slot_T[t:t + n] = c.slot
         if not all_logits:
-            last_idx[b] = t + n - 1
+            last_idx[q:q + c.num_logits] = np.arange(t + n - c.num_logits, t + n)
+            q += c.num_logits
         t += n
     logits_idx = np.arange(num_tokens, dtype=np.int32) if all_logits else last_idx
     return Batch(token_ids_T=token_ids, positions_T=positions, seq_idx_T=seq_idx,

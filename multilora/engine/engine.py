@@ -47,6 +47,7 @@ from multilora.engine.residency import AdapterResidency
 from multilora.engine.request import Request, SamplingParams
 from multilora.engine.runner import Buckets, Launched, ModelRunner, ProcessRow, SampleRow, StepResult
 from multilora.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from multilora.engine.speculative import Speculator
 from multilora.engine.structured import Grammars
 from multilora.engine.tokenizer import Detokenizer, load_tokenizer
 from multilora.model.loader import Progress
@@ -174,6 +175,9 @@ class Engine(AdapterAPI):
         self.async_scheduling = (c.async_scheduling if c.async_scheduling is not None
                                  else jax.devices()[0].platform != "cpu")
         self._inflight: Optional[tuple[StepPlan, Launched]] = None  # dispatched, tokens not yet read
+        # speculative decoding (multilora.engine.speculative): drafted decode rows verified in one step
+        self.speculator = (Speculator(c.speculative_config, self.pages, max_num_batched_tokens, max_num_seqs)
+                           if c.speculative_config is not None else None)
         self._register_at_start(lora_modules, progress)
         if warmup not in (True, False, "background"):
             raise ValueError(f"warmup must be True, False or 'background', got {warmup!r}")
@@ -313,21 +317,23 @@ class Engine(AdapterAPI):
             kept = [i for i, c in enumerate(plan.chunks) if not c.request.finished]  # finished by those tokens
             plan.chunks = [plan.chunks[i] for i in kept]
             prompt_next = [prompt_next[i] for i in kept]
+        if plan.chunks and self.speculator is not None:
+            self.speculator.draft(plan)  # every token on the host now
         if plan.chunks:
             self.residency.make_resident(plan)
         if not plan.chunks:
             if self.scheduler.waiting and self.loader.in_flight() and not touched:
                 self.loader.wait(0.05)  # every waiting request waits for a read: sleep, don't spin
             return self._collect(touched)  # still report aborts since the last step
-        chunks = [SeqChunk(c.request.all_token_ids[c.start:c.start + c.num_tokens], c.start,
-                           c.request.block_table, self.registry.slot_of(c.request.adapter))
+        chunks = [SeqChunk(c.request.all_token_ids[c.start:c.start + c.num_tokens] + c.draft, c.start,
+                           c.request.block_table, self.registry.slot_of(c.request.adapter), 1 + len(c.draft))
                   for c in plan.chunks]
         rows = [SampleRow(temperature=c.request.params.temperature, top_k=c.request.params.top_k,
                           top_p=c.request.params.top_p, seed=c.request.sample_seed,
                           step=len(c.request.output_token_ids),
                           logprobs=c.request.params.logprobs is not None,
                           process=self._process_row(c.request) if c.request.params.processes_logits else None,
-                          matcher=c.request.matcher if c.completes_prefill else None)
+                          matcher=c.request.matcher if c.completes_prefill else None, draft=c.draft)
                 for c in plan.chunks]
         feed = None
         if prev is not None:  # a chunk ending on prev's pending token takes it on the device
@@ -355,8 +361,9 @@ class Engine(AdapterAPI):
     def _overlaps(self, plan: StepPlan, prompt_next: list) -> bool:
         """Can the step after this plan be planned before this plan's tokens are read? Not where
         the host needs every token first: logits processors (penalties read the history),
-        grammars (the next mask follows the token), prompt logprobs; nor across processes."""
-        return self.async_scheduling and all(
+        grammars (the next mask follows the token), prompt logprobs, drafts (looked up in the
+        tokens); nor across processes."""
+        return self.async_scheduling and not (self.speculator is not None and self.speculator.wants(plan)) and all(
             not c.request.params.processes_logits and c.request.matcher is None and p is None
             for c, p in zip(plan.chunks, prompt_next))
 
@@ -373,22 +380,28 @@ class Engine(AdapterAPI):
             for c, scored in zip(plan.chunks, result.prompt_logprobs):
                 if scored is not None:
                     keep_prompt_logprobs(c, scored)
-        sampled = self.scheduler.resolve(plan, result.tokens)
+        sampled = self.scheduler.resolve(plan, result.tokens, result.spec)
+        if self.speculator is not None:
+            self.speculator.record(plan)
         self.stats["steps"] += 1
         self.stats[f"{plan.kind}_steps"] += 1
         index = {id(c.request): i for i, c in enumerate(plan.chunks)}
         for req in sampled:
             i = index[id(req)]
-            if result.logprobs is not None and req.params.logprobs is not None:
-                chosen, top_ids, top_vals = result.logprobs
-                req.output_logprobs.append(logprob_of(req.output_token_ids[-1], chosen[i], top_ids[i], top_vals[i],
-                                                    req.params.logprobs))
-            self.stats["generated_tokens"] += 1
-            if req.matcher is not None and not req.matcher.consume_token(req.output_token_ids[-1]):
-                req.error = f"structured output: {req.matcher.get_error() or 'the token does not fit the grammar'}"
-                self._finish(req, "error")
-                continue
-            self._check_stop(req)
+            new = req.output_token_ids[len(req.output_token_ids) - 1 - plan.chunks[i].accepted:]
+            del req.output_token_ids[-len(new):]  # a drafted row's tokens: appended and checked one by one
+            for j, token in enumerate(new):
+                req.output_token_ids.append(token)
+                if result.logprobs is not None and req.params.logprobs is not None:
+                    req.output_logprobs.append(logprob_of(token, *result.row_logprobs(i, j), req.params.logprobs))
+                self.stats["generated_tokens"] += 1
+                if req.matcher is not None and not req.matcher.consume_token(token):
+                    req.error = f"structured output: {req.matcher.get_error() or 'the token does not fit the grammar'}"
+                    self._finish(req, "error")
+                    break
+                self._check_stop(req)
+                if req.finished:
+                    break
         return [r.request_id for r in sampled]
 
     def _process_row(self, req: Request) -> ProcessRow:

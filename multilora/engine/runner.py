@@ -154,6 +154,7 @@ class SampleRow:
     logprobs: bool = False
     process: Optional[ProcessRow] = None     # penalties / logit_bias / min_tokens, when asked
     matcher: Optional[Any] = None            # structured output: whose mask limits the next token
+    draft: Sequence[int] = ()                # speculative: tokens drafted after the chunk's last (one row each)
 
 
 @dataclasses.dataclass
@@ -162,6 +163,18 @@ class StepResult:
     logprobs: Optional[tuple] = None    # (chosen, top_ids, top_vals) per chunk, numpy
     # per chunk, where asked (prompt_next): (chosen_n, top_ids_nK, top_vals_nK) for its n tokens
     prompt_logprobs: Optional[list] = None
+    # per chunk with a draft (else None): the tokens sampled at its 1 + len(draft) rows, and
+    # their logprobs as logprobs has them
+    spec: Optional[list] = None
+    spec_logprobs: Optional[list] = None
+
+    def row_logprobs(self, i: int, j: int = 0) -> Optional[tuple]:
+        """(chosen, top_ids, top_vals) of chunk i's j-th row (j > 0: after its j-th draft)."""
+        if self.logprobs is None:
+            return None
+        if j == 0:
+            return tuple(a[i] for a in self.logprobs)
+        return tuple(a[j] for a in self.spec_logprobs[i])
 
 
 class ModelRunner:
@@ -327,7 +340,9 @@ class ModelRunner:
         here, on the host, while the device still runs the step's forward (dispatched before)."""
         q, v = logits.shape
         bitmask_QW = allow_all(q, v)
-        self.fill_masks([(r.matcher, i) for i, r in enumerate(rows) if r.matcher is not None], bitmask_QW)
+        # a drafted chunk's rows are consecutive: row i + j masked after its first j drafts
+        self.fill_masks([(r.matcher, i, list(r.draft)) for i, r in enumerate(rows)
+                         if r.matcher is not None and (i == 0 or rows[i - 1].matcher is not r.matcher)], bitmask_QW)
         fn = self.compiler.get("token-mask", q, self._lower_masker)
         return fn(logits, bitmask_QW)
 
@@ -445,7 +460,11 @@ class ModelRunner:
         scheduling). A fed chunk's own last token id is ignored."""
         order = decode_first(chunks)
         chunks = [chunks[i] for i in order]
-        rows = [rows[i] for i in order]
+        # one sample row per logits row: a drafted chunk's j-th row samples its output token j
+        counts = np.asarray([c.num_logits for c in chunks], np.int64)
+        firsts = np.cumsum(counts) - counts
+        rows = [dataclasses.replace(rows[i], step=rows[i].step + j) if j else rows[i]
+                for i, n in zip(order, counts) for j in range(n)]
         prompt_next = [prompt_next[i] for i in order] if prompt_next is not None else None
         key = self.bucket_for(chunks)
         fn = self._compiled_step(key)
@@ -464,7 +483,7 @@ class ModelRunner:
             raise AssertionError(f"step {key}: the batch's arrays differ from those it was compiled for")
         fed_M = after.tokens_M if after is not None else self._unfed
         logits, self.kv, x_TD = fn(self.weights, lora_w, self.kv, buf, fed_M)
-        n = len(chunks)
+        n = len(rows)
         greedy = all(row.temperature == 0.0 for row in rows)
         want_lp = any(row.logprobs for row in rows)
         q = logits.shape[0]
@@ -487,7 +506,7 @@ class ModelRunner:
         if prompt_next is not None and any(p is not None for p in prompt_next):
             scored = self._prompt_logprobs(x_TD, chunks, prompt_next)
             scored = [scored[i] for i in inverse]
-        return Launched(tokens_M, lp, inverse, scored)
+        return Launched(tokens_M, lp, firsts[inverse], scored, counts[inverse])
 
 
 @dataclasses.dataclass
@@ -496,14 +515,22 @@ class Launched:
 
     tokens_M: jax.Array              # sampled tokens in the step's row order, padded to max_num_seqs
     lp: Optional[tuple]              # (chosen, top_ids, top_vals) in the same order, or None
-    row_of: np.ndarray               # the callers' chunk i -> its row
+    row_of: np.ndarray               # the callers' chunk i -> its (first) row
     scored: Optional[list] = None    # prompt logprobs (echo), already on the host
+    num_rows: Optional[np.ndarray] = None  # the callers' chunk i -> its rows (1 + its drafts)
 
     def result(self) -> StepResult:
         """Wait for the step; its tokens in the callers' order."""
-        tokens = _host(self.tokens_M)[self.row_of]
-        lp = tuple(_host(a)[self.row_of] for a in self.lp) if self.lp is not None else None
-        return StepResult(tokens, lp, self.scored)
+        every = _host(self.tokens_M)
+        lp_every = tuple(_host(a) for a in self.lp) if self.lp is not None else None
+        lp = tuple(a[self.row_of] for a in lp_every) if lp_every is not None else None
+        spec = spec_lp = None
+        if self.num_rows is not None and (self.num_rows > 1).any():
+            spans = [slice(r, r + n) if n > 1 else None for r, n in zip(self.row_of, self.num_rows)]
+            spec = [every[s] if s is not None else None for s in spans]
+            if lp_every is not None:
+                spec_lp = [tuple(a[s] for a in lp_every) if s is not None else None for s in spans]
+        return StepResult(every[self.row_of], lp, self.scored, spec, spec_lp)
 
 
 def jit_slot_writer(write_rows, buffers, buffer_formats, rows_shardings, replicated, max_rank: int):

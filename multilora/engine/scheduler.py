@@ -58,6 +58,10 @@ class ScheduledChunk:
     # After this chunk every known token has K/V: the step samples the next one (fixed when
     # scheduled; postprocess appends that token).
     completes_prefill: bool = dataclasses.field(init=False)
+    # speculative decoding (multilora.engine.speculative): tokens drafted after a decode row's
+    # last token, computed in the same step; resolve sets how many the step's tokens accepted
+    draft: list[int] = dataclasses.field(default_factory=list)
+    accepted: int = 0
 
     def __post_init__(self):
         self.completes_prefill = self.start + self.num_tokens == self.request.num_tokens
@@ -73,7 +77,8 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        """Tokens the step computes: the chunks' and their drafts'."""
+        return sum(c.num_tokens + len(c.draft) for c in self.chunks)
 
     @property
     def kind(self) -> str:
@@ -262,12 +267,12 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- after the step --------------------------------------------------------------------
-    def postprocess(self, plan: StepPlan, sampled: Sequence[int]) -> list[Request]:
+    def postprocess(self, plan: StepPlan, sampled: Sequence[int], spec: Optional[Sequence] = None) -> list[Request]:
         """The step ran: its chunks' tokens are in the cache. Pages that became full join the
         prefix cache; every chunk that completed its request's known tokens gets its sampled
         token appended. Returns those requests (in plan order)."""
         self.advance(plan)
-        return self.resolve(plan, sampled)
+        return self.resolve(plan, sampled, spec)
 
     def advance(self, plan: StepPlan) -> None:
         """The step is dispatched: its chunks count as computed, and every chunk that completed
@@ -283,25 +288,37 @@ class Scheduler:
                 req.awaiting = True
                 plan.awaiting.append(i)
 
-    def resolve(self, plan: StepPlan, sampled: Sequence[int]) -> list[Request]:
+    def resolve(self, plan: StepPlan, sampled: Sequence[int], spec: Optional[Sequence] = None) -> list[Request]:
         """The advanced step's tokens were read: each PENDING_TOKEN it appended becomes its
         token (also for a request preempted since: the token stands, its pages are recomputed),
         and pages that became full join the prefix cache. Returns the requests that got a token
-        (in plan order); finished ones (their pending token dropped) are skipped."""
+        (in plan order); finished ones (their pending token dropped) are skipped.
+        spec: per chunk with a draft, the tokens sampled at its 1 + len(draft) positions: the
+        drafts equal to them are accepted up to the first that is not (their K/V counts as
+        computed), and the token sampled after the last accepted one follows them."""
         if len(sampled) != len(plan.chunks):
             raise ValueError(f"{len(sampled)} sampled tokens for {len(plan.chunks)} chunks")
         got = []
-        for c in plan.chunks:
-            if c.request.status is RequestStatus.RUNNING:
-                self._register_full_pages(c.request)
         for i in plan.awaiting:
-            req = plan.chunks[i].request
+            c = plan.chunks[i]
+            req = c.request
             if req.finished or not req.awaiting:
                 continue
             assert req.output_token_ids[-1] == PENDING_TOKEN, "a pending token is the last one"
             req.output_token_ids[-1] = int(sampled[i])
+            if c.draft and req.status is RequestStatus.RUNNING:
+                tokens = [int(t) for t in spec[i]]
+                a = 0
+                while a < len(c.draft) and tokens[a] == c.draft[a]:
+                    a += 1
+                c.accepted = a
+                req.output_token_ids[-1:] = tokens[:a + 1]
+                req.num_computed_tokens += a
             req.awaiting = False
             got.append(req)
+        for c in plan.chunks:
+            if c.request.status is RequestStatus.RUNNING:
+                self._register_full_pages(c.request)
         return got
 
     def _register_full_pages(self, req: Request) -> None:

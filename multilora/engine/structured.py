@@ -141,12 +141,24 @@ class Grammars:
             raise ValueError(f"the {spec.what} cannot be compiled: {m.get_error()}")
         return m
 
-    def fill(self, matchers_rows: list[tuple[Any, int]], bitmask_QW: np.ndarray) -> None:
+    def fill(self, matchers_rows: list[tuple], bitmask_QW: np.ndarray) -> None:
         """Write each matcher's allowed next tokens into its row of bitmask_QW (int32 words;
-        rows not named are left as they are)."""
-        from llguidance.numpy import fill_next_token_bitmask_par
+        rows not named are left as they are). An entry (matcher, row, draft) also fills rows
+        row + 1 .. row + len(draft), each after the drafts before it (speculative decoding;
+        the matcher is left as it was)."""
+        from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
         self._tokenizer()
-        fill_next_token_bitmask_par(self._executor, matchers_rows, bitmask_QW)
+        drafted = [(e[0], e[1], list(e[2])) for e in matchers_rows if len(e) > 2 and len(e[2])]
+        plain = [(e[0], e[1]) for e in matchers_rows if not (len(e) > 2 and len(e[2]))]
+        if drafted:  # (llguidance refuses an empty draft there)
+            fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask_QW)
+        if plain:
+            fill_next_token_bitmask_par(self._executor, plain, bitmask_QW)
+
+    @staticmethod
+    def valid_prefix(matcher, draft: Sequence[int]) -> int:
+        """How many of draft's tokens the grammar accepts in a row from the matcher's state."""
+        return int(matcher.validate_tokens(list(draft))) if draft else 0
 
 
 def allow_all(rows: int, vocab_size: int) -> np.ndarray:

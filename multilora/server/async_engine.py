@@ -492,8 +492,10 @@ class AsyncEngine:
         lora_info = LoraInfo((public_name(r.adapter) for r in eng.scheduler.running if r.adapter is not None),
                              (public_name(r.adapter) for r in eng.scheduler.waiting if r.adapter is not None),
                              eng.registry.num_slots)
+        spec = getattr(eng, "speculator", None)
         self.metrics.set_snapshot(snap, dataclasses.asdict(eng.registry.stats), dict(eng.scheduler.stats),
-                                  lora_info)
+                                  lora_info, None if spec is None else
+                                  {**spec.stats, "accepted_per_pos": list(spec.accepted_per_pos)})
 
 
 def _deliver(items: list) -> None:

@@ -92,6 +92,7 @@ class Metrics:
         self.scheduler_stats: dict[str, int] = {}                # prefix-cache token counters
         self.lora_info: Optional[LoraInfo] = None                # vllm:lora_requests_info, now
         self.lora_info_busy: Optional[LoraInfo] = None           # ... the last one with adapters listed
+        self.spec_stats: Optional[dict] = None                   # speculative decoding's counters (on only)
 
     def _model(self, lora: Optional[str]) -> str:
         return lora if lora is not None else self.base_name
@@ -138,8 +139,9 @@ class Metrics:
 
     def set_snapshot(self, gauges: dict[str, float], adapter_stats: dict[str, int],
                      scheduler_stats: Optional[dict[str, int]] = None,
-                     lora_info: Optional["LoraInfo"] = None) -> None:
+                     lora_info: Optional["LoraInfo"] = None, spec_stats: Optional[dict] = None) -> None:
         with self._lock:
+            self.spec_stats = spec_stats
             self.gauges = dict(gauges)
             self.adapter_stats = dict(adapter_stats)
             self.scheduler_stats = dict(scheduler_stats or {})
@@ -251,6 +253,15 @@ class Metrics:
                [("", {"max_lora": str(i.max_lora), "running_lora_adapters": ",".join(i.running),
                       "waiting_lora_adapters": ",".join(i.waiting), "engine": "0"}, i.time)
                 for i in infos])
+        spec = self.spec_stats
+        if spec is not None:  # vLLM's speculative decoding counters (its prometheus_client adds _total)
+            for key, help_ in (("num_drafts", "Number of spec decoding drafts."),
+                               ("num_draft_tokens", "Number of draft tokens."),
+                               ("num_accepted_tokens", "Number of accepted tokens.")):
+                family(f"vllm:spec_decode_{key}", "counter", help_, [("_total", common, spec.get(key, 0))])
+            family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
+                   [("_total", {**common, "position": str(j)}, v)
+                    for j, v in enumerate(spec.get("accepted_per_pos", ()))])
 
 
 class LoraInfo:

@@ -1,0 +1,295 @@
+"""Speculative decoding by n-gram lookup (EngineConfig.speculative_config), against the same engine
+without it (itself checked against transformers + PEFT in test_engine, and here again for greedy
+rows): greedy tokens identical in mixed batches (base rows beside three adapters), with the
+lookup's own drafts and with drafts that are all right, partly wrong or run past a stop; seeded
+rows repeat their tokens; sampling keeps the target distribution (a two-sample chi-square over
+many seeds, the drafts accepted at the target's rate); grammars check the drafts; the prefix
+cache, logprobs, async scheduling and the never-a-loss rule; no page leaked, and every shape
+compiled one of the warm-up's. The tiny Llama with a byte-level tokenizer and test_engine's step
+shapes (KW), compiled on first use (warmup=False: a full warm-up would cost this file ~30 s more);
+`clean` checks that each shape compiled is one that the warm-up compiles."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from multilora.config import EngineConfig, SpeculativeConfig
+from multilora.engine.engine import Engine
+from multilora.engine.request import SamplingParams
+from multilora.engine.speculative import Speculator, propose_ngram
+from multilora.engine.structured import StructuredOutput
+from multilora.server.async_engine import AsyncEngine
+from multilora.server.metrics import Metrics
+from tests import reference
+from tests.test_engine import GREEDY, KW, check_vs_peft, prompts_of
+from tests.test_engine import assert_clean as _assert_clean
+
+ADAPTERS = ("a_all_r8", "b_attn_r4_rslora", "c_mlp_r16")
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_models, tiny_adapters, tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("spec") / "llama"
+    shutil.copytree(tiny_models["llama"], model_dir)
+    reference.make_tiny_tokenizer(model_dir)
+    dirs = {name[0]: tiny_adapters[("llama", name)] for name in ADAPTERS}
+    mods = {k: str(v) for k, v in dirs.items()}
+    off = Engine(str(model_dir), mods, lora_backend="bgmv", warmup=False, **KW)
+    on = Engine(str(model_dir), mods, lora_backend="bgmv", speculative_config=SPEC, warmup=False, **KW)
+    assert off.speculator is None and on.speculator is not None
+    return off, on, model_dir, dirs
+
+
+def assert_clean(eng: Engine) -> None:
+    """test_engine's checks (pages back, no adapter reference left), and every shape compiled so
+    far (steps, samplers, masks) one that the warm-up compiles: drafts add no shape."""
+    _assert_clean(eng)
+    planned = {(what, key) for what, key, _ in eng.runner.warmup_jobs()[0]}
+    compiled = {(what, key) for what, table in eng.runner.compiler.tables.items() for key in table}
+    assert compiled <= planned, sorted(compiled - planned)
+
+
+def repetitive(seed: int, lengths) -> list[list[int]]:
+    """Prompts that repeat a random phrase: the lookup finds drafts in them."""
+    return [(p * 3)[:3 * len(p) - 1] for p in prompts_of(seed, lengths)]
+
+
+def oracle(reference_outs, prompts, wrong_every: int = 0, past: int = 0):
+    """A proposer that drafts the reference continuation of whichever prompt the tokens start
+    with (every wrong_every-th draft token made wrong; `past` tokens drafted beyond its end)."""
+    def propose(tokens):
+        for p, o in zip(prompts, reference_outs):
+            if tokens[:len(p)] == p and tokens[len(p):] == o.token_ids[:len(tokens) - len(p)]:
+                nxt = (o.token_ids + [5] * past)[len(tokens) - len(p):][:4]
+                return [(t + 1) % 256 if wrong_every and (len(tokens) + j) % wrong_every == 0 else t
+                        for j, t in enumerate(nxt)]
+        return []
+    return propose
+
+
+def counters(eng):
+    return dict(eng.speculator.stats)
+
+
+def lookup_again(eng):
+    """The n-gram lookup back in place of a test's proposer."""
+    k, lo, hi = (eng.speculator.cfg.num_speculative_tokens, eng.speculator.cfg.prompt_lookup_min,
+                 eng.speculator.cfg.prompt_lookup_max)
+    eng.speculator.propose = lambda tokens: propose_ngram(tokens, k, lo, hi)
+
+
+def in_groups(eng, prompts, params, size=4):
+    """generate() a few requests at a time: KW's 8 logits rows leave room for drafts beside 4 rows."""
+    return [o for i in range(0, len(prompts), size) for o in eng.generate(prompts[i:i + size], params[i:i + size])]
+
+
+def test_the_config_is_checked_with_vllms_names():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (3, 4, 4)
+    assert (SpeculativeConfig().prompt_lookup_min, SpeculativeConfig().prompt_lookup_max) == (5, 5)
+    assert EngineConfig(speculative_config={"num_speculative_tokens": 2}).speculative_config.num_speculative_tokens == 2
+    for bad, match in [({"method": "eagle"}, "method must be one of ngram, got 'eagle'"),
+                       ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+                       ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min .4. must be <="),
+                       ({"lookahead": 2}, r"unknown field\(s\) lookahead; allowed: method, num_speculative_tokens"),
+                       ("{not json", "speculative_config is not valid JSON"),
+                       ([1], "must be a JSON object"),
+                       ({"disable_by_batch_size": 0}, "disable_by_batch_size must be None or an integer >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(speculative_config=bad)
+    from multilora.cli.args import add_engine_args, engine_config_from_args, engine_kwargs
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    got = engine_config_from_args(p.parse_args(["--speculative-config", json.dumps(SPEC)])).speculative_config
+    assert got == SpeculativeConfig(**SPEC)
+    assert engine_config_from_args(p.parse_args([])).speculative_config is None
+    with pytest.raises(SystemExit, match="error: speculative_config: method must be one of ngram"):
+        engine_kwargs(p.parse_args(["--speculative-config", '{"method": "medusa"}']))  # `multilora serve`'s launch
+
+
+def test_the_lookup_takes_the_longest_latest_match():
+    seq = [1, 2, 3, 9, 1, 2, 3, 7, 8, 4, 2, 3]
+    assert propose_ngram(seq, 3, 1, 3) == [7, 8, 4]      # "2 3" last seen before 7 (n=3 "4 2 3" never)
+    assert propose_ngram(seq + [7], 2, 2, 3) == [8, 4]   # "2 3 7" matches
+    assert propose_ngram([5, 6, 7], 4, 1, 3) == []       # no earlier occurrence
+    assert propose_ngram([4, 4, 4, 4], 3, 1, 2) == [4]   # the latest match leaves one token after it
+    assert propose_ngram([1], 3, 1, 3) == []
+
+
+def test_greedy_tokens_are_identical_in_a_mixed_batch(setup, peft_greedy_cache):
+    """Base rows and three adapters, the lookup's own drafts: the engine's tokens without
+    speculation (and PEFT's); then oracle drafts, all right and every third one wrong, with a
+    stop id and max_tokens landing inside accepted drafts: the same tokens, the drafts counted."""
+    off, on, model_dir, dirs = setup
+    prompts = repetitive(71, [5, 9, 4, 12, 7, 3])  # 6 rows: room for 2 drafts in KW's 8 logits rows
+    loras = [[None, "a", "b", "c"][i % 4] for i in range(len(prompts))]
+    params = [GREEDY if i % 3 else SamplingParams(max_tokens=14 - i, temperature=0.0, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    want = off.generate(prompts, params, lora=loras)
+    assert_clean(off)
+    before = counters(on)
+    got = on.generate(prompts, params, lora=loras)
+    assert_clean(on)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        assert (g.logprobs is None) == (w.logprobs is None)
+        for a, b in zip(g.logprobs or [], w.logprobs or []):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert counters(on)["num_drafts"] > before["num_drafts"]
+    greedy = [i for i, p in enumerate(params) if p is GREEDY]
+    check_vs_peft(peft_greedy_cache, model_dir, dirs, [prompts[i] for i in greedy], [loras[i] for i in greedy],
+                  [got[i] for i in greedy])
+    # a stop id three tokens in and a short max_tokens: both fall inside a run of accepted drafts
+    stop = [SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[w.token_ids[3]]) if i % 2 else
+            SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True) for i, w in enumerate(want)]
+    want_stop = off.generate(prompts, stop, lora=loras)
+    try:
+        for wrong_every, past in ((0, 4), (3, 0)):
+            on.speculator.propose = oracle(want, prompts, wrong_every, past)
+            before = counters(on)
+            assert [o.token_ids for o in on.generate(prompts, params, lora=loras)] == [o.token_ids for o in want]
+            assert [(o.token_ids, o.finish_reason) for o in on.generate(prompts, stop, lora=loras)] == \
+                [(o.token_ids, o.finish_reason) for o in want_stop]
+            assert_clean(on)
+            after = counters(on)
+            drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+            accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+            assert 0 < accepted < drafted if wrong_every else accepted > drafted * 0.6, (accepted, drafted)
+    finally:
+        lookup_again(on)
+
+
+def test_sampling_keeps_the_target_distribution(setup):
+    """Sampled rows (temperature 0.8, top-k 8): seeded requests repeat their tokens exactly with
+    and without speculation; over 320 seeds each, the second token's distribution with a draft
+    (always the same token, accepted at the target's rate) matches the distribution without
+    them (other seeds) by a two-sample chi-square test, and so do the accepted drafts' share
+    and the target's probability of the draft."""
+    off, on, _, _ = setup
+    prompt = prompts_of(72, [6])[0]
+    n = 320
+    sp = lambda seed: SamplingParams(max_tokens=3, temperature=0.8, top_k=8, seed=seed, ignore_eos=True)
+    base = off.generate([prompt] * n, [sp(s) for s in range(n)])
+    second = Counter(o.token_ids[1] for o in base)
+    draft = second.most_common(1)[0][0]
+    on.speculator.propose = lambda tokens: [draft] if len(tokens) == len(prompt) + 1 else []
+    try:
+        before = counters(on)
+        same = in_groups(on, [prompt] * 16, [sp(s) for s in range(16)])
+        assert [o.token_ids for o in same] == [o.token_ids for o in base[:16]]  # seeds repeat
+        spec = in_groups(on, [prompt] * n, [sp(s) for s in range(n, 2 * n)])
+        assert_clean(on)
+        after = counters(on)
+    finally:
+        lookup_again(on)
+    drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    assert drafted == n + 16
+    other = Counter(o.token_ids[1] for o in spec)
+    # accepted at p(draft): the share of the draft among the non-speculative seeds' second tokens
+    p_draft = second[draft] / n
+    assert abs(accepted / drafted - p_draft) < 4 * np.sqrt(p_draft * (1 - p_draft) / n) + 0.02
+    # two-sample chi-square over the categories seen at least 10 times (the rest pooled)
+    cats = [t for t in set(second) | set(other) if second[t] + other[t] >= 10]
+    rows = [(second[t], other[t]) for t in cats]
+    rows.append((n - sum(a for a, _ in rows), n - sum(b for _, b in rows)))
+    rows = [r for r in rows if sum(r)]
+    chi2 = sum((a - b) ** 2 / (a + b) for a, b in rows)  # equal sample sizes
+    df = len(rows) - 1
+    critical = df * (1 - 2 / (9 * df) + 3.09 * np.sqrt(2 / (9 * df))) ** 3  # p = 0.001 (Wilson-Hilferty)
+    assert df >= 1 and chi2 < critical, (rows, chi2, critical)
+    tv = 0.5 * sum(abs(a - b) for a, b in rows) / n
+    assert tv < 0.12, tv
+
+
+def test_grammars_check_the_drafts(setup):
+    """A JSON-schema row beside free ones: drafts the grammar refuses are cut off before the step
+    (an oracle drafting a wrong token after right ones), the masks of every drafted position
+    follow the drafts before it: the same output as without speculation."""
+    off, on, _, _ = setup
+    schema = {"type": "object", "additionalProperties": False, "required": ["n", "s"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                             "s": {"type": "string", "maxLength": 6}}}
+    prompts = repetitive(73, [6, 8, 5])
+    params = [SamplingParams(max_tokens=30, temperature=0.0, structured=StructuredOutput.json_schema(schema)),
+              GREEDY, SamplingParams(max_tokens=30, temperature=0.7, seed=5,
+                                     structured=StructuredOutput.json_schema(schema))]
+    loras = ["a", None, "b"]
+    want = off.generate(prompts, params, lora=loras)
+    assert want[0].text.startswith('{"n"')
+    for propose in (None, oracle(want, prompts, wrong_every=2, past=3)):
+        if propose is not None:
+            on.speculator.propose = propose
+        try:
+            got = on.generate(prompts, params, lora=loras)
+        finally:
+            lookup_again(on)
+        assert [(o.token_ids, o.finish_reason, o.text) for o in got] == \
+            [(o.token_ids, o.finish_reason, o.text) for o in want]
+        assert_clean(on)
+
+
+def test_prefix_cache_async_scheduling_and_the_never_a_loss_rule(setup):
+    """With async scheduling on, drafted rows step in sync (their tokens identical to the sync
+    engine without speculation); prefix-cache hits stay exact; a step of as many tokens as
+    max_step_tokens (or disable_by_batch_size rows) carries no drafts."""
+    off, _, model_dir, dirs = setup
+    mods = {k: str(v) for k, v in dirs.items()}
+    eng = Engine(str(model_dir), mods, lora_backend="bgmv", async_scheduling=True, speculative_config=SPEC,
+                 warmup=False, **KW)
+    shared = repetitive(74, [9])[0]
+    prompts = [shared + tail for tail in prompts_of(75, [3, 5, 2, 4])]
+    loras = ["c", "c", None, None]
+    want = off.generate(prompts, GREEDY, lora=loras)
+    for _ in range(2):  # the second time from the prefix cache
+        outs = eng.generate(prompts, GREEDY, lora=loras)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+        assert_clean(eng)
+    assert outs[0].num_cached_tokens > 0
+    assert eng.speculator.stats["num_drafts"] > 0
+    # 6 rows (prefilled in one step, so they decode together): the step has max_step_tokens
+    # tokens already, so no drafts (though its logits rows have room); one row alone drafts
+    eng.speculator = Speculator(SpeculativeConfig(**SPEC, max_step_tokens=6), eng.pages, 64, 8)
+    eng.speculator.propose = lambda tokens: [3, 4]
+    batch = repetitive(76, [3] * 6)
+    assert [o.token_ids for o in eng.generate(batch, GREEDY)] == [o.token_ids for o in off.generate(batch, GREEDY)]
+    assert eng.speculator.stats["num_drafts"] == 0
+    eng.generate(batch[:1], GREEDY)
+    assert eng.speculator.stats["num_drafts"] > 0
+    eng.speculator = Speculator(SpeculativeConfig(**SPEC, disable_by_batch_size=2), eng.pages, 64, 8)
+    eng.speculator.propose = lambda tokens: [3, 4]
+    eng.generate(batch[:2], GREEDY)
+    assert eng.speculator.stats["num_drafts"] == 0
+    assert_clean(eng)
+
+
+def test_the_counters_are_in_metrics_under_vllms_names(setup):
+    off, on, _, _ = setup
+    for eng in (off, on):  # the server's snapshot of the engine (taken after every step)
+        published = AsyncEngine(eng)
+        published._publish()
+        text = published.metrics.render()
+        drafts = f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="{eng.model_name}"}}'
+        assert (drafts in text) == (eng is on)
+        if eng is on:
+            assert f"{drafts} {on.speculator.stats['num_drafts']}\n" in text and on.speculator.stats["num_drafts"] > 0
+    m = Metrics("base")
+    text = m.render()
+    assert "vllm:spec_decode" not in text  # off: not exported
+    m.set_snapshot({}, {}, {}, None, {"num_drafts": 3, "num_draft_tokens": 10, "num_accepted_tokens": 6,
+                                      "accepted_per_pos": [3, 2, 1, 0]})
+    text = m.render()
+    for line in ('vllm:spec_decode_num_drafts_total{engine="0",model_name="base"} 3',
+                 'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="base"} 10',
+                 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="base"} 6',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="base",position="1"} 2',
+                 "# TYPE vllm:spec_decode_num_drafts counter"):
+        assert line in text
