@@ -278,3 +278,13 @@ class PeftGreedyCache:
 
     def __call__(self, model_dir: Path, adapter_dir: Path | None, ids, max_new: int) -> list[int]:
         return self.many(model_dir, [(adapter_dir, ids)], max_new)[0]
+
+
+def tokenized_llama(tiny_models, tiny_adapters, folder, adapters=("a_all_r8", "b_attn_r4_rslora", "c_mlp_r16")):
+    """A copy of the tiny Llama in `folder` with the byte-level tokenizer (a grammar or a text needs
+    token texts), and its adapters under their first letters: (model folder, {letter: folder})."""
+    import shutil
+    model_dir = folder / "llama"
+    shutil.copytree(tiny_models["llama"], model_dir)
+    make_tiny_tokenizer(model_dir)
+    return model_dir, {name[0]: tiny_adapters[("llama", name)] for name in adapters}

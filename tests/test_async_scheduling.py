@@ -9,7 +9,6 @@ needs token texts) and test_engine's step shapes, so the compiles are shared."""
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 
@@ -25,10 +24,7 @@ ADAPTERS = ("a_all_r8", "b_attn_r4_rslora", "c_mlp_r16")
 
 @pytest.fixture(scope="module")
 def setup(tiny_models, tiny_adapters, tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("async") / "llama"
-    shutil.copytree(tiny_models["llama"], model_dir)
-    reference.make_tiny_tokenizer(model_dir)
-    dirs = {name[0]: tiny_adapters[("llama", name)] for name in ADAPTERS}
+    model_dir, dirs = reference.tokenized_llama(tiny_models, tiny_adapters, tmp_path_factory.mktemp("async"), ADAPTERS)
     mods = {k: str(v) for k, v in dirs.items()}
     engines = {flag: Engine(str(model_dir), mods, lora_backend="bgmv", async_scheduling=flag, **KW)
                for flag in (False, True)}

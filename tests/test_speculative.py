@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from collections import Counter
 
 import numpy as np
@@ -36,10 +35,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, 
 
 @pytest.fixture(scope="module")
 def setup(tiny_models, tiny_adapters, tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("spec") / "llama"
-    shutil.copytree(tiny_models["llama"], model_dir)
-    reference.make_tiny_tokenizer(model_dir)
-    dirs = {name[0]: tiny_adapters[("llama", name)] for name in ADAPTERS}
+    model_dir, dirs = reference.tokenized_llama(tiny_models, tiny_adapters, tmp_path_factory.mktemp("spec"), ADAPTERS)
     mods = {k: str(v) for k, v in dirs.items()}
     off = Engine(str(model_dir), mods, lora_backend="bgmv", warmup=False, **KW)
     on = Engine(str(model_dir), mods, lora_backend="bgmv", speculative_config=SPEC, warmup=False, **KW)
