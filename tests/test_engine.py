@@ -151,14 +151,24 @@ def test_sgmv_tiles_are_sized_for_a_steps_sequences_not_the_pool(model_dir, spec
     check_vs_peft(peft_greedy_cache, model_dir, short_dirs, prompts, loras, outs)
 
 
-def test_bf16_projections_greedy_within_tolerance(model_dir, spec_dirs, peft_refs):
+@pytest.mark.parametrize("isa", ["best", "avx2"])
+def test_bf16_projections_greedy_within_tolerance(isa, model_dir, spec_dirs, peft_refs, monkeypatch):
     """projection_dtype="bfloat16" (the default where the CPU has AMX-BF16 or AVX512-BF16): each greedy token is
     PEFT's float32 argmax given the same prefix, or within bfloat16's tolerance of it (its
-    float32 logit at most BF16_RTOL of the largest |logit| below the argmax's): a near tie."""
+    float32 logit at most BF16_RTOL of the largest |logit| below the argmax's): a near tie.
+    isa "avx2": the kernels held to what a CPU without AVX512-BF16 runs ($MULTILORA_KERNEL_ISA):
+    the packed GEMM on weights widened in registers, the bf16 pools' widened group call."""
+    from multilora import kernels
     from tests.test_model_parity import BF16_RTOL
+    if isa == "avx2":
+        if "avx2" not in kernels.bf16_gemm_isas():
+            pytest.skip("multilora's bf16 GEMM has no AVX2 + FMA path here")
+        monkeypatch.setenv(kernels.ISA_ENV, "avx2")
     eng = make_engine(model_dir, {"a": spec_dirs[SPEC[0]], "b": spec_dirs[SPEC[1]], "c": spec_dirs[SPEC[2]]},
                       projection_dtype="bfloat16", lora_dtype="bfloat16")
     assert eng.projection_mode in ("bfloat16", "bfloat16-packed")
+    if isa == "avx2":
+        assert eng.projection_mode == "bfloat16-packed" and kernels.bf16_gemm_isa() == "avx2"
     assert eng.lora_dtype.name == "bfloat16" and eng.slots.weights.qkv_a_LUD.dtype.name == "bfloat16"  # pools written by their bits
     prompts = prompts_of(1, MIXED_LENGTHS)
     loras = [[None, "a", "b", "c"][i % 4] for i in range(len(prompts))]

@@ -614,7 +614,10 @@ def test_yarn_rope_scaling_is_refused(key, type_key):
 
 
 
-BF16_MODES = ("bfloat16",) + (("bfloat16-packed",) if kernels.bf16_gemm_isa() else ())
+# bfloat16-packed-avx2: the packed GEMM and the LoRA group call held to their AVX2 paths
+# ($MULTILORA_KERNEL_ISA), what a CPU without AVX512-BF16 runs
+BF16_MODES = (("bfloat16",) + (("bfloat16-packed",) if kernels.bf16_gemm_isa() else ())
+              + (("bfloat16-packed-avx2",) if "avx2" in kernels.bf16_gemm_isas() else ()))
 # bfloat16 projections: each sequence's largest logit error against PEFT at float32 is at most
 # BF16_RTOL of its largest |logit|, and at most BF16_VS_PEFT times that of PEFT run in bfloat16.
 BF16_RTOL = 0.02
@@ -630,14 +633,17 @@ def peft_bf16_refs(tiny_models, tiny_adapters):
 
 @pytest.mark.parametrize("mode", BF16_MODES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_bf16_projections_close_to_peft(kind, mode, served, peft_refs, peft_bf16_refs):
+def test_bf16_projections_close_to_peft(kind, mode, served, peft_refs, peft_bf16_refs, monkeypatch):
     """Projection matrices in bfloat16 (XLA's dot, or packed for multilora's bf16 GEMM and read in place
     in the scan), everything else float32: every sequence's logits are within bfloat16's
     tolerance of PEFT at float32, and no farther from it than transformers + PEFT in bfloat16."""
     cfg, weights, slots = served(kind)
-    bf16 = projections.convert(weights, mode)
-    if mode == "bfloat16-packed":
+    if mode == "bfloat16-packed-avx2":
+        monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+    bf16 = projections.convert(weights, mode.removesuffix("-avx2"))
+    if mode.startswith("bfloat16-packed"):
         assert isinstance(bf16.layers.wq_LDO, projections.PackedBf16) and bf16.lm_head_DV is not None
+        assert bf16.layers.wq_LDO.isa == kernels.bf16_gemm_isa() and (mode == "bfloat16-packed") == (bf16.layers.wq_LDO.isa != "avx2")
     pages = _page_lists(10, [n for n, _ in MIXED])
     chunks = [SeqChunk(toks, 0, pg, slot) for toks, pg, (_, slot) in zip(MIXED_TOKENS, pages, MIXED)]
     # The adapters' pool in float32, and as the engine keeps it beside bf16 projections

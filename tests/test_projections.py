@@ -13,11 +13,10 @@ from multilora import kernels
 from multilora.config import EngineConfig
 from multilora.model import projections
 
-ISAS = kernels.bf16_gemm_isas()     # what the packed GEMM runs here: amx, avx512-bf16, neither
+ISAS = kernels.bf16_gemm_isas()     # what the packed GEMM runs here: amx, avx512-bf16, avx2, none
 PACKED = bool(ISAS)
-needs_packed = pytest.mark.skipif(not PACKED, reason="multilora's bf16 GEMM does not run here (no AMX-BF16 "
-                                                     "or AVX512-BF16, "
-                                               "or the kernels are not built)")
+needs_packed = pytest.mark.skipif(not PACKED, reason="multilora's bf16 GEMM does not run here (no AMX-BF16, "
+                                                     "AVX512-BF16 or AVX2 + FMA, or the kernels are not built)")
 
 
 def _unpack(w_LJIRC, k, n):
@@ -45,7 +44,7 @@ def test_pack_bf16_layout(k, n):
 
 
 @needs_packed
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "avx2"])
 @pytest.mark.parametrize("t,k,n", [(1, 64, 96), (17, 48, 24), (40, 100, 70), (64, 576, 192), (70, 128, 544),
                                    (7, 32, 64), (13, 96, 160)])
 def test_gemm_bf16_matches_jnp(t, k, n, isa):
@@ -67,6 +66,32 @@ def test_gemm_bf16_matches_jnp(t, k, n, isa):
     assert np.abs(got - f32).max() > 1e-4 * np.abs(f32).max()
 
 
+@pytest.mark.skipif("avx2" not in ISAS, reason="multilora's bf16 GEMM has no AVX2 + FMA path here")
+@pytest.mark.parametrize("t,k,n", [(1, 64, 96), (17, 48, 24), (40, 100, 70), (64, 576, 192), (70, 128, 544),
+                                   (7, 33, 64), (13, 96, 160), (6, 600, 16), (12, 1536, 40)])
+def test_gemm_bf16_avx2_is_the_float32_product_on_bf16_rounded_weights(t, k, n):
+    """The AVX2 + FMA path (what a CPU without AVX512-BF16 runs, forced here by its isa): x stays
+    float32 and the packed bfloat16 weights are widened exactly, so the result is numpy's float32
+    product of x and the bf16-rounded weights, computed in float64 here, within float32
+    summation error (2^-20 of sum |x w| per element). Shapes off the tiles (6 rows, 16 columns,
+    odd K, K past one pass of 256 rows), every layer of the stack."""
+    rng = np.random.default_rng(t * k + n)
+    w = jnp.asarray(rng.standard_normal((3, k, n)), jnp.float32)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    packed = kernels.pack_bf16(w)
+    w_bf16 = np.asarray(w.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    run = jax.jit(lambda x, p, l: kernels.gemm_bf16(x, p, l, n, "avx2"))
+    for layer in range(3):
+        got = np.asarray(run(x, packed, jnp.int32(layer)))
+        want = x.astype(np.float64) @ w_bf16[layer]
+        bound = 2.0 ** -20 * (np.abs(x).astype(np.float64) @ np.abs(w_bf16[layer]))
+        assert got.shape == (t, n) and got.dtype == np.float32
+        assert (np.abs(got - want) <= bound).all(), f"layer {layer}: max excess {np.max(np.abs(got - want) - bound)}"
+    # x was not rounded to bfloat16 (the AVX512-BF16 path's numbers are further off)
+    bf16_x = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64) @ w_bf16[2]
+    assert np.abs(bf16_x - want).max() > 100 * np.abs(got - want).max()
+
+
 @needs_packed
 @pytest.mark.parametrize("isa", ISAS)
 def test_gemm_bf16_rejects_mismatched_shapes(isa):
@@ -77,8 +102,8 @@ def test_gemm_bf16_rejects_mismatched_shapes(isa):
 
 def test_gemm_bf16_refuses_an_unknown_isa():
     packed = kernels.pack_bf16(jnp.ones((1, 64, 32), jnp.float32))
-    with pytest.raises(ValueError, match="gemm_bf16 runs on avx512-bf16 or amx, not 'avx2'"):
-        kernels.gemm_bf16(jnp.ones((4, 64), jnp.float32), packed, jnp.int32(0), 32, "avx2")
+    with pytest.raises(ValueError, match="gemm_bf16 runs on one of avx2, avx512-bf16, amx, not 'sse4'"):
+        kernels.gemm_bf16(jnp.ones((4, 64), jnp.float32), packed, jnp.int32(0), 32, "sse4")
 
 
 @pytest.mark.skipif(kernels.bf16_gemm_isa() != "avx512-bf16", reason="a CPU with AVX512-BF16 and no AMX")
@@ -93,7 +118,8 @@ def test_resolve(monkeypatch):
     monkeypatch.delenv(projections.AUTO_ENV, raising=False)
     assert projections.resolve("float32", jnp.float32, like) == "float32"
     assert projections.resolve("bfloat16", jnp.float32, like) == ("bfloat16-packed" if PACKED else "bfloat16")
-    assert projections.resolve("auto", jnp.float32, like) == ("bfloat16-packed" if PACKED else "float32")
+    auto_bf16 = kernels.bf16_gemm_isa() in projections.AUTO_BF16_ISAS
+    assert projections.resolve("auto", jnp.float32, like) == ("bfloat16-packed" if auto_bf16 else "float32")
     assert projections.resolve("auto", jnp.bfloat16, like) == ("bfloat16-packed" if PACKED else "bfloat16")
     monkeypatch.setenv(projections.AUTO_ENV, "float32")
     assert projections.resolve("auto", jnp.float32, like) == "float32"
@@ -123,3 +149,25 @@ def test_lora_pool_dtype_follows_packed_projections_else_the_engines_unless_give
         projections.lora_pool_dtype("int8", jnp.float32)
     with pytest.raises(ValueError, match="lora_dtype must be auto, float32 or bfloat16, got 'half'"):
         EngineConfig(lora_dtype="half")
+
+
+@pytest.mark.skipif("avx2" not in ISAS, reason="multilora's bf16 GEMM has no AVX2 + FMA path here")
+def test_resolve_on_the_avx2_path(monkeypatch):
+    """Held to AVX2 + FMA ($MULTILORA_KERNEL_ISA, as on a CPU without AVX512-BF16): bfloat16
+    projections are packed for the AVX2 kernel, auto stays float32 (AUTO_BF16_ISAS: not measured
+    faster there yet) unless MULTILORA_PROJECTION_DTYPE says bfloat16; bf16 pools follow the
+    packed projections. An unknown ISA is an error naming the choices."""
+    like = jnp.zeros(4)
+    monkeypatch.delenv(projections.AUTO_ENV, raising=False)
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+    assert kernels.bf16_gemm_isa() == "avx2" and kernels.bf16_gemm_isas() == ("avx2",)
+    assert projections.resolve("bfloat16", jnp.float32, like) == "bfloat16-packed"
+    assert projections.resolve("auto", jnp.float32, like) == "float32"
+    assert projections.auto_dtype("avx2", jnp.float32) == "float32"
+    assert projections.auto_dtype("avx512-bf16", jnp.float32) == "bfloat16"
+    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-packed") == jnp.bfloat16
+    monkeypatch.setenv(projections.AUTO_ENV, "bfloat16")
+    assert projections.resolve("auto", jnp.float32, like) == "bfloat16-packed"
+    monkeypatch.setenv(kernels.ISA_ENV, "sse4")
+    with pytest.raises(ValueError, match="MULTILORA_KERNEL_ISA='sse4': choose one of avx2, avx512-bf16, amx"):
+        projections.resolve("bfloat16", jnp.float32, like)

@@ -1,7 +1,8 @@
 """multilora's own CPU kernels, built on first use and called through XLA's FFI: per-token LoRA
 shrink and expand (lora_kernels.cc, the `native` LoRA backend) and decode attention over the
 paged KV cache (attention_kernels.cc, decode and prefill), the base model's projections in
-bfloat16 (gemm_kernels.cc: Intel AMX, or AVX512-BF16 dot products, where the CPU has either), and
+bfloat16 (gemm_kernels.cc: Intel AMX, AVX512-BF16 dot products, or AVX2 + FMA on weights widened
+in registers, the best the CPU has: select_isa), and
 in-place row writes into the LoRA pools (pool_kernels.cc).
 
 The C++ source ships with the package and is compiled once per machine into the user cache
@@ -282,14 +283,64 @@ def prefill_attention(q_TNH: jax.Array, k_LPpKH: jax.Array, v_LPpKH: jax.Array, 
         positions_T.astype(jnp.int32), sliding_window=np.int64(sliding_window or 0))
 
 
-BF16_GEMM_ISAS = ("", "avx512-bf16", "amx")   # by what MultiloraBf16GemmIsa returns
+KERNEL_ISAS = ("avx2", "avx512-bf16", "amx")   # the ISA-specific paths, in order (MultiloraKernelIsas' bits)
+BF16_GEMM_ISAS = ("",) + KERNEL_ISAS            # by gemm_bf16's `isa` attribute
+# What a CPU must report (/proc/cpuinfo's flags) to run each path, every lower path's flags included.
+ISA_CPU_FLAGS = {"avx2": ("avx2", "fma"),
+                 "avx512-bf16": ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"),
+                 "amx": ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")}
+ISA_ENV = "MULTILORA_KERNEL_ISA"   # the best path the kernels may take (tests and benchmarks of a lower one)
+
+
+def cpu_flags() -> frozenset:
+    """This CPU's feature flags as Linux reports them (empty where /proc/cpuinfo is not there)."""
+    if "cpu_flags" not in _state:
+        flags: frozenset = frozenset()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("flags"):
+                    flags = frozenset(line.split(":", 1)[1].split())
+                    break
+        except OSError:
+            pass
+        _state["cpu_flags"] = flags
+    return _state["cpu_flags"]
+
+
+def select_isa(flags, built=KERNEL_ISAS, cap: str = "") -> str:
+    """The best ISA-specific path for a CPU with these flags: the last of KERNEL_ISAS, up to
+    `cap` (one of them; "" none), that the build has and whose ISA_CPU_FLAGS the CPU all has;
+    "" where none. An AVX2 + FMA CPU without AVX512-BF16 (AMD Zen 1-3, Intel Haswell to Ice
+    Lake client parts) takes "avx2"; Zen 4 and Cooper Lake "avx512-bf16"; Sapphire Rapids "amx"."""
+    if cap and cap not in KERNEL_ISAS:
+        raise ValueError(f"{ISA_ENV}={cap!r}: choose one of {', '.join(KERNEL_ISAS)}")
+    best = ""
+    for isa in KERNEL_ISAS:
+        if isa not in built or not set(ISA_CPU_FLAGS[isa]) <= set(flags):
+            break
+        best = isa
+        if isa == cap:
+            break
+    return best
+
+
+def built_isas() -> tuple[str, ...]:
+    """The ISA-specific paths this machine's build of the kernels has and may run (AMX: where
+    Linux grants the tile state); () where the kernels are not available."""
+    if not available():
+        return ()
+    bits = _state["lib"].MultiloraKernelIsas()
+    return tuple(isa for i, isa in enumerate(KERNEL_ISAS) if bits >> i & 1)
 
 
 def bf16_gemm_isa() -> str:
-    """The best instructions gemm_bf16 runs here: "amx" (an Intel CPU from Sapphire Rapids on,
-    where Linux grants the process the tile state; avx512-bf16 runs there too), "avx512-bf16"
-    (AMD Zen 4 and later, Intel Cooper Lake) or "" (neither, or the kernels are not built)."""
-    return BF16_GEMM_ISAS[_state["lib"].MultiloraBf16GemmIsa()] if available() else ""
+    """The best instructions gemm_bf16 runs here (select_isa of this CPU's flags and build, at
+    most $MULTILORA_KERNEL_ISA): "amx" (an Intel CPU from Sapphire Rapids on, where Linux grants
+    the process the tile state), "avx512-bf16" (AMD Zen 4 and later, Intel Cooper Lake), "avx2"
+    (AVX2 + FMA: x float32, the weights widened) or "" (none, or the kernels are not built).
+    An unknown $MULTILORA_KERNEL_ISA is a ValueError naming the choices."""
+    cap = os.environ.get(ISA_ENV, "").strip().lower()
+    return select_isa(cpu_flags(), built_isas(), cap) if available() else select_isa((), (), cap)
 
 
 def bf16_gemm_isas() -> tuple[str, ...]:
@@ -311,11 +362,12 @@ def pack_bf16(w_LKN) -> jax.Array:
 
 
 def gemm_bf16(x_TK: jax.Array, w_LJIRC: jax.Array, layer: jax.Array, n: int, isa: str | None = None) -> jax.Array:
-    """y_TN (float32) = x rounded to bfloat16 times layer `layer` of the packed weights
-    (pack_bf16 of an (L, K, N) stack), accumulated in float32, read in place; on `isa` (one of
-    bf16_gemm_isas(); default the best)."""
+    """y_TN (float32) = x times layer `layer` of the packed weights (pack_bf16 of an (L, K, N)
+    stack), accumulated in float32, read in place; on `isa` (one of bf16_gemm_isas(); default
+    the best). On "amx" and "avx512-bf16" x is rounded to bfloat16 first (bf16 products); on
+    "avx2" x stays float32 and the weights are widened exactly (a float32 product)."""
     isa = bf16_gemm_isa() if isa is None else isa
     if isa not in BF16_GEMM_ISAS[1:]:
-        raise ValueError(f"gemm_bf16 runs on {' or '.join(BF16_GEMM_ISAS[1:])}, not {isa!r}")
+        raise ValueError(f"gemm_bf16 runs on one of {', '.join(BF16_GEMM_ISAS[1:])}, not {isa!r}")
     return jax.ffi.ffi_call("multilora_gemm_bf16", jax.ShapeDtypeStruct((x_TK.shape[0], n), jnp.float32))(
-        x_TK.astype(jnp.float32), w_LJIRC, jnp.asarray(layer, jnp.int32), amx=np.int64(isa == "amx"))
+        x_TK.astype(jnp.float32), w_LJIRC, jnp.asarray(layer, jnp.int32), isa=np.int64(BF16_GEMM_ISAS.index(isa)))

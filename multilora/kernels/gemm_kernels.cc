@@ -1,10 +1,12 @@
 // The base model's projections in bfloat16, reading one layer of the stacked, pre-packed weights
 // in place: on Intel AMX where the CPU has it, else with AVX512-BF16 dot products (AMD Zen 4 and
-// later, Intel Cooper Lake).
+// later, Intel Cooper Lake), else with AVX2 + FMA (AMD Zen 1-3, Intel Haswell on).
 //
-// y_TN = x_TK @ W[layer]  (x float32, rounded to bfloat16 to nearest even; W bfloat16; the
-// products accumulated in float32: the same numbers as XLA's bf16 x bf16 -> f32 dot, summed in
-// another order).
+// y_TN = x_TK @ W[layer]  (AMX and AVX512-BF16: x float32, rounded to bfloat16 to nearest even; W
+// bfloat16; the products accumulated in float32: the same numbers as XLA's bf16 x bf16 -> f32
+// dot, summed in another order. AVX2: x stays float32, W's bfloat16 values are widened to float32
+// in registers (exactly) and the products summed in float32 by FMA: the float32 product with
+// bf16-rounded weights, half the bytes of float32 weights read).
 //
 // XLA's CPU backend slices each layer's weights out of the (L, K, N) stack by copying them
 // before every GEMM of the layer scan, and its GEMMs use float32 FMAs at best. This kernel takes
@@ -20,8 +22,13 @@
 // The same layout is VDPBF16PS's: for a column block j, pair p = 16 i + r of K rows is one
 // 64-byte vector (16 columns x 2 rows), the pairs of a block one contiguous stream.
 //
-// Built with what the compiler targets (-march=native): AMX-BF16 and AVX512-BF16, AVX512-BF16
-// alone, or neither; where neither runs the handler reports that it is unavailable and
+// The same layout serves AVX2: a pair's 64 bytes are 16 32-bit words, word c holding column c's
+// rows 2p (low half) and 2p + 1 (high half), so a word shifted left by 16 is row 2p's value as a
+// float32 and the word masked to its high half is row 2p + 1's: two integer instructions widen 8
+// values, no shuffles.
+//
+// Built with what the compiler targets (-march=native): AMX-BF16, AVX512-BF16, AVX2 + FMA, each
+// where the CPU has it; where none runs the handler reports that it is unavailable and
 // multilora.kernels.bf16_gemm_isa() is "".
 
 #include <algorithm>
@@ -37,6 +44,11 @@ namespace ffi = xla::ffi;
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MULTILORA_AVX512BF16 1
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define MULTILORA_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -159,6 +171,98 @@ void dp_blocks(int64_t j0, int64_t j1, const uint16_t* a, const uint16_t* w, int
 
 #endif  // MULTILORA_AVX512BF16
 
+#ifdef MULTILORA_AVX2
+
+constexpr int kFmaRows = 6;        // rows per tile: 6 x 2 accumulators (16 columns), 16 ymm registers
+constexpr int64_t kFmaPairs = 128;  // pairs of K rows per pass: a 4-block panel's 32 KiB, x's 6 KiB
+
+// y[m, 0:cols] (+)= x[m, 2 p0 : 2 p1] @ W's rows [2 p0, 2 p1) of one 16-column block, for M rows:
+// the block's pairs widened as they stream by (the even rows of the pair first, then the odd
+// ones, so that two weight vectors are live beside the 12 accumulators), x broadcast from memory.
+template <int M>
+inline void fma_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t p0, int64_t p1, float* y,
+                     int64_t ldy, int64_t cols, bool add) {
+  __m256 acc[M][2];
+  alignas(32) float tmp[16];
+  for (int m = 0; m < M; ++m) {
+    if (!add) {
+      acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    } else if (cols == 16) {
+      acc[m][0] = _mm256_loadu_ps(y + m * ldy);
+      acc[m][1] = _mm256_loadu_ps(y + m * ldy + 8);
+    } else {
+      std::memset(tmp, 0, sizeof tmp);
+      std::memcpy(tmp, y + m * ldy, cols * 4);
+      acc[m][0] = _mm256_load_ps(tmp);
+      acc[m][1] = _mm256_load_ps(tmp + 8);
+    }
+  }
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t p = p0; p < p1; ++p) {
+    const __m256i* wp = reinterpret_cast<const __m256i*>(w + p * 32);
+    const float* xp = x + 2 * p;
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp), 16));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp + 1), 16));
+    for (int m = 0; m < M; ++m) {
+      const __m256 xe = _mm256_broadcast_ss(xp + m * ldx);
+      acc[m][0] = _mm256_fmadd_ps(xe, e0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(xe, e1, acc[m][1]);
+    }
+    const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wp), high));
+    const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wp + 1), high));
+    for (int m = 0; m < M; ++m) {
+      const __m256 xo = _mm256_broadcast_ss(xp + m * ldx + 1);
+      acc[m][0] = _mm256_fmadd_ps(xo, o0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(xo, o1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    if (cols == 16) {
+      _mm256_storeu_ps(y + m * ldy, acc[m][0]);
+      _mm256_storeu_ps(y + m * ldy + 8, acc[m][1]);
+    } else {
+      _mm256_store_ps(tmp, acc[m][0]);
+      _mm256_store_ps(tmp + 8, acc[m][1]);
+      std::memcpy(y + m * ldy, tmp, cols * 4);
+    }
+  }
+}
+
+inline void fma_rows(int64_t rows, const float* x, int64_t ldx, const uint16_t* w, int64_t p0, int64_t p1,
+                     float* y, int64_t ldy, int64_t cols, bool add) {
+  switch (rows) {
+    case 1: return fma_tile<1>(x, ldx, w, p0, p1, y, ldy, cols, add);
+    case 2: return fma_tile<2>(x, ldx, w, p0, p1, y, ldy, cols, add);
+    case 3: return fma_tile<3>(x, ldx, w, p0, p1, y, ldy, cols, add);
+    case 4: return fma_tile<4>(x, ldx, w, p0, p1, y, ldy, cols, add);
+    case 5: return fma_tile<5>(x, ldx, w, p0, p1, y, ldy, cols, add);
+    default: return fma_tile<kFmaRows>(x, ldx, w, p0, p1, y, ldy, cols, add);
+  }
+}
+
+// Column blocks [j0, j1), all T rows of x (float32, ldx >= 2 pairs): panels of up to 4 blocks,
+// K in passes of kFmaPairs pairs (a pass adds to the sums the previous one stored), the panel's
+// pass of W kept in L1/L2 while the rows go by 6 at a time.
+void fma_blocks(int64_t j0, int64_t j1, const float* x, int64_t ldx, const uint16_t* w, int64_t T,
+                int64_t pairs, int64_t I, int64_t N, float* y) {
+  const int64_t jstride = I * 512;
+  for (int64_t jp = j0; jp < j1; jp += 4) {
+    const int64_t nb = std::min<int64_t>(4, j1 - jp);
+    for (int64_t p0 = 0; p0 < pairs; p0 += kFmaPairs) {
+      const int64_t p1 = std::min(pairs, p0 + kFmaPairs);
+      for (int64_t m = 0; m < T; m += kFmaRows)
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t col = 16 * (jp + b), cols = std::min<int64_t>(16, N - col);
+          if (cols <= 0) break;
+          fma_rows(std::min<int64_t>(kFmaRows, T - m), x + m * ldx, ldx, w + (jp + b) * jstride, p0, p1,
+                   y + m * N + col, N, cols, p0 > 0);
+        }
+    }
+  }
+}
+
+#endif  // MULTILORA_AVX2
+
 #ifdef MULTILORA_AMX
 
 constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an extended state component
@@ -263,10 +367,10 @@ std::vector<Block> column_runs(ffi::ThreadPool& pool, int64_t J) {
   return blocks;
 }
 
-// amx: 1 runs the AMX tiles, 0 VDPBF16PS (multilora.kernels.bf16_gemm_isa says which this build
-// and CPU can run).
+// isa: what multilora.kernels.BF16_GEMM_ISAS names at that index: 1 AVX2 + FMA, 2 VDPBF16PS,
+// 3 the AMX tiles (multilora.kernels.bf16_gemm_isa says which this build and CPU can run).
 ffi::Error GemmBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_TK, ffi::Buffer<ffi::BF16> w_LJIRC,
-                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y_TN, int64_t amx) {
+                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y_TN, int64_t isa) {
   auto xd = x_TK.dimensions();
   auto wd = w_LJIRC.dimensions();
   auto yd = y_TN->dimensions();
@@ -278,7 +382,7 @@ ffi::Error GemmBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_TK, ffi::Buffe
                       clamp_layer(layer.typed_data()[0], L) * J * I * 512;
   float* y = y_TN->typed_data();
   const std::vector<Block> runs = column_runs(pool, J);
-  if (amx) {
+  if (isa == 3) {
 #ifdef MULTILORA_AMX
     if (!amx_permitted()) return ffi::Error::Internal("multilora gemm bf16: Linux refused the AMX tile state");
     const int64_t Mp = (T + 31) / 32 * 32;
@@ -290,28 +394,49 @@ ffi::Error GemmBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_TK, ffi::Buffe
     return ffi::Error(ffi::ErrorCode::kUnimplemented, "multilora gemm bf16: built without AMX-BF16");
 #endif
   }
+  if (isa == 2) {
 #ifdef MULTILORA_AVX512BF16
-  std::vector<uint16_t> a(T * Kp);
-  to_bf16(x_TK.typed_data(), T, K, T, Kp, a.data());
-  parallel_items(pool, runs, [&](const Block& b) { dp_blocks(b.j0, b.j1, a.data(), w, T, Kp, I, N, y); });
-  return ffi::Error::Success();
+    std::vector<uint16_t> a(T * Kp);
+    to_bf16(x_TK.typed_data(), T, K, T, Kp, a.data());
+    parallel_items(pool, runs, [&](const Block& b) { dp_blocks(b.j0, b.j1, a.data(), w, T, Kp, I, N, y); });
+    return ffi::Error::Success();
 #else
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "multilora gemm bf16: built without AVX512-BF16");
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, "multilora gemm bf16: built without AVX512-BF16");
 #endif
+  }
+  if (isa == 1) {
+#ifdef MULTILORA_AVX2
+    // x read in place, pairs of its columns; an odd K gets a copy with a zero column (W's packed
+    // rows past K are zeros, x's past K are not there to read)
+    const int64_t pairs = (K + 1) / 2;
+    std::vector<float> padded(K % 2 ? T * 2 * pairs : 0, 0.f);
+    for (int64_t t = 0; K % 2 && t < T; ++t) std::memcpy(padded.data() + t * 2 * pairs, x_TK.typed_data() + t * K, K * 4);
+    const float* x = K % 2 ? padded.data() : x_TK.typed_data();
+    parallel_items(pool, runs, [&](const Block& b) { fma_blocks(b.j0, b.j1, x, 2 * pairs, w, T, pairs, I, N, y); });
+    return ffi::Error::Success();
+#else
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, "multilora gemm bf16: built without AVX2 and FMA");
+#endif
+  }
+  return ffi::Error::InvalidArgument("multilora gemm bf16: isa must be 1 (avx2), 2 (avx512-bf16) or 3 (amx)");
 }
 
 }  // namespace
 
-// What gemm_bf16 can run on this build and CPU: 2 AMX (and VDPBF16PS), 1 VDPBF16PS only, 0 neither.
-extern "C" int MultiloraBf16GemmIsa() {
-#ifdef MULTILORA_AMX
-  if (amx_permitted()) return 2;
+// What gemm_bf16 can run on this build and CPU, one bit each: 1 AVX2 + FMA, 2 VDPBF16PS, 4 AMX
+// (multilora.kernels.KERNEL_ISAS in order).
+extern "C" int MultiloraKernelIsas() {
+  int isas = 0;
+#ifdef MULTILORA_AVX2
+  isas |= 1;
 #endif
 #ifdef MULTILORA_AVX512BF16
-  return 1;
-#else
-  return 0;
+  isas |= 2;
 #endif
+#ifdef MULTILORA_AMX
+  if (amx_permitted()) isas |= 4;
+#endif
+  return isas;
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraGemmBf16, GemmBf16,
@@ -321,4 +446,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraGemmBf16, GemmBf16,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("amx"));
+                                  .Attr<int64_t>("isa"));

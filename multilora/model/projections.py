@@ -2,15 +2,20 @@
 head), apart from the activations' and the KV cache's.
 
     projection_dtype="float32":  the matrices in float32: the exact path (parity with PEFT).
-    projection_dtype="bfloat16": the matrices in bfloat16, the activations rounded to bfloat16
-        at each product and the sums kept in float32, the results back in the activations' dtype.
-        Where multilora's bf16 GEMM runs (one CPU device whose CPU has AMX-BF16 or AVX512-BF16),
-        the matrices are packed for it (PackedBf16, mode "bfloat16-packed") and each layer's are
-        read in place inside the layer scan; elsewhere they stay in their (L, K, N) layout and
-        XLA's bf16 dot runs them.
-    projection_dtype="auto" (the default): bfloat16 where the packed kernel runs (there it is
-        faster than float32: benchmarks/log/14-2026-12-04-bf16-projections-avx512bf16.md), else the engine's dtype. The environment variable
-        MULTILORA_PROJECTION_DTYPE, when set, says what auto means.
+    projection_dtype="bfloat16": the matrices in bfloat16, the sums kept in float32, the results
+        back in the activations' dtype. Where multilora's bf16 GEMM runs (one CPU device whose CPU
+        has AMX-BF16, AVX512-BF16 or AVX2 + FMA: kernels.bf16_gemm_isa), the matrices are packed
+        for it (PackedBf16, mode "bfloat16-packed") and each layer's are read in place inside the
+        layer scan; elsewhere they stay in their (L, K, N) layout and XLA's bf16 dot runs them.
+        AMX, AVX512-BF16 and XLA round the activations to bfloat16 at each product; the AVX2
+        path keeps them float32 and widens the weights in registers (half the bytes of float32
+        weights, a float32 product on bf16-rounded weights).
+    projection_dtype="auto" (the default): bfloat16 where the packed kernel runs on AMX or
+        AVX512-BF16 (AUTO_BF16_ISAS: there it is faster than float32,
+        benchmarks/log/14-2026-12-04-bf16-projections-avx512bf16.md), else the engine's dtype.
+        On an AVX2-only CPU auto stays float32 until a measurement there says the widening path
+        wins (BENCHMARKS.md: the commands); projection_dtype="bfloat16" takes it. The environment
+        variable MULTILORA_PROJECTION_DTYPE, when set, says what auto means.
 
     mode "int8" (EngineConfig.quantization="int8"): a weight-only int8 base. Each projection
         matrix is stored as int8 with one float32 scale per output column (symmetric:
@@ -35,6 +40,9 @@ from multilora import kernels
 
 PROJECTION_DTYPES = ("auto", "float32", "bfloat16")
 AUTO_ENV = "MULTILORA_PROJECTION_DTYPE"
+# The bf16 GEMM's instruction sets (kernels.bf16_gemm_isa) on which auto means bfloat16: those
+# measured faster than float32. "avx2" joins once measured so (its benchmark: BENCHMARKS.md).
+AUTO_BF16_ISAS = ("avx512-bf16", "amx")
 # The LayerWeights fields that are (in, out) projection matrices (the MLP's absent from a model
 # whose every layer is a mixture of experts).
 PROJECTIONS = ("wq_LDO", "wk_LDO", "wv_LDO", "wo_LOD", "w_gate_LDF", "w_up_LDF", "w_down_LFD")
@@ -51,14 +59,17 @@ def _present(layers, names):
 @dataclasses.dataclass
 class PackedBf16:
     """A stack of (L, K, N) matrices in the bf16 GEMM's tile layout (kernels.pack_bf16), with
-    the number of output columns N; read in place at a layer index."""
+    the number of output columns N and the instructions that multiply them (kernels.bf16_gemm_isa
+    when packed: static, so that a program traced for one ISA is never reused for another);
+    read in place at a layer index."""
 
     w_LJIRC: jax.Array
     n: int = dataclasses.field(metadata=dict(static=True))
+    isa: str = dataclasses.field(default="", metadata=dict(static=True))
 
     def matmul(self, x_TK, layer) -> jax.Array:
-        """x_TK @ W[layer] (float32 sums of bfloat16 products), in x's dtype."""
-        return kernels.gemm_bf16(x_TK, self.w_LJIRC, layer, self.n).astype(x_TK.dtype)
+        """x_TK @ W[layer] (float32 sums of bfloat16 weights' products), in x's dtype."""
+        return kernels.gemm_bf16(x_TK, self.w_LJIRC, layer, self.n, self.isa or None).astype(x_TK.dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -88,14 +99,24 @@ def quantize_int8(w_LKN: jax.Array) -> QuantInt8:
 
 
 def pack(w_LKN: jax.Array) -> PackedBf16:
-    return PackedBf16(kernels.pack_bf16(w_LKN), int(w_LKN.shape[-1]))
+    return PackedBf16(kernels.pack_bf16(w_LKN), int(w_LKN.shape[-1]), kernels.bf16_gemm_isa())
 
 
 def packed_usable(w: jax.Array) -> bool:
     """Whether the packed bf16 GEMM can serve this array: on one CPU device, the kernel built
-    with AMX-BF16 or AVX512-BF16 (kernels.bf16_gemm_isa)."""
+    with AMX-BF16, AVX512-BF16 or AVX2 + FMA (kernels.bf16_gemm_isa)."""
+    return _one_cpu_device(w) and bool(kernels.bf16_gemm_isa())
+
+
+def _one_cpu_device(w: jax.Array) -> bool:
     devices = w.sharding.device_set
-    return len(devices) == 1 and next(iter(devices)).platform == "cpu" and bool(kernels.bf16_gemm_isa())
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
+def auto_dtype(isa: str, dtype) -> str:
+    """What projection_dtype="auto" means beside a bf16 GEMM on `isa` ("" where none runs):
+    bfloat16 on AUTO_BF16_ISAS, else the engine's dtype (its name)."""
+    return "bfloat16" if isa in AUTO_BF16_ISAS else jnp.dtype(dtype).name
 
 
 def resolve(projection_dtype: str, dtype, like: jax.Array) -> str:
@@ -109,10 +130,8 @@ def resolve(projection_dtype: str, dtype, like: jax.Array) -> str:
             if env not in PROJECTION_DTYPES[1:]:
                 raise ValueError(f"{AUTO_ENV}={env!r}: choose one of {', '.join(PROJECTION_DTYPES[1:])}")
             projection_dtype = env
-        elif packed_usable(like):
-            projection_dtype = "bfloat16"
         else:
-            projection_dtype = jnp.dtype(dtype).name
+            projection_dtype = auto_dtype(kernels.bf16_gemm_isa() if _one_cpu_device(like) else "", dtype)
             if projection_dtype not in PROJECTION_DTYPES[1:]:  # float16 models keep their dtype
                 return projection_dtype
     if projection_dtype == "bfloat16" and packed_usable(like):
