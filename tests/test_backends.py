@@ -466,18 +466,25 @@ def _np_group_bf16(x_TD, a_SRD, bs, scalings_S, slot_T, dot_bf16: bool):
     return out, slack
 
 
+@pytest.mark.parametrize("isa", ("best", "avx2"))
 @pytest.mark.parametrize("pattern", ("random", "every_slot"))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T%d-D%d-O%d-S%d-R%d" % s)
-def test_native_bfloat16_pools_match_numpy_on_the_rounded_weights(shape, pattern):
+def test_native_bfloat16_pools_match_numpy_on_the_rounded_weights(shape, pattern, isa, monkeypatch):
     """bfloat16 pools (lora_dtype=bfloat16): the standalone shrink widens the rows exactly and
     keeps x, h and the sums float32 (the float32 definition on the bf16-rounded weights, within
     float32 summation error). The group calls (run_lora, run_qkv_lora) multiply bf16 pairs where
     the CPU has AVX512-BF16: x rounded to bf16 for the shrink and h for the expand, sums float32,
     matched against numpy doing the same roundings (within float32 summation error, plus a
-    one-ulp flip of h's rounding); spare rows of NaN are still never read."""
+    one-ulp flip of h's rounding); spare rows of NaN are still never read. isa "avx2": the
+    kernels held to what a CPU without AVX512-BF16 runs ($MULTILORA_KERNEL_ISA), the widened
+    group call."""
     from multilora import kernels
     be = _native()
-    dot_bf16 = "avx512-bf16" in kernels.bf16_gemm_isas()
+    if isa == "avx2":
+        if "avx2" not in kernels.bf16_gemm_isas():
+            pytest.skip("this CPU or build has no AVX2 + FMA path")
+        monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+    dot_bf16 = kernels.bf16_gemm_isa() in ("avx512-bf16", "amx")
     t, d, o, s, r = shape
     rng = np.random.default_rng(zlib.crc32(repr(("bf16", shape, pattern)).encode()))
     slot_T = make_slots(rng, pattern, t, s)

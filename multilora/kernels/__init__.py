@@ -237,12 +237,15 @@ def lora_apply(x_TD: jax.Array, a_LUD: jax.Array, b_LUOs: "tuple[jax.Array, ...]
                rows_SR: jax.Array) -> "tuple[jax.Array, ...]":
     """(y_TO per B pool): expand(shrink(x)) for a group in one call, the A pool holding one block
     of U rows per B pool (q/k/v: three, gate/up: two, one projection: one); float32 results.
-    The pools are float32 or bfloat16 (widened in registers; x, h and the sums stay float32)."""
+    The pools are float32 or bfloat16: bf16 rows are widened in registers (x, h and the sums stay
+    float32), except where bf16_gemm_isa() is avx512-bf16 or amx, where bf16 pools are multiplied
+    as bf16 pairs (VDPBF16PS: x and h rounded to bfloat16, the sums float32)."""
     t = x_TD.shape[0]
     outs = tuple(jax.ShapeDtypeStruct((t, b.shape[2]), jnp.float32) for b in b_LUOs)
     return tuple(jax.ffi.ffi_call("multilora_lora_apply", outs)(
         x_TD.astype(jnp.float32), jnp.asarray(layer, jnp.int32), slot_T.astype(jnp.int32),
-        scalings_S.astype(jnp.float32), ranks_S.astype(jnp.int32), rows_SR.astype(jnp.int32), a_LUD, *b_LUOs))
+        scalings_S.astype(jnp.float32), ranks_S.astype(jnp.int32), rows_SR.astype(jnp.int32), a_LUD, *b_LUOs,
+        dot_bf16=np.int64(bf16_gemm_isa() in ("avx512-bf16", "amx"))))
 
 
 def pool_write(pool_LUX: jax.Array, rows_R: jax.Array, new_LRX: jax.Array) -> jax.Array:

@@ -15,7 +15,8 @@
 // are widened to float32 in registers, and x, h and every sum stay float32. Work is done in
 // 16-lane vectors (GCC/Clang vector extensions; one zmm register with AVX-512, two ymm without).
 // Except: the group call (Apply, what the model runs) on a bf16 pool where the CPU has
-// AVX512-BF16 multiplies bf16 pairs (VDPBF16PS: x rounded to bf16 for the shrink, h for the
+// AVX512-BF16 (and multilora.kernels.bf16_gemm_isa() says it may run: its dot_bf16 attribute)
+// multiplies bf16 pairs (VDPBF16PS: x rounded to bf16 for the shrink, h for the
 // expand, as a bf16 PEFT layer rounds them; products exact, sums float32), half the instructions
 // and no widening: 0.75x the time of the widened path with one adapter on 64 tokens (compute
 // bound), the same with 40 (memory bound); benchmarks/log/17-2026-12-04-bf16-dot-products-lora-kernel.md. The float32 pool stays the exact path.
@@ -578,7 +579,7 @@ ffi::Error Expand(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h_TR, ffi::AnyBuff
 ffi::Error Apply(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_TD, ffi::Buffer<ffi::S32> layer,
                  ffi::Buffer<ffi::S32> slot_T, ffi::Buffer<ffi::F32> scalings_S,
                  ffi::Buffer<ffi::S32> ranks_S, ffi::Buffer<ffi::S32> rows_SR, ffi::AnyBuffer a_LUD,
-                 ffi::RemainingArgs b_pools, ffi::RemainingRets ys) {
+                 ffi::RemainingArgs b_pools, ffi::RemainingRets ys, int64_t dot_bf16) {
   auto xd = x_TD.dimensions();
   auto ad = a_LUD.dimensions();
   auto rd = rows_SR.dimensions();
@@ -616,7 +617,7 @@ ffi::Error Apply(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_TD, ffi::Buffer<f
   if (a_LUD.element_type() == ffi::DataType::F32)
     apply_items(pool, items, x_TD.typed_data(), D, a_LUD.reinterpret_data<float>() + offset, U, blocks,
                 reinterpret_cast<const float* const*>(b), O, sl, y);
-  else {
+  else if (dot_bf16) {
 #ifdef MULTILORA_LORA_DP
     const int64_t Dp = (D + 31) / 32 * 32;
     std::vector<bf16> xb(items.empty() ? 0 : T * Dp);
@@ -624,9 +625,11 @@ ffi::Error Apply(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_TD, ffi::Buffer<f
     apply_items_dp(pool, items, xb.data(), Dp, D, a_LUD.reinterpret_data<bf16>() + offset, U, blocks,
                    reinterpret_cast<const bf16* const*>(b), O, sl, y);
 #else
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, "multilora lora apply: built without AVX512-BF16");
+#endif
+  } else {
     apply_items(pool, items, x_TD.typed_data(), D, a_LUD.reinterpret_data<bf16>() + offset, U, blocks,
                 reinterpret_cast<const bf16* const*>(b), O, sl, y);
-#endif
   }
   return ffi::Error::Success();
 }
@@ -668,4 +671,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraLoraApply, Apply,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
-                                  .RemainingRets());
+                                  .RemainingRets()
+                                  .Attr<int64_t>("dot_bf16"));
