@@ -440,6 +440,15 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+def check_target_itl_ms(value) -> None:
+    """target_itl_ms must be None (derived), 0 (off) or a number of milliseconds > 0."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"target_itl_ms must be a number of milliseconds > 0, 0 (off: max_num_batched_tokens "
+                         f"alone) or None (derived from measured step costs), got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything an Engine is built with besides the model and its adapters: one object that
@@ -467,6 +476,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_prefill_seqs: int = 16
+    # each step's prefill tokens budgeted so that a decode step stays within this many ms
+    # (multilora.engine.step_budget); None: derived from measured step costs; 0: off
+    target_itl_ms: Optional[float] = None
     async_scheduling: Optional[bool] = None  # plan the next step while one runs; None: on an accelerator
     # placement and the rest
     tensor_parallel_size: int = 1
@@ -506,6 +518,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        check_target_itl_ms(self.target_itl_ms)
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be True, False or None (on with an accelerator), "
                              f"got {self.async_scheduling!r}")

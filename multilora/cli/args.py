@@ -46,6 +46,10 @@ _HELP = {
     "enable_prefix_caching": "share the KV pages of common prompt prefixes (per adapter); on by default",
     "max_num_batched_tokens": "tokens per step: decode rows plus prefill chunks",
     "max_prefill_seqs": "prefill chunks per step",
+    "target_itl_ms": "inter-token latency to keep while prompts arrive: a step with decode rows carries "
+                     "only the prefill tokens that its measured cost keeps within this many ms (a long "
+                     "prompt prefills in smaller chunks); default: twice a decode-only step's measured "
+                     "cost, at least 50 ms; 0: off (--max-num-batched-tokens alone)",
     "async_scheduling": "plan and dispatch the next step while the current one runs (its sampled tokens "
                         "go to the next step on the device; steps whose requests use penalties, grammars "
                         "or prompt logprobs wait); default: on with an accelerator (TPU), off on the CPU",

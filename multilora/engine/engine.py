@@ -48,6 +48,7 @@ from multilora.engine.request import Request, SamplingParams
 from multilora.engine.runner import Buckets, Launched, ModelRunner, ProcessRow, SampleRow, StepResult
 from multilora.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from multilora.engine.speculative import Speculator
+from multilora.engine.step_budget import StepClock, StepCosts, step_budget
 from multilora.engine.structured import Grammars
 from multilora.engine.tokenizer import Detokenizer, load_tokenizer
 from multilora.model.loader import Progress
@@ -64,7 +65,8 @@ Prompt = Union[str, Sequence[int]]
 class Engine(AdapterAPI):
     def __init__(self, model: Optional[str] = None, lora_modules: Optional[dict[str, str]] = None,
                  config: Optional[EngineConfig] = None, *, warmup: Union[bool, str] = True, progress: bool = False,
-                 buckets: Optional[Buckets] = None, distributed: Optional[dict] = None, **options):
+                 buckets: Optional[Buckets] = None, distributed: Optional[dict] = None,
+                 step_costs: Optional[StepCosts] = None, **options):
         import jax
 
         from multilora.engine.runner import jit_slot_writer
@@ -145,15 +147,20 @@ class Engine(AdapterAPI):
 
         # host copies read off the engine thread
         self.loader = AdapterLoader(read, prepare if self.slots is not None else None)
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                            max_prefill_seqs=max_prefill_seqs),
-            self.pages, self.registry.fits, self._adapter_ready)
         # `buckets` overrides the compiled shapes (e.g. a benchmark of a known workload); a step
         # outside them compiles on demand with a warning.
         self.buckets = buckets or Buckets.make(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.max_model_len, page_size=page_size, num_pages=num_pages)
+        # each step's tokens within a target inter-token latency, by the steps' measured costs
+        self.step_costs = step_costs or StepCosts(self.buckets.tokens)
+        self.step_budget = step_budget(self.step_costs, max_num_batched_tokens, c.target_itl_ms, jax.process_count())
+        self._clock = StepClock(self.step_costs)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                            max_prefill_seqs=max_prefill_seqs),
+            self.pages, self.registry.fits, self._adapter_ready,
+            self.step_budget.tokens_for if self.step_budget is not None else None)
         self.runner = ModelRunner(self.cfg, weights, kv, self.slots, self.buckets, c.lora_backend)
         self.residency = AdapterResidency(self.registry, self.loader, self.runner, self.scheduler,
                                           lambda req: self._finish(req, "error"))
@@ -343,10 +350,15 @@ class Engine(AdapterAPI):
         overlap = self._overlaps(plan, prompt_next)
         # Reads no request waits for pause while the step runs (multilora.adapters.pacing).
         with self.loader.gate.closed():
+            self._clock.launched(plan)
             launched = self.runner.launch(chunks, rows, prompt_next if any(p is not None for p in prompt_next)
                                           else None, feed=feed, after=prev[1] if prev is not None else None)
             prev_result = prev[1].result() if prev is not None else None  # prev's tokens, while this step runs
+            if prev is not None:
+                self._clock.done(prev[0])
             result = None if overlap else launched.result()
+            if not overlap:
+                self._clock.done(plan)
         if prev is not None:
             touched = self._take(prev[0], prev_result)
             self.stats["overlapped_steps"] += 1
@@ -371,6 +383,7 @@ class Engine(AdapterAPI):
         """Wait for an advanced plan's step and take its tokens (_take)."""
         with self.loader.gate.closed():
             result = launched.result()
+        self._clock.done(plan)
         return self._take(plan, result)
 
     def _take(self, plan: StepPlan, result: StepResult) -> list[str]:

@@ -18,7 +18,9 @@ adapter with a thousand queued requests shares the free rows with a cold one's s
 instead of starving it (LoRAX's per-adapter queues, round-robin), and a request waits at most
 one turn per other adapter that is waiting. Preempted requests go before all others.
 
-Budgets: tokens per step, running sequences (max_num_seqs), prefill chunks per step
+Budgets: tokens per step (max_num_batched_tokens; below it, where the engine budgets steps by
+their measured costs, what token_budget allows a step with its decode rows: a long prompt then
+prefills in smaller chunks while streams decode, multilora.engine.step_budget), running sequences (max_num_seqs), prefill chunks per step
 (max_prefill_seqs), free KV pages, and distinct adapters among running requests (adapters_fit,
 pinned adapters included): a request whose adapter does not fit waits. Later requests may pass a
 blocked one, but only for `starvation_steps` steps; after that nothing passes it. When pages run out, the latest-arrived running request
@@ -92,13 +94,18 @@ class StepPlan:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, pages: PagePool,
                  adapters_fit: Callable[[set[str]], bool] = lambda names: True,
-                 adapter_ready: Callable[[str], bool] = lambda name: True):
+                 adapter_ready: Callable[[str], bool] = lambda name: True,
+                 token_budget: Optional[Callable[[int], int]] = None):
         """adapters_fit: can these adapters be resident at once; adapter_ready: can a step use
-        this adapter without a disk read (a request waits, and others pass it, until it can)."""
+        this adapter without a disk read (a request waits, and others pass it, until it can);
+        token_budget: the tokens a step with this many decode rows may carry, below
+        max_num_batched_tokens (multilora.engine.step_budget: decode streams keep their
+        inter-token latency while prompts arrive); None: max_num_batched_tokens alone."""
         self.cfg = cfg
         self.pages = pages
         self.adapters_fit = adapters_fit
         self.adapter_ready = adapter_ready
+        self.token_budget = token_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = {"prefix_queried_tokens": 0, "prefix_hit_tokens": 0}
@@ -134,6 +141,10 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan([])
         budget = self.cfg.max_num_batched_tokens
+        if self.token_budget is not None:
+            decode_rows = sum(r.status is RequestStatus.RUNNING and not r.is_prefilling
+                              and not (r.awaiting and len(r.output_token_ids) >= r.max_tokens) for r in self.running)
+            budget = min(budget, self.token_budget(decode_rows))
         served: set[int] = set()
         prefill_chunks = 0
         # Decode rows first (one token each), then running prefills: an older request admitted
