@@ -73,7 +73,7 @@ def test_gemm_bf16_avx2_is_the_float32_product_on_bf16_rounded_weights(t, k, n):
     """The AVX2 + FMA path (what a CPU without AVX512-BF16 runs, forced here by its isa): x stays
     float32 and the packed bfloat16 weights are widened exactly, so the result is numpy's float32
     product of x and the bf16-rounded weights, computed in float64 here, within float32
-    summation error (2^-20 of sum |x w| per element). Shapes off the tiles (6 rows, 16 columns,
+    summation error (2^-20 of sum |x w| per element). Shapes off the tiles (5 rows, 16 columns,
     odd K, K past one pass of 256 rows), every layer of the stack."""
     rng = np.random.default_rng(t * k + n)
     w = jnp.asarray(rng.standard_normal((3, k, n)), jnp.float32)

@@ -173,12 +173,12 @@ void dp_blocks(int64_t j0, int64_t j1, const uint16_t* a, const uint16_t* w, int
 
 #ifdef MULTILORA_AVX2
 
-constexpr int kFmaRows = 6;        // rows per tile: 6 x 2 accumulators (16 columns), 16 ymm registers
-constexpr int64_t kFmaPairs = 128;  // pairs of K rows per pass: a 4-block panel's 32 KiB, x's 6 KiB
+constexpr int kFmaRows = 5;        // rows per tile: 5 x 2 accumulators (16 columns) of 16 ymm registers (6 spilled two)
+constexpr int64_t kFmaPairs = 128;  // pairs of K rows per pass: a 4-block panel's 32 KiB, x's 5 KiB
 
 // y[m, 0:cols] (+)= x[m, 2 p0 : 2 p1] @ W's rows [2 p0, 2 p1) of one 16-column block, for M rows:
 // the block's pairs widened as they stream by (the even rows of the pair first, then the odd
-// ones, so that two weight vectors are live beside the 12 accumulators), x broadcast from memory.
+// ones, so that two weight vectors are live beside the 10 accumulators), x broadcast from memory.
 template <int M>
 inline void fma_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t p0, int64_t p1, float* y,
                      int64_t ldy, int64_t cols, bool add) {
@@ -235,14 +235,13 @@ inline void fma_rows(int64_t rows, const float* x, int64_t ldx, const uint16_t* 
     case 2: return fma_tile<2>(x, ldx, w, p0, p1, y, ldy, cols, add);
     case 3: return fma_tile<3>(x, ldx, w, p0, p1, y, ldy, cols, add);
     case 4: return fma_tile<4>(x, ldx, w, p0, p1, y, ldy, cols, add);
-    case 5: return fma_tile<5>(x, ldx, w, p0, p1, y, ldy, cols, add);
     default: return fma_tile<kFmaRows>(x, ldx, w, p0, p1, y, ldy, cols, add);
   }
 }
 
 // Column blocks [j0, j1), all T rows of x (float32, ldx >= 2 pairs): panels of up to 4 blocks,
 // K in passes of kFmaPairs pairs (a pass adds to the sums the previous one stored), the panel's
-// pass of W kept in L1/L2 while the rows go by 6 at a time.
+// pass of W kept in L1/L2 while the rows go by 5 at a time.
 void fma_blocks(int64_t j0, int64_t j1, const float* x, int64_t ldx, const uint16_t* w, int64_t T,
                 int64_t pairs, int64_t I, int64_t N, float* y) {
   const int64_t jstride = I * 512;
