@@ -80,8 +80,9 @@ def test_the_kernel_path_a_cpu_takes_by_its_flags(flags, want):
 def test_an_avx2_only_build_runs_the_avx2_paths(tmp_path):
     """The kernels as a CPU without AVX-512 builds them (-march=x86-64-v3: AVX2 + FMA, no
     AVX512), run here: the build says it has the AVX2 path only, its GEMM is the float32 product
-    on bf16-rounded weights, and its LoRA group call on bfloat16 pools the float32 one on the
-    rounded rows (within float32 summation error). Built at -O0 (seconds, not the real build's
+    on bf16-rounded weights, and its LoRA group call (16-lane vectors as two ymm halves there) on
+    float32 and bfloat16 pools the float64 one on the pool's rows (within float32 summation
+    error). Built at -O0 (seconds, not the real build's
     tens); registered under names of its own beside the native library's."""
     import ctypes
     import subprocess
@@ -114,20 +115,22 @@ def test_an_avx2_only_build_runs_the_avx2_paths(tmp_path):
     with pytest.raises(Exception, match="multilora gemm bf16: built without AVX512-BF16"):
         jax.block_until_ready(jax.ffi.ffi_call("avx2_only_gemm_bf16", jax.ShapeDtypeStruct((t, n), jnp.float32))(
             x, kernels.pack_bf16(w), jnp.int32(1), isa=np.int64(kernels.BF16_GEMM_ISAS.index("avx512-bf16"))))
-    # the group call: slot 1 (rank 3) and slot 2 (rank 2) over a bf16 pool of 5 rows; slot 0 is the base
-    d, o, r = 40, 24, 4
+    # the group call, float32 and bf16 pools: slot 1 (rank 3, 6 tokens: items of 4 and 2) and slot
+    # 2 (rank 1) over a pool of 5 rows, base rows between; D and O past whole vectors and blocks
+    d, o = 72, 40
     a = rng.standard_normal((1, 5, d)).astype(np.float32)
     b = rng.standard_normal((1, 5, o)).astype(np.float32)
-    a16, b16 = (np.asarray(jnp.asarray(v).astype(jnp.bfloat16).astype(jnp.float32), np.float64) for v in (a, b))
     rows_SR = np.array([[0, 0, 0, 0], [1, 2, 3, 0], [4, 0, 0, 0]], np.int32)
     ranks, scalings = np.array([0, 3, 1], np.int32), np.array([0.0, 0.5, 2.0], np.float32)
-    slot_T = np.array([1, 0, 2, 1, 2], np.int32)
-    x = rng.standard_normal((5, d)).astype(np.float32)
-    (y,) = jax.ffi.ffi_call("avx2_only_lora_apply", (jax.ShapeDtypeStruct((5, o), jnp.float32),))(
-        x, jnp.int32(0), slot_T, scalings, ranks, rows_SR, jnp.asarray(a).astype(jnp.bfloat16),
-        jnp.asarray(b).astype(jnp.bfloat16), dot_bf16=np.int64(0))
-    want = np.zeros((5, o))
-    for i, s in enumerate(slot_T):
-        rows = rows_SR[s, :ranks[s]]
-        want[i] = scalings[s] * (a16[0, rows] @ x[i].astype(np.float64)) @ b16[0, rows]
-    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    slot_T = np.array([1, 0, 2, 1, 1, 2, 1, 0, 1, 1], np.int32)
+    x = rng.standard_normal((len(slot_T), d)).astype(np.float32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        a_, b_ = (np.asarray(jnp.asarray(v).astype(dtype).astype(jnp.float32), np.float64) for v in (a, b))
+        (y,) = jax.ffi.ffi_call("avx2_only_lora_apply", (jax.ShapeDtypeStruct((len(slot_T), o), jnp.float32),))(
+            x, jnp.int32(0), slot_T, scalings, ranks, rows_SR, jnp.asarray(a).astype(dtype),
+            jnp.asarray(b).astype(dtype), dot_bf16=np.int64(0))
+        want = np.zeros((len(slot_T), o))
+        for i, s in enumerate(slot_T):
+            rows = rows_SR[s, :ranks[s]]
+            want[i] = scalings[s] * (a_[0, rows] @ x[i].astype(np.float64)) @ b_[0, rows]
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=str(dtype))

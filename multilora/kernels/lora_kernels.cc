@@ -13,7 +13,8 @@
 //
 // The pool is float32 or bfloat16 (the engine's bf16 pool, half the bytes a step reads): bf16 rows
 // are widened to float32 in registers, and x, h and every sum stay float32. Work is done in
-// 16-lane vectors (GCC/Clang vector extensions; one zmm register with AVX-512, two ymm without).
+// 16-lane vectors (GCC/Clang vector extensions; one zmm register with AVX-512, two explicit ymm halves
+// without, where GCC lowered a 64-byte vector through the stack: see f16v).
 // Except: the group call (Apply, what the model runs) on a bf16 pool where the CPU has
 // AVX512-BF16 (and multilora.kernels.bf16_gemm_isa() says it may run: its dot_bf16 attribute)
 // multiplies bf16 pairs (VDPBF16PS: x rounded to bf16 for the shrink, h for the
@@ -82,27 +83,71 @@ std::vector<Item> items_by_slot(const int32_t* slot_T, int64_t T, int64_t S) {
 }
 
 // Sixteen floats in a vector; -march=native picks the instructions.
-typedef float f16v __attribute__((vector_size(64)));
+typedef float f8v __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef float f8v __attribute__((vector_size(32)));
 
 using bf16 = uint16_t;  // the pool's bfloat16 rows, by their bits
 
-inline f16v load16(const float* p) {
-  f16v v;
+// A vector V of floats from p.
+template <typename V>
+inline V loaded(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline f16v load16(const bf16* p) {  // bf16 -> f32 is exact: the bits shifted into the high half
-  u16x16 h;
+// A vector F of the bf16 values at p, widened: bf16 -> f32 is exact, the bits shifted into the
+// high half (U16, U32: the same lanes as 16- and 32-bit integers).
+template <typename F, typename U16, typename U32>
+inline F widened(const bf16* p) {
+  U16 h;
   std::memcpy(&h, p, sizeof h);
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  f16v v;
+  const U32 w = __builtin_convertvector(h, U32) << 16;
+  F v;
   std::memcpy(&v, &w, sizeof v);
   return v;
 }
+
+#if defined(__AVX512F__)
+typedef float f16v __attribute__((vector_size(64)));  // one zmm register
+
+inline f16v load16(const float* p) { return loaded<f16v>(p); }
+inline f16v load16(const bf16* p) { return widened<f16v, u16x16, u32x16>(p); }
+inline void store16(float* p, const f16v& v) { std::memcpy(p, &v, sizeof v); }
+
+inline f8v low8(f16v v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+inline f8v high8(f16v v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+#else
+// Without AVX-512, two ymm halves: GCC lowers a 64-byte vector extension through the stack there
+// (on -march=znver2 every scalar times a vector stored its scalar 16 times to memory, and the
+// expand's accumulators went through the stack at each rank row), so the halves are explicit;
+// lane for lane the same operations, so the same results.
+struct f16v {
+  f8v lo, hi;
+  f16v& operator+=(const f16v& o) {
+    lo += o.lo;
+    hi += o.hi;
+    return *this;
+  }
+  friend f16v operator*(const f16v& a, const f16v& b) { return {a.lo * b.lo, a.hi * b.hi}; }
+  friend f16v operator*(float c, const f16v& b) { return {c * b.lo, c * b.hi}; }
+};
+static_assert(sizeof(f16v) == 64, "16 floats in order");
+
+inline f16v load16(const float* p) { return {loaded<f8v>(p), loaded<f8v>(p + 8)}; }
+inline f16v load16(const bf16* p) { return {widened<f8v, u16x8, u32x8>(p), widened<f8v, u16x8, u32x8>(p + 8)}; }
+
+inline void store16(float* p, const f16v& v) {  // a half at a time: a whole copy went through the stack
+  std::memcpy(p, &v.lo, sizeof v.lo);
+  std::memcpy(p + 8, &v.hi, sizeof v.hi);
+}
+
+inline f8v low8(const f16v& v) { return v.lo; }
+inline f8v high8(const f16v& v) { return v.hi; }
+#endif
 
 inline float widen(float x) { return x; }
 inline float widen(bf16 b) {
@@ -112,9 +157,8 @@ inline float widen(bf16 b) {
   return f;
 }
 
-inline float hsum(f16v v) {
-  const f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+inline float hsum(const f16v& v) {
+  const f8v a = low8(v) + high8(v);
   float s = 0.f;
   for (int i = 0; i < 8; ++i) s += a[i];
   return s;
@@ -217,25 +261,33 @@ void shrink_row(const Item& it, const float* __restrict x, int64_t D, const W* _
 
 // yout[k][:] = sum_r hin[k][r] * B[r, :] for the N tokens of an item: each block of outputs is
 // accumulated in registers while the rank's rows stream by (B read once per item).
+#if defined(__AVX512F__)
+constexpr int kExpandVecs = 2;  // outputs a block: 32, 2 zmm accumulators a token
+#else
+constexpr int kExpandVecs = 1;  // 16: 2 ymm a token (32 outputs for 4 tokens took all 16 registers)
+#endif
+
 template <int N, typename W>
 void expand_item(const float* const* hin, int64_t rank, const W* const* b_rows, int64_t O,
                  float* const* yout, NextRows* next = nullptr) {
+  constexpr int V = kExpandVecs;
   int64_t o0 = 0;
-  for (; o0 + 32 <= O; o0 += 32) {
-    if (next) next->fetch(rank * int64_t(sizeof(W)) / 2);  // the lines this block reads
-    f16v acc[N][2] = {};
+  for (; o0 + 16 * V <= O; o0 += 16 * V) {
+    if (next) next->fetch(rank * int64_t(sizeof(W)) * V / 4);  // the lines this block reads
+    f16v acc[N][V] = {};
     for (int64_t r = 0; r < rank; ++r) {
-      // Each rank row is a separate stream, each read 32 outputs at a time: fetched ahead here
+      // Each rank row is a separate stream, each read a block at a time: fetched ahead here
       // (the hardware prefetcher loses them at every page boundary).
       __builtin_prefetch(b_rows[r] + o0 + kAhead);
-      const f16v b0 = load16(b_rows[r] + o0), b1 = load16(b_rows[r] + o0 + 16);
+      f16v b[V];
+      for (int v = 0; v < V; ++v) b[v] = load16(b_rows[r] + o0 + 16 * v);
       for (int k = 0; k < N; ++k) {
         const float c = hin[k][r];
-        acc[k][0] += c * b0;
-        acc[k][1] += c * b1;
+        for (int v = 0; v < V; ++v) acc[k][v] += c * b[v];
       }
     }
-    for (int k = 0; k < N; ++k) std::memcpy(yout[k] + o0, acc[k], sizeof acc[k]);
+    for (int k = 0; k < N; ++k)
+      for (int v = 0; v < V; ++v) store16(yout[k] + o0 + 16 * v, acc[k][v]);
   }
   for (; o0 + 16 <= O; o0 += 16) {
     f16v acc[N] = {};
@@ -243,7 +295,7 @@ void expand_item(const float* const* hin, int64_t rank, const W* const* b_rows, 
       const f16v b0 = load16(b_rows[r] + o0);
       for (int k = 0; k < N; ++k) acc[k] += hin[k][r] * b0;
     }
-    for (int k = 0; k < N; ++k) std::memcpy(yout[k] + o0, &acc[k], sizeof acc[k]);
+    for (int k = 0; k < N; ++k) store16(yout[k] + o0, acc[k]);
   }
   for (; o0 < O; ++o0)
     for (int k = 0; k < N; ++k) {
