@@ -187,7 +187,7 @@ def main(argv=None):
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=None, help="the engine's (default: its default)")
     ap.add_argument("--projection-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                    help="the engine's: float32 is the exact path (bfloat16's near-ties may flip between step shapes)")
+                    help="the engine's (auto: bfloat16 where the CPU runs multilora's bf16 GEMM)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     (streams if args.part == "streams" else step_cost)(args)

@@ -18,6 +18,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from multilora import kernels
 from multilora.config import EngineConfig, SpeculativeConfig
 from multilora.engine.engine import Engine
 from multilora.engine.request import SamplingParams
@@ -289,3 +290,51 @@ def test_the_counters_are_in_metrics_under_vllms_names(setup):
                  'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="base",position="1"} 2',
                  "# TYPE vllm:spec_decode_num_drafts counter"):
         assert line in text
+
+
+COPY_TEXT = ("The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night "
+             "its keeper climbed the one hundred and twelve steps to light the lamp, and every morning he "
+             "wrote the weather in a small blue notebook.")
+
+
+def test_greedy_tokens_are_identical_on_the_embedded_model_at_the_cpu_defaults():
+    """The embedded SmolLM2 with the demo adapters at the engine's defaults (on a CPU with the bf16
+    GEMM: bfloat16 projections and adapter pool, multilora's kernels), base rows, `shout` and
+    `signoff` in one mixed batch of copy-heavy and open prompts, drafts allowed in every step:
+    greedy tokens identical with and without speculation, and every token's logprob the same up
+    to the sampler's float sums (the logits are the same bits: test_batch_invariance). Before
+    decode rows and verify chunks took one arithmetic, bf16 rounding turned their last-bit
+    differences into logprobs off by ~1e-2 and, on near ties, other tokens."""
+    from multilora import default_model as dm
+    from multilora.demo_adapters import demo_lora_modules
+    from multilora.engine.runner import Buckets
+    try:
+        model_dir = dm.default_model_dir()
+    except Exception as e:  # offline machine without the converted model
+        pytest.skip(f"the default model (SmolLM2-135M-Instruct) could not be fetched: {e}")
+    # decode steps of 1-3 rows (T=4), of more rows or with drafts (T=16), prefills (T=256)
+    buckets = Buckets(tokens=(4, 16, 256), pages=(64,), max_num_seqs=16, max_pages_seq=16, page_size=16)
+    # what projection_dtype "auto" picks without this session's float32 (conftest): bfloat16 where
+    # multilora's bf16 GEMM runs (then the adapter pool is bfloat16 too)
+    auto = "bfloat16" if kernels.bf16_gemm_isa() else "float32"
+    eng = Engine(str(model_dir), demo_lora_modules(), max_num_seqs=16, max_num_batched_tokens=256, max_model_len=256,
+                 page_size=16, warmup=False, buckets=buckets, projection_dtype=auto,
+                 speculative_config={**SPEC, "prompt_lookup_min": 2, "max_step_tokens": 16})
+    questions = [f"Repeat this text word for word:\n\n{COPY_TEXT}", "Why do cats purr?",
+                 f"Rewrite this text with 'keeper' replaced by 'guardian':\n\n{COPY_TEXT}"]
+    runs = [(q, lora) for q in questions for lora in (None, "shout", "signoff")]
+    prompts = [eng.tokenizer.encode_chat([{"role": "user", "content": q}]) for q, _ in runs]
+    loras = [lora for _, lora in runs]
+    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=1)
+    speculator, outs = eng.speculator, {}
+    for mode in ("off", "on"):
+        eng.speculator = speculator if mode == "on" else None
+        outs[mode] = eng.generate(prompts, params, lora=loras)
+    eng.speculator = speculator
+    assert eng.projection_mode == ("bfloat16-packed" if auto == "bfloat16" else "float32")
+    assert speculator.stats["num_accepted_tokens"] > 40, speculator.stats  # drafts were verified in mixed steps
+    for i, (off, on) in enumerate(zip(outs["off"], outs["on"])):
+        assert on.token_ids == off.token_ids, (i, loras[i])
+        np.testing.assert_allclose([lp.logprob for lp in on.logprobs], [lp.logprob for lp in off.logprobs],
+                                   atol=2e-5, rtol=0, err_msg=f"request {i} ({loras[i]})")
+    assert_clean(eng)

@@ -21,8 +21,10 @@ its token as a step without speculation would: the sampler's own draw with the r
 that output index (fold_in(PRNGKey(seed), index)), greedy rows their argmax, structured rows under
 the grammar's mask after the drafts before it. The drafts equal to those tokens are accepted up to
 the first that is not; that position's token follows them (all accepted: the last position's, a
-bonus token). A seeded request therefore gets the tokens it gets without speculation, up to the
-float differences of another batch shape. The K/V written for rejected drafts lies beyond the
+bonus token). A seeded request therefore gets the tokens it gets without speculation: on the CPU's
+default path a position's logits are the same bits in a verify chunk as in a decode step (docs/engine.md,
+"A token's numbers do not depend on its step"); elsewhere up to the float sums of another step
+shape. The K/V written for rejected drafts lies beyond the
 request's computed tokens: never attended (the causal mask is by position), rewritten later.
 
 Steps aside (the never-a-loss rule, docs/engine.md "Speculative decoding"): drafts are added only
