@@ -4,14 +4,16 @@ rows): greedy tokens identical in mixed batches (base rows beside three adapters
 lookup's own drafts and with drafts that are all right, partly wrong or run past a stop; seeded
 rows repeat their tokens; sampling keeps the target distribution (a two-sample chi-square over
 many seeds, the drafts accepted at the target's rate); grammars check the drafts; the prefix
-cache, logprobs, async scheduling and the never-a-loss rule; no page leaked, and every shape
-compiled one of the warm-up's. The tiny Llama with a byte-level tokenizer and test_engine's step
+cache, logprobs, async scheduling and the never-a-loss rule; the counters on /metrics, through
+the server's engine thread; no page leaked, and every shape compiled one of the warm-up's; the
+embedded model with the demo adapters at the CPU's bf16 defaults. The tiny Llama with a byte-level tokenizer and test_engine's step
 shapes (KW), compiled on first use (warmup=False: a full warm-up would cost this file ~30 s more);
 `clean` checks that each shape compiled is one that the warm-up compiles."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from collections import Counter
 
@@ -269,15 +271,32 @@ def test_prefix_cache_async_scheduling_and_the_never_a_loss_rule(setup):
 
 
 def test_the_counters_are_in_metrics_under_vllms_names(setup):
+    """Through the server's engine thread (AsyncEngine): a repetitive prompt streamed to its end
+    drafts; once the thread has stopped (its last snapshot taken after the last step), /metrics
+    counts exactly the engine's drafts. Without speculation nothing spec_decode is exported."""
     off, on, _, _ = setup
-    for eng in (off, on):  # the server's snapshot of the engine (taken after every step)
-        published = AsyncEngine(eng)
-        published._publish()
-        text = published.metrics.render()
+    prompt = repetitive(77, [10])[0]
+
+    async def stream_to_end(aengine):
+        async with await aengine.submit(prompt, GREEDY) as stream:
+            return [d async for d in stream][-1]
+
+    for eng in (off, on):
+        before = dict(eng.speculator.stats) if eng is on else None
+        aengine = AsyncEngine(eng).start()
+        try:
+            final = asyncio.run(stream_to_end(aengine))
+        finally:
+            aengine.stop()
+        assert final.finished and final.finish_reason == "length"
+        text = aengine.metrics.render()
         drafts = f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="{eng.model_name}"}}'
         assert (drafts in text) == (eng is on)
         if eng is on:
-            assert f"{drafts} {on.speculator.stats['num_drafts']}\n" in text and on.speculator.stats["num_drafts"] > 0
+            assert on.speculator.stats["num_drafts"] > before["num_drafts"]
+            assert f"{drafts} {on.speculator.stats['num_drafts']}\n" in text
+            accepted = f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="{eng.model_name}"}}'
+            assert f"{accepted} {on.speculator.stats['num_accepted_tokens']}\n" in text
     m = Metrics("base")
     text = m.render()
     assert "vllm:spec_decode" not in text  # off: not exported
