@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 from collections import Counter
 
 import numpy as np
@@ -84,9 +85,11 @@ def lookup_again(eng):
     eng.speculator.propose = lambda tokens: propose_ngram(tokens, k, lo, hi)
 
 
-def in_groups(eng, prompts, params, size=4):
+def in_groups(eng, prompts, params, size=4, lora=None):
     """generate() a few requests at a time: KW's 8 logits rows leave room for drafts beside 4 rows."""
-    return [o for i in range(0, len(prompts), size) for o in eng.generate(prompts[i:i + size], params[i:i + size])]
+    lora = lora or [None] * len(prompts)
+    return [o for i in range(0, len(prompts), size)
+            for o in eng.generate(prompts[i:i + size], params[i:i + size], lora=lora[i:i + size])]
 
 
 def test_the_config_is_checked_with_vllms_names():
@@ -94,7 +97,7 @@ def test_the_config_is_checked_with_vllms_names():
     assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (3, 4, 4)
     assert (SpeculativeConfig().prompt_lookup_min, SpeculativeConfig().prompt_lookup_max) == (5, 5)
     assert EngineConfig(speculative_config={"num_speculative_tokens": 2}).speculative_config.num_speculative_tokens == 2
-    for bad, match in [({"method": "eagle"}, "method must be one of ngram, got 'eagle'"),
+    for bad, match in [({"method": "eagle"}, "method must be one of ngram, draft_model, got 'eagle'"),
                        ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
                        ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min .4. must be <="),
                        ({"lookahead": 2}, r"unknown field\(s\) lookahead; allowed: method, num_speculative_tokens"),
@@ -310,6 +313,53 @@ def test_the_counters_are_in_metrics_under_vllms_names(setup):
                  "# TYPE vllm:spec_decode_num_drafts counter"):
         assert line in text
 
+
+def test_a_draft_model_proposes_and_the_target_keeps_its_tokens(setup, tiny_models, tmp_path):
+    """method "draft_model": a second model's greedy tokens are the drafts. With the target itself
+    as its draft, base rows' drafts are (nearly) all accepted; with another tiny model (the tied
+    one: other widths and layers, the same 256 ids) fewer; either way the greedy tokens, logprobs
+    and stops are the engine's without speculation, beside three adapters (the draft runs without
+    them). A draft of another vocabulary, or a config without its folder, is refused by name."""
+    off, _, model_dir, dirs = setup
+    mods = {k: str(v) for k, v in dirs.items()}
+    prompts = prompts_of(78, [5, 9, 4, 12, 7, 3])
+    loras = [[None, "a", "b", "c"][i % 4] for i in range(len(prompts))]
+    params = [GREEDY if i % 3 else SamplingParams(max_tokens=14 - i, temperature=0.0, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    want = off.generate(prompts, params, lora=loras)
+    stop = [SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[w.token_ids[3]]) for w in want]
+    want_stop = off.generate(prompts, stop, lora=loras)
+    for draft, least in ((model_dir, 0.9), (tiny_models["tied"], 0.0)):
+        eng = Engine(str(model_dir), mods, lora_backend="bgmv", warmup=False, **KW, speculative_config={
+            "method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "max_step_tokens": 64})
+        if least == 0.0:  # the draft's own warm-up: nothing of it compiles later
+            eng.speculator.drafter.warmup()
+        base = [i for i, lo in enumerate(loras) if lo is None]
+        got = in_groups(eng, [prompts[i] for i in base], [params[i] for i in base])
+        stats = counters(eng)
+        assert stats["num_draft_tokens"] > 0
+        assert stats["num_accepted_tokens"] >= least * stats["num_draft_tokens"], stats
+        assert [o.token_ids for o in got] == [want[i].token_ids for i in base]
+        got = in_groups(eng, prompts, params, size=2, lora=loras)  # two rows a step: room for drafts
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for g, w in zip(got, want):
+            for a, b in zip(g.logprobs or [], w.logprobs or []):
+                assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [(o.token_ids, o.finish_reason) for o in in_groups(eng, prompts, stop, size=2, lora=loras)] == \
+            [(o.token_ids, o.finish_reason) for o in want_stop]
+        assert counters(eng)["num_draft_tokens"] > stats["num_draft_tokens"]  # adapter rows drafted too
+        assert_clean(eng)
+        if least == 0.0:
+            assert eng.speculator.drafter.runner.compiles_after_warmup == 0
+    other = tmp_path / "other_vocab"
+    shutil.copytree(tiny_models["tied"], other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "vocab_size": 300}))
+    with pytest.raises(ValueError, match="the draft model .* has a vocabulary of 300 tokens, the target 256"):
+        Engine(str(model_dir), warmup=False, **KW, speculative_config={"method": "draft_model", "model": str(other)})
+    for bad in ({"method": "draft_model"}, {"method": "ngram", "model": str(model_dir)}):
+        with pytest.raises(ValueError, match="method 'draft_model' takes the draft's folder as `model`"):
+            EngineConfig(speculative_config=bad)
 
 COPY_TEXT = ("The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night "
              "its keeper climbed the one hundred and twelve steps to light the lamp, and every morning he "
