@@ -53,6 +53,9 @@ class DraftModel:
         from multilora.model.loader import load_weights, resolve_dtype
         from multilora.model.sharding import KV_AXES, make_mesh, rules_for, sharding
 
+        if jax.process_count() > 1:
+            raise ValueError("speculative_config: method 'draft_model' runs in one process (this engine has "
+                             f"{jax.process_count()}); use 'ngram'")
         cfg = ModelConfig.from_dir(path)
         if cfg.vocab_size != target_cfg.vocab_size:
             raise ValueError(f"speculative_config: the draft model {path} has a vocabulary of {cfg.vocab_size} "
