@@ -348,6 +348,11 @@ def test_a_draft_model_proposes_and_the_target_keeps_its_tokens(setup, tiny_mode
         assert [(o.token_ids, o.finish_reason) for o in in_groups(eng, prompts, stop, size=2, lora=loras)] == \
             [(o.token_ids, o.finish_reason) for o in want_stop]
         assert counters(eng)["num_draft_tokens"] > stats["num_draft_tokens"]  # adapter rows drafted too
+        # four rows of 40 prompt tokens: the draft's first catch-up (160 tokens) passes its steps'
+        # 64, so rows catch up over several steps, drafting once they have
+        longer = prompts_of(79, [40, 41, 39, 40])
+        assert [o.token_ids for o in eng.generate(longer, GREEDY)] == \
+            [o.token_ids for o in off.generate(longer, GREEDY)]
         assert_clean(eng)
         if least == 0.0:
             assert eng.speculator.drafter.runner.compiles_after_warmup == 0

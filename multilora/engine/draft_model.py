@@ -105,7 +105,7 @@ class DraftModel:
             chunks.append(SeqChunk(tokens[start:start + take], start, req.block_table, 0))
             budget -= take
             rows -= 1
-            self._note(req, start + take if take < n - start else n - 1)
+            self._note(req, start + take)  # its K/V written up to there (drafts' positions not counted)
             if take == n - start and room > 0:
                 drafting.append((i, len(chunks) - 1))
         out: list[list[int]] = [[] for _ in items]
@@ -115,9 +115,7 @@ class DraftModel:
             return out
         tokens = self.runner.execute(chunks, [SampleRow()] * len(chunks)).tokens
         for i, c in drafting:
-            req = items[i][0]
             out[i].append(int(tokens[c]))
-            self._note(req, len(req.all_token_ids))
         for j in range(1, max(items[i][1] for i, _ in drafting)):
             step = [i for i, _ in drafting if items[i][1] > j]
             if not step:
