@@ -48,6 +48,8 @@ Systems (`--systems`, run one after the other, each alone on the machine: starte
               without the OMP_WAIT_POLICY default that importing benchmarks/serving.py sets).
               Ready when GET /health answers 200 (timeout 20 min: its first start may compile
               for minutes).
+  multilora-spec  the same plus --speculative-config <--speculative-config> (default the n-gram
+              lookup, k 4, lookup 2..4): issue 43's "no slower at p50 with it than without".
   vllm-bf16,  <vllm venv>/bin/python -m vllm.entrypoints.openai.api_server --model <model dir>
   vllm-fp32       --served-model-name <model dir's name> --dtype bfloat16|float32 --host 127.0.0.1
                   --port P --enable-lora --max-loras min(max(K,1),8) --max-lora-rank 16
@@ -74,6 +76,7 @@ it) and a PNG plot (TTFT p50, inter-token p50 and p99 against the rate, one line
     python benchmarks/chat_load.py --systems multilora --rates 0.5 1.5 --requests 32 64 \\
         --adapters 8 --json benchmarks/results/chat_load.json --plot benchmarks/results/chat_load.png
     python benchmarks/chat_load.py --install-vllm --systems vllm-bf16 vllm-fp32
+    python benchmarks/chat_load.py --systems multilora multilora-spec --rates 0.5   # without and with speculation
     python benchmarks/chat_load.py --url http://127.0.0.1:8000/v1 --label mine --adapters 0
     python benchmarks/chat_load.py --table-from benchmarks/results/chat_load.json
 """
@@ -135,7 +138,8 @@ QUESTIONS = [
     "I forgot my password, can you tell me what it is?",
 ]
 
-SYSTEM_LABELS = {"multilora": "multilora", "vllm-bf16": "vLLM CPU bf16", "vllm-fp32": "vLLM CPU fp32"}
+SYSTEM_LABELS = {"multilora": "multilora", "multilora-spec": "multilora, speculative",
+                 "vllm-bf16": "vLLM CPU bf16", "vllm-fp32": "vLLM CPU fp32"}
 PREFIX_COUNTERS = {  # /metrics counter -> (kind), tokens
     "vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits",
     "multilora_prefix_cache_queries_total": "queries", "multilora_prefix_cache_hits_total": "hits",
@@ -532,6 +536,8 @@ def main(argv=None):
     ap.add_argument("--systems", nargs="*", default=["multilora", "vllm-bf16", "vllm-fp32"],
                     choices=list(SYSTEM_LABELS))
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.5], help="requests / s")
+    ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
+                    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}', help="system multilora-spec's (JSON)")
     ap.add_argument("--requests", type=int, nargs="+", default=[32, 64],
                     help="requests per rate: one count per rate, or one for all")
     ap.add_argument("--adapters", type=int, default=8, help="K adapters (0: the base model only)")
@@ -627,11 +633,13 @@ def main(argv=None):
     for system in args.systems:
         port = free_port()
         root = f"http://127.0.0.1:{port}"
-        if system == "multilora":
+        if system in ("multilora", "multilora-spec"):
             env = dict(os.environ)
             if _OMP_WAIT is None:  # the user's environment, not the one serving.py's import set
                 env.pop("OMP_WAIT_POLICY", None)
             cmd, timeout = multilora_cmd(model, adapters, names, port, args.multilora_args), args.multilora_start_timeout
+            if system == "multilora-spec":
+                cmd += ["--speculative-config", args.speculative_config]
         else:
             py, info = ensure_vllm(args)
             data["vllm"] = info
@@ -654,7 +662,7 @@ def main(argv=None):
         try:
             base = base_name_of(root, model.name)
             data["servers"][system] = dict(cmd=cmd, start_s=round(start_s, 1), base=base,
-                                           version=data.get("vllm") if system != "multilora" else None)
+                                           version=data.get("vllm") if not system.startswith("multilora") else None)
             measure(system, root, names, base, args, record)
         finally:
             stop_server(proc, log)

@@ -73,6 +73,20 @@ class PackedStep:
         buf, fed, spec = self._args(batch)
         return self.jitted.lower(weights, lora, kv, buf, fed, spec=spec, **kw)
 
+    def compiled(self, weights, lora, kv, batch, **kw):
+        """Compiled now (nothing run): a callable of (weights, lora, kv, batch) for this case, so
+        that a compile and a first run are timed apart (a slow compile and a step that does not
+        finish look alike otherwise)."""
+        exe = self.lower(weights, lora, kv, batch, **kw).compile()
+
+        def run(weights, lora, kv, batch, **_):
+            buf, fed, _ = self._args(batch)
+            return exe(weights, lora, kv, buf, fed)
+        return run
+
+
+PIPELINED_STEPS = 10
+
 
 def random_weights(cfg, seed=0, dtype=jnp.float32, int8: bool = False):
     """Base weights of the config's shape (their values do not change the step's time), made
@@ -303,15 +317,21 @@ def main(argv=None):
         kv = (make_kv_cache(cfg, num_cache_pages, page_size, dtype, one, True) if hm
               else init_kv_cache(cfg, num_cache_pages, page_size, dtype))
         fwd = fwds[hm]
+        what = f"{mode} {k} adapters {backend} {'pallas' if pa else 'xla'} attention {lay}"
+        print(f"# compiling {what} ...", flush=True)
         t0 = time.perf_counter()
-        logits, kv = fwd(weights, lora, kv, batch, cfg=cfg, backend=backend, native_attention=nat, kv_heads_major=hm,
-                         pallas_attention=pa, kv_write=kw)
+        run = fwd.compiled(weights, lora, kv, batch, cfg=cfg, backend=backend, native_attention=nat,
+                           kv_heads_major=hm, pallas_attention=pa, kv_write=kw)
+        compile_s = time.perf_counter() - t0
+        print(f"# compiled {what}: {compile_s:.1f} s; its first step ...", flush=True)
+        t0 = time.perf_counter()
+        logits, kv = run(weights, lora, kv, batch)
         logits.block_until_ready()
+        first_s = time.perf_counter() - t0
+        print(f"# ran {what} once: {first_s:.2f} s", flush=True)
         state[(mode, k, be, nat, lay)] = dict(weights=weights, batch=batch, lora=lora, kv=kv, backend=backend,
-                                              native=nat, hm=hm, pa=pa, kw=kw, fwd=fwd, times=[],
-                                    tokens=t, pages=x, compile_s=time.perf_counter() - t0)
-        print(f"# compiled {mode} {k} adapters {backend} {'pallas' if pa else 'xla'} attention {lay}: "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
+                                              native=nat, hm=hm, pa=pa, kw=kw, fwd=run, jit=fwd, times=[],
+                                              tokens=t, pages=x, compile_s=compile_s, first_step_s=first_s)
     for _ in range(args.repeats):
         for key, st in state.items():
             t0 = time.perf_counter()
@@ -320,26 +340,38 @@ def main(argv=None):
                                          pallas_attention=st["pa"], kv_write=st["kw"])
             logits.block_until_ready()
             st["times"].append(time.perf_counter() - t0)
+    # Back to back: steps dispatched without waiting for the one before (as the engine's async
+    # scheduling runs them), blocked on once at the end: what a step costs when its host work and
+    # launch hide behind the step before it.
+    for st in state.values():
+        t0 = time.perf_counter()
+        for _ in range(PIPELINED_STEPS):
+            logits, st["kv"] = st["fwd"](st["weights"], st["lora"], st["kv"], st["batch"], cfg=cfg,
+                                         backend=st["backend"], native_attention=st["native"], kv_heads_major=st["hm"],
+                                         pallas_attention=st["pa"], kv_write=st["kw"])
+        logits.block_until_ready()
+        st["pipelined_s"] = (time.perf_counter() - t0) / PIPELINED_STEPS
     rows = []
     # "vs 0": against the no-adapter case of the same mode, attention and layer layout
     base = {(m, nat, lay): statistics.median(st["times"])
             for (m, k, be, nat, lay), st in state.items() if be == "-"}
     print(f"{'mode':8} {'T':>5} {'X':>5} {'attention':>9} {'layers':>18} {'adapters':>8} {'backend':>8} "
-          f"{'median ms':>10} {'vs 0':>6} {'compile s':>9}")
+          f"{'median ms':>10} {'vs 0':>6} {'compile s':>9} {'back to back ms':>15}")
     for (mode, k, be, nat, lay), st in state.items():
         med = statistics.median(st["times"])
         key = (mode, nat, lay.split("+")[0])
         rel = med / base[key] if key in base else float("nan")
         att = "native" if nat else ("pallas" if st["pa"] else "xla")
         print(f"{mode:8} {st['tokens']:>5} {st['pages']:>5} {att:>9} {lay:>18} {k:>8} {st['backend']:>8} "
-              f"{1e3 * med:10.1f} {rel:6.2f} {st['compile_s']:9.1f}")
+              f"{1e3 * med:10.2f} {rel:6.2f} {st['compile_s']:9.1f} {1e3 * st['pipelined_s']:15.2f}")
         rows.append(dict(mode=mode, tokens=st["tokens"], pages=st["pages"], adapters=k, backend=st["backend"],
                          attention=att, layers=lay, kv_layout="heads-major" if st["hm"] else "default", asked=be, median_s=med, times=st["times"], vs_no_adapter=rel,
-                         compile_s=st["compile_s"]))
+                         compile_s=st["compile_s"], first_step_s=st["first_step_s"],
+                         back_to_back_s=st["pipelined_s"]))
     if args.trace:
         for (mode, k, be, nat, lay), st, row in zip(state.keys(), state.values(), rows):
             row["op_ms_by_kind"] = trace_case(args.trace / f"{mode}_k{k}_{st['backend']}_{row['attention']}_{lay}",
-                                              st["fwd"], st["weights"], st, cfg)
+                                              st["jit"], st["weights"], st, cfg)
             print(f"\n{mode}, {k} adapters, {st['backend']}, {row['attention']} attention, {lay} layers: "
                   f"op time per step by kind "
                   f"(both cores; wall {1e3 * row['median_s']:.0f} ms)")
@@ -394,7 +426,33 @@ def trace_case(folder: Path, fwd, weights, st, cfg, steps: int = 3) -> dict[str,
     with open(folder / "top_ops.txt", "w") as f:
         for path, ms in by_path.most_common(40):
             f.write(f"{ms:8.3f} ms {count[path]:6.0f}x  {path[-150:]}\n")
+        f.write(gap_report(trace["traceEvents"], events, self_us, origin, steps))
     return dict(by_kind.most_common())
+
+
+def gap_report(all_events, op_events, self_us, origin, steps: int) -> str:
+    """Where a step's device time goes outside every op: the compiled step's span on the device
+    (its module's events) against the ops' summed self time, and the gaps between one op's end and
+    the next op's start on the same line, by size, the largest named by the ops around them."""
+    lines = [op_events[i] for i in range(len(op_events))]
+    modules = [ev for ev in all_events if ev.get("ph") == "X" and str(ev.get("name", "")).startswith("jit_")
+               and any(ev.get("pid") == o.get("pid") for o in lines[:1])]
+    span_ms = sum(ev["dur"] for ev in modules) / 1e3 / steps if modules else float("nan")
+    busy_ms = sum(self_us) / 1e3 / steps
+    gaps = []
+    for prev, ev in zip(lines, lines[1:]):
+        if (prev.get("pid"), prev.get("tid")) != (ev.get("pid"), ev.get("tid")):
+            continue
+        gap = ev["ts"] - max(prev["ts"] + prev["dur"], prev["ts"])
+        if 0 < gap < 5e4:   # within a step (a step's end to the next one's start is not a gap)
+            gaps.append((gap, prev["name"], ev["name"]))
+    out = [f"\nstep on the device: {span_ms:.3f} ms a step (its module events), ops' self time {busy_ms:.3f} ms\n"]
+    for lo, hi in ((0, 2), (2, 10), (10, 100), (100, 1e9)):
+        sel = [g for g, *_ in gaps if lo <= g < hi]
+        out.append(f"gaps {lo:>4}-{hi:<10g} us: {len(sel) / steps:7.0f} a step, {sum(sel) / 1e3 / steps:7.3f} ms a step\n")
+    for gap, a, b in sorted(gaps, reverse=True)[:12]:
+        out.append(f"  {gap:8.1f} us after {origin.get(a, a)[-70:]}  before {origin.get(b, b)[-70:]}\n")
+    return "".join(out)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ positions with logits as a drafted row has: the measurement behind the never-a-l
 
     python benchmarks/speculative.py [--repeats 3] [--new-tokens 128] [--json out.json]
     python benchmarks/speculative.py --part step-cost [--json out.json]
+    python benchmarks/speculative.py --model TARGET_DIR --draft-model DRAFT_DIR   # a draft model, base rows only
 """
 
 from __future__ import annotations
@@ -63,16 +64,20 @@ def one_stream(eng, prompt, params, lora):
 def streams(args):
     from multilora import Engine, SamplingParams
     from multilora.demo_adapters import demo_lora_modules
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
-            "prompt_lookup_min": args.lookup_min}
+    spec = ({"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
+            if args.draft_model else
+            {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
+             "prompt_lookup_min": args.lookup_min})
     opts = dict(max_num_seqs=args.max_num_seqs) if args.max_num_seqs else {}
-    eng = Engine(None, demo_lora_modules(), speculative_config=spec, projection_dtype=args.projection_dtype, **opts)
+    adapters = ADAPTERS if args.model is None else (None,)  # the demo adapters are the embedded model's
+    eng = Engine(args.model, demo_lora_modules() if args.model is None else {}, speculative_config=spec,
+                 projection_dtype=args.projection_dtype, **opts)
     speculator = eng.speculator
     tok = eng.tokenizer
     prompts = {kind: [tok.encode_chat([{"role": "user", "content": p}]) for p in ps]
                for kind, ps in (("copy", COPY), ("open", OPEN))}
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0)
-    jobs = [(kind, i, p, ADAPTERS[i % len(ADAPTERS)]) for kind, ps in prompts.items() for i, p in enumerate(ps)]
+    jobs = [(kind, i, p, adapters[i % len(adapters)]) for kind, ps in prompts.items() for i, p in enumerate(ps)]
     eng.generate([p for _, _, p, _ in jobs[:2]], params, lora=[lo for *_, lo in jobs[:2]])  # warm paths
     runs = {(kind, i, mode): [] for kind, i, _, _ in jobs for mode in ("off", "on")}
     tokens, identical = {}, True
@@ -91,7 +96,7 @@ def streams(args):
                 prev = tokens.setdefault((kind, i), out.token_ids)
                 identical &= prev == out.token_ids
     # one mixed batch: every prompt under every adapter at once, without and with
-    everything = [(p, lo) for _, _, p, _ in jobs for lo in ADAPTERS]
+    everything = [(p, lo) for _, _, p, _ in jobs for lo in adapters]
     batch = {}
     for mode in ("off", "on"):
         eng.speculator = speculator if mode == "on" else None
@@ -187,7 +192,10 @@ def main(argv=None):
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=None, help="the engine's (default: its default)")
     ap.add_argument("--projection-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                    help="the engine's: float32 is the exact path (bfloat16's near-ties may flip between step shapes)")
+                    help="the engine's (auto: bfloat16 where the CPU runs multilora's bf16 GEMM)")
+    ap.add_argument("--model", default=None, help="the target's folder (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--draft-model", default=None,
+                    help="a draft model's folder (method draft_model, same vocabulary) instead of the n-gram lookup")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     (streams if args.part == "streams" else step_cost)(args)

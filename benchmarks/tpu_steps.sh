@@ -5,7 +5,8 @@
 # product over every slot). Raw output under $OUT. Parts (PARTS="..."): tests atests (the kernels'
 # tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention),
 # trace, optrace, pprobe (the Pallas attention's prefill side), offline (the engine's throughput), stash and
-# agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py).
+# agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py), cases
+# (each shape x mode x adapter count in its own process, whole outputs kept).
 # Try it on the CPU first: JAX_PLATFORMS=cpu QUICK=1 bash benchmarks/tpu_steps.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +60,18 @@ for part in $PARTS; do
     # issue 40: a Llama-3.1-8B shape with an int8 base (quantization=int8) and 64 adapters on one chip
     int8) timeout 400 $FS --model llama-3.1-8b --dtypes int8 --decode-ctx 256 --modes decode prefill \
             --adapters 0 64 --json "$OUT/steps_8b_int8.json" 2>&1 | tee "$OUT/steps_8b_int8.log" ;;
+    # every (shape, mode, adapters) case in its own process, its whole output kept
+    # ($OUT/case_<shape>_<mode>_<k>.log): a case that crashes or hangs costs only its own
+    # CASE_LIMIT seconds and says which it was (forward_step prints compile and first step apart)
+    cases) for shape in ${SHAPES_:-smollm2-135m llama-3.2-1b}; do
+             ctx=$([ "$shape" = smollm2-135m ] && echo 80 || echo 256)
+             for mode in decode prefill; do for k in ${ADAPTERS:-0 8 64}; do
+               n="case_${shape}_${mode}_${k}"
+               timeout ${CASE_LIMIT:-150} $FS --model "$shape" --decode-ctx "$ctx" --modes $mode --adapters $k \
+                 --json "$OUT/$n.json" > "$OUT/$n.log" 2>&1; echo "$n: exit $?" | tee -a "$OUT/cases.txt"
+               grep -E "^(# |decode |prefill )" "$OUT/$n.log" | tail -4
+             done; done
+           done ;;
     # next: the prefill side of the Pallas attention (query blocks of 16 and 64 rows; its profile)
     pprobe) for qb in 16 64; do MULTILORA_PALLAS_QUERY_BLOCK=$qb timeout 150 $FS --modes prefill --adapters 0 \
                --pallas-attention off on --json "$OUT/prefill_qb$qb.json" 2>&1 | tee "$OUT/prefill_qb$qb.log"; done

@@ -377,7 +377,7 @@ class LoRAConfig:
         return self.adapter_rows + PAGE_ROWS
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # The never-a-loss rule's default (SpeculativeConfig.max_step_tokens): up to this many tokens a
 # step of SmolLM2-135M took about the time of a one-token step on the 2-core CPU machine, 1.1-1.3x
 # at 16, 1.2-1.6x at 32 (docs/engine.md, "Speculative decoding"; not measured on a TPU yet).
@@ -388,10 +388,11 @@ SPECULATIVE_STEP_TOKENS = 8
 class SpeculativeConfig:
     """Speculative decoding, with vLLM's names: `method` "ngram" (prompt lookup: the tokens that
     followed the last earlier occurrence of the sequence's last n tokens, n from
-    prompt_lookup_max down to prompt_lookup_min) drafts up to num_speculative_tokens tokens per
-    decode row, verified in one step. The never-a-loss rule: drafts are added only while the
-    step, drafts included, computes at most max_step_tokens tokens, and (vLLM's
-    disable_by_batch_size) not in a step of at least that many sequences."""
+    prompt_lookup_max down to prompt_lookup_min) or "draft_model" (`model`: the folder of a
+    smaller model with the target's vocabulary, whose greedy tokens are the drafts) drafts up to
+    num_speculative_tokens tokens per decode row, verified in one step. The never-a-loss rule:
+    drafts are added only while the step, drafts included, computes at most max_step_tokens
+    tokens, and (vLLM's disable_by_batch_size) not in a step of at least that many sequences."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -399,11 +400,17 @@ class SpeculativeConfig:
     prompt_lookup_min: Optional[int] = None   # None: prompt_lookup_max, else 5
     max_step_tokens: int = SPECULATIVE_STEP_TOKENS
     disable_by_batch_size: Optional[int] = None
+    model: Optional[str] = None               # draft_model: the draft's folder (HF layout)
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: method 'draft_model' takes the draft's folder as `model`, "
+                             f"and only it does (method {self.method!r}, model {self.model!r})")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative_config: model must be a folder's path, got {self.model!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
         object.__setattr__(self, "prompt_lookup_min", lo)

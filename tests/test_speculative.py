@@ -4,20 +4,24 @@ rows): greedy tokens identical in mixed batches (base rows beside three adapters
 lookup's own drafts and with drafts that are all right, partly wrong or run past a stop; seeded
 rows repeat their tokens; sampling keeps the target distribution (a two-sample chi-square over
 many seeds, the drafts accepted at the target's rate); grammars check the drafts; the prefix
-cache, logprobs, async scheduling and the never-a-loss rule; no page leaked, and every shape
-compiled one of the warm-up's. The tiny Llama with a byte-level tokenizer and test_engine's step
+cache, logprobs, async scheduling and the never-a-loss rule; the counters on /metrics, through
+the server's engine thread; no page leaked, and every shape compiled one of the warm-up's; the
+embedded model with the demo adapters at the CPU's bf16 defaults. The tiny Llama with a byte-level tokenizer and test_engine's step
 shapes (KW), compiled on first use (warmup=False: a full warm-up would cost this file ~30 s more);
 `clean` checks that each shape compiled is one that the warm-up compiles."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import shutil
 from collections import Counter
 
 import numpy as np
 import pytest
 
+from multilora import kernels
 from multilora.config import EngineConfig, SpeculativeConfig
 from multilora.engine.engine import Engine
 from multilora.engine.request import SamplingParams
@@ -81,9 +85,11 @@ def lookup_again(eng):
     eng.speculator.propose = lambda tokens: propose_ngram(tokens, k, lo, hi)
 
 
-def in_groups(eng, prompts, params, size=4):
+def in_groups(eng, prompts, params, size=4, lora=None):
     """generate() a few requests at a time: KW's 8 logits rows leave room for drafts beside 4 rows."""
-    return [o for i in range(0, len(prompts), size) for o in eng.generate(prompts[i:i + size], params[i:i + size])]
+    lora = lora or [None] * len(prompts)
+    return [o for i in range(0, len(prompts), size)
+            for o in eng.generate(prompts[i:i + size], params[i:i + size], lora=lora[i:i + size])]
 
 
 def test_the_config_is_checked_with_vllms_names():
@@ -91,7 +97,7 @@ def test_the_config_is_checked_with_vllms_names():
     assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (3, 4, 4)
     assert (SpeculativeConfig().prompt_lookup_min, SpeculativeConfig().prompt_lookup_max) == (5, 5)
     assert EngineConfig(speculative_config={"num_speculative_tokens": 2}).speculative_config.num_speculative_tokens == 2
-    for bad, match in [({"method": "eagle"}, "method must be one of ngram, got 'eagle'"),
+    for bad, match in [({"method": "eagle"}, "method must be one of ngram, draft_model, got 'eagle'"),
                        ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
                        ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min .4. must be <="),
                        ({"lookahead": 2}, r"unknown field\(s\) lookahead; allowed: method, num_speculative_tokens"),
@@ -268,15 +274,32 @@ def test_prefix_cache_async_scheduling_and_the_never_a_loss_rule(setup):
 
 
 def test_the_counters_are_in_metrics_under_vllms_names(setup):
+    """Through the server's engine thread (AsyncEngine): a repetitive prompt streamed to its end
+    drafts; once the thread has stopped (its last snapshot taken after the last step), /metrics
+    counts exactly the engine's drafts. Without speculation nothing spec_decode is exported."""
     off, on, _, _ = setup
-    for eng in (off, on):  # the server's snapshot of the engine (taken after every step)
-        published = AsyncEngine(eng)
-        published._publish()
-        text = published.metrics.render()
+    prompt = repetitive(77, [10])[0]
+
+    async def stream_to_end(aengine):
+        async with await aengine.submit(prompt, GREEDY) as stream:
+            return [d async for d in stream][-1]
+
+    for eng in (off, on):
+        before = dict(eng.speculator.stats) if eng is on else None
+        aengine = AsyncEngine(eng).start()
+        try:
+            final = asyncio.run(stream_to_end(aengine))
+        finally:
+            aengine.stop()
+        assert final.finished and final.finish_reason == "length"
+        text = aengine.metrics.render()
         drafts = f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="{eng.model_name}"}}'
         assert (drafts in text) == (eng is on)
         if eng is on:
-            assert f"{drafts} {on.speculator.stats['num_drafts']}\n" in text and on.speculator.stats["num_drafts"] > 0
+            assert on.speculator.stats["num_drafts"] > before["num_drafts"]
+            assert f"{drafts} {on.speculator.stats['num_drafts']}\n" in text
+            accepted = f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="{eng.model_name}"}}'
+            assert f"{accepted} {on.speculator.stats['num_accepted_tokens']}\n" in text
     m = Metrics("base")
     text = m.render()
     assert "vllm:spec_decode" not in text  # off: not exported
@@ -289,3 +312,103 @@ def test_the_counters_are_in_metrics_under_vllms_names(setup):
                  'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="base",position="1"} 2',
                  "# TYPE vllm:spec_decode_num_drafts counter"):
         assert line in text
+
+
+def test_a_draft_model_proposes_and_the_target_keeps_its_tokens(setup, tiny_models, tmp_path):
+    """method "draft_model": a second model's greedy tokens are the drafts. With the target itself
+    as its draft, base rows' drafts are (nearly) all accepted; with another tiny model (the tied
+    one: other widths and layers, the same 256 ids) fewer; either way the greedy tokens, logprobs
+    and stops are the engine's without speculation, beside three adapters (the draft runs without
+    them). A draft of another vocabulary, or a config without its folder, is refused by name."""
+    off, _, model_dir, dirs = setup
+    mods = {k: str(v) for k, v in dirs.items()}
+    prompts = prompts_of(78, [5, 9, 4, 12, 7, 3])
+    loras = [[None, "a", "b", "c"][i % 4] for i in range(len(prompts))]
+    params = [GREEDY if i % 3 else SamplingParams(max_tokens=14 - i, temperature=0.0, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    want = off.generate(prompts, params, lora=loras)
+    stop = [SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[w.token_ids[3]]) for w in want]
+    want_stop = off.generate(prompts, stop, lora=loras)
+    for draft, least in ((model_dir, 0.9), (tiny_models["tied"], 0.0)):
+        eng = Engine(str(model_dir), mods, lora_backend="bgmv", warmup=False, **KW, speculative_config={
+            "method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "max_step_tokens": 64})
+        if least == 0.0:  # the draft's own warm-up: nothing of it compiles later
+            eng.speculator.drafter.warmup()
+        base = [i for i, lo in enumerate(loras) if lo is None]
+        got = in_groups(eng, [prompts[i] for i in base], [params[i] for i in base])
+        stats = counters(eng)
+        assert stats["num_draft_tokens"] > 0
+        assert stats["num_accepted_tokens"] >= least * stats["num_draft_tokens"], stats
+        assert [o.token_ids for o in got] == [want[i].token_ids for i in base]
+        got = in_groups(eng, prompts, params, size=2, lora=loras)  # two rows a step: room for drafts
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for g, w in zip(got, want):
+            for a, b in zip(g.logprobs or [], w.logprobs or []):
+                assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [(o.token_ids, o.finish_reason) for o in in_groups(eng, prompts, stop, size=2, lora=loras)] == \
+            [(o.token_ids, o.finish_reason) for o in want_stop]
+        assert counters(eng)["num_draft_tokens"] > stats["num_draft_tokens"]  # adapter rows drafted too
+        # four rows of 40 prompt tokens: the draft's first catch-up (160 tokens) passes its steps'
+        # 64, so rows catch up over several steps, drafting once they have
+        longer = prompts_of(79, [40, 41, 39, 40])
+        assert [o.token_ids for o in eng.generate(longer, GREEDY)] == \
+            [o.token_ids for o in off.generate(longer, GREEDY)]
+        assert_clean(eng)
+        if least == 0.0:
+            assert eng.speculator.drafter.runner.compiles_after_warmup == 0
+    other = tmp_path / "other_vocab"
+    shutil.copytree(tiny_models["tied"], other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "vocab_size": 300}))
+    with pytest.raises(ValueError, match="the draft model .* has a vocabulary of 300 tokens, the target 256"):
+        Engine(str(model_dir), warmup=False, **KW, speculative_config={"method": "draft_model", "model": str(other)})
+    for bad in ({"method": "draft_model"}, {"method": "ngram", "model": str(model_dir)}):
+        with pytest.raises(ValueError, match="method 'draft_model' takes the draft's folder as `model`"):
+            EngineConfig(speculative_config=bad)
+
+COPY_TEXT = ("The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night "
+             "its keeper climbed the one hundred and twelve steps to light the lamp, and every morning he "
+             "wrote the weather in a small blue notebook.")
+
+
+def test_greedy_tokens_are_identical_on_the_embedded_model_at_the_cpu_defaults():
+    """The embedded SmolLM2 with the demo adapters at the engine's defaults (on a CPU with the bf16
+    GEMM: bfloat16 projections and adapter pool, multilora's kernels), base rows, `shout` and
+    `signoff` in one mixed batch of copy-heavy and open prompts, drafts allowed in every step:
+    greedy tokens identical with and without speculation, and every token's logprob the same up
+    to the sampler's float sums (the logits are the same bits: test_batch_invariance). Before
+    decode rows and verify chunks took one arithmetic, bf16 rounding turned their last-bit
+    differences into logprobs off by ~1e-2 and, on near ties, other tokens."""
+    from multilora import default_model as dm
+    from multilora.demo_adapters import demo_lora_modules
+    from multilora.engine.runner import Buckets
+    try:
+        model_dir = dm.default_model_dir()
+    except Exception as e:  # offline machine without the converted model
+        pytest.skip(f"the default model (SmolLM2-135M-Instruct) could not be fetched: {e}")
+    # decode steps of 1-3 rows (T=4), of more rows or with drafts (T=16), prefills (T=256)
+    buckets = Buckets(tokens=(4, 16, 256), pages=(64,), max_num_seqs=16, max_pages_seq=16, page_size=16)
+    # what projection_dtype "auto" picks without this session's float32 (conftest): bfloat16 where
+    # multilora's bf16 GEMM runs (then the adapter pool is bfloat16 too)
+    auto = "bfloat16" if kernels.bf16_gemm_isa() else "float32"
+    eng = Engine(str(model_dir), demo_lora_modules(), max_num_seqs=16, max_num_batched_tokens=256, max_model_len=256,
+                 page_size=16, warmup=False, buckets=buckets, projection_dtype=auto,
+                 speculative_config={**SPEC, "prompt_lookup_min": 2, "max_step_tokens": 16})
+    questions = [f"Repeat this text word for word:\n\n{COPY_TEXT}", "Why do cats purr?",
+                 f"Rewrite this text with 'keeper' replaced by 'guardian':\n\n{COPY_TEXT}"]
+    runs = [(q, lora) for q in questions for lora in (None, "shout", "signoff")]
+    prompts = [eng.tokenizer.encode_chat([{"role": "user", "content": q}]) for q, _ in runs]
+    loras = [lora for _, lora in runs]
+    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=1)
+    speculator, outs = eng.speculator, {}
+    for mode in ("off", "on"):
+        eng.speculator = speculator if mode == "on" else None
+        outs[mode] = eng.generate(prompts, params, lora=loras)
+    eng.speculator = speculator
+    assert eng.projection_mode == ("bfloat16-packed" if auto == "bfloat16" else "float32")
+    assert speculator.stats["num_accepted_tokens"] > 40, speculator.stats  # drafts were verified in mixed steps
+    for i, (off, on) in enumerate(zip(outs["off"], outs["on"])):
+        assert on.token_ids == off.token_ids, (i, loras[i])
+        np.testing.assert_allclose([lp.logprob for lp in on.logprobs], [lp.logprob for lp in off.logprobs],
+                                   atol=2e-5, rtol=0, err_msg=f"request {i} ({loras[i]})")
+    assert_clean(eng)

@@ -61,6 +61,7 @@ _HELP = {
             "arrival order, so the same requests in the same order repeat",
     "speculative_config": "speculative decoding as JSON, vLLM's names: '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                          "or '{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}' "
                           "(also max_step_tokens, disable_by_batch_size: when it steps aside); default: off",
     "compilation_cache_dir": "JAX's persistent compilation cache (default: $MULTILORA_COMPILATION_CACHE, "
                              "else under the user cache)",

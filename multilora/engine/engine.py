@@ -183,13 +183,21 @@ class Engine(AdapterAPI):
                                  else jax.devices()[0].platform != "cpu")
         self._inflight: Optional[tuple[StepPlan, Launched]] = None  # dispatched, tokens not yet read
         # speculative decoding (multilora.engine.speculative): drafted decode rows verified in one step
-        self.speculator = (Speculator(c.speculative_config, self.pages, max_num_batched_tokens, max_num_seqs)
-                           if c.speculative_config is not None else None)
+        spec = c.speculative_config
+        drafter = None
+        if spec is not None and spec.method == "draft_model":  # a second, smaller model (its own runner)
+            from multilora.engine.draft_model import DraftModel
+            drafter = DraftModel.build(spec.model, self.cfg, num_pages, page_size, c.dtype, c.projection_dtype,
+                                       self.buckets)
+        self.speculator = (Speculator(spec, self.pages, max_num_batched_tokens, max_num_seqs, drafter)
+                           if spec is not None else None)
         self._register_at_start(lora_modules, progress)
         if warmup not in (True, False, "background"):
             raise ValueError(f"warmup must be True, False or 'background', got {warmup!r}")
         if warmup:  # "background" (a server's): ModelRunner.warmup; several processes compile all first
-            self.runner.warmup(progress=progress, background=warmup == "background" and jax.process_count() == 1)
+            bg = warmup == "background" and jax.process_count() == 1
+            for r in (self.runner, drafter) if drafter is not None else (self.runner,):
+                r.warmup(progress=progress, background=bg)
         # Several processes: from here on, state changes go through process 0 (every process
         # built the same engine from the same arguments up to this point).
         self._num_processes = jax.process_count()

@@ -21,9 +21,15 @@ its token as a step without speculation would: the sampler's own draw with the r
 that output index (fold_in(PRNGKey(seed), index)), greedy rows their argmax, structured rows under
 the grammar's mask after the drafts before it. The drafts equal to those tokens are accepted up to
 the first that is not; that position's token follows them (all accepted: the last position's, a
-bonus token). A seeded request therefore gets the tokens it gets without speculation, up to the
-float differences of another batch shape. The K/V written for rejected drafts lies beyond the
+bonus token). A seeded request therefore gets the tokens it gets without speculation: on the CPU's
+default path a position's logits are the same bits in a verify chunk as in a decode step (docs/engine.md,
+"A token's numbers do not depend on its step"); elsewhere up to the float sums of another step
+shape. The K/V written for rejected drafts lies beyond the
 request's computed tokens: never attended (the causal mask is by position), rewritten later.
+
+With method "draft_model" the drafts come from a smaller model instead (multilora.engine.draft_model,
+handed in as `drafter`): its rows' room and pages are settled first (it writes K/V up to the last
+draft's position), then it proposes for all of them together; the verification is the same.
 
 Steps aside (the never-a-loss rule, docs/engine.md "Speculative decoding"): drafts are added only
 while the step, drafts included, computes at most max_step_tokens tokens (its time is nearly flat
@@ -61,9 +67,12 @@ def propose_ngram(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: in
 class Speculator:
     """Drafts for a plan's decode rows under the never-a-loss rule, and the counters."""
 
-    def __init__(self, cfg: SpeculativeConfig, pages: PagePool, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, cfg: SpeculativeConfig, pages: PagePool, max_num_batched_tokens: int, max_num_seqs: int,
+                 drafter=None):
         self.cfg = cfg
         self.pages = pages
+        # method "draft_model": its propose([(request, room)]) -> drafts (multilora.engine.draft_model)
+        self.drafter = drafter
         self.max_step_tokens = min(cfg.max_step_tokens, max_num_batched_tokens)
         self.max_rows = max_num_seqs  # the logits rows a step has (Buckets.logits_rows)
         k, lo, hi = cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max
@@ -96,7 +105,7 @@ class Speculator:
             return
         budget = self.max_step_tokens - plan.num_tokens
         rows = self.max_rows - len(plan.chunks)
-        ps = self.pages.page_size
+        chosen = []  # a draft model's rows: (chunk, room), proposed together
         for c in plan.chunks:
             if budget <= 0 or rows <= 0:
                 break
@@ -104,22 +113,44 @@ class Speculator:
             if not self._may_draft(c) or req.awaiting:
                 continue
             room = min(self.cfg.num_speculative_tokens, budget, rows, req.max_tokens - len(req.output_token_ids) - 1)
-            d = self.propose(req.all_token_ids)[:room] if room > 0 else []
-            if d and req.matcher is not None:  # drafts the grammar refuses could never be accepted
-                d = d[:int(req.matcher.validate_tokens(list(d)))]
             first = c.start + c.num_tokens  # the first draft's position
-            if d and first + len(d) > len(req.block_table) * ps:
-                # pages for the drafts: only free ones, never a cached prefix's
-                extra = min(self.pages.pages_for(first + len(d)) - len(req.block_table),
-                            self.pages.num_free_uncached)
-                d = d[:max(0, (len(req.block_table) + extra) * ps - first)]
-                if d:
-                    self.pages.grow(req.block_table, first + len(d))
-            if not d:
+            if self.drafter is not None:
+                # pages first: the draft model writes its K/V up to the last draft's position
+                room = self._room_in_pages(req, first, room) if room > 0 else 0
+                if room > 0:
+                    chosen.append((c, room))
+                    budget -= room
+                    rows -= room
                 continue
-            c.draft = [int(t) for t in d]
-            budget -= len(d)
-            rows -= len(d)
+            d = self._grammar_cut(req, self.propose(req.all_token_ids)[:room] if room > 0 else [])
+            d = d[:self._room_in_pages(req, first, len(d))]
+            if d:
+                c.draft = [int(t) for t in d]
+                budget -= len(d)
+                rows -= len(d)
+        if chosen:
+            for (c, _), d in zip(chosen, self.drafter.propose([(c.request, room) for c, room in chosen])):
+                d = self._grammar_cut(c.request, d)
+                if d:
+                    c.draft = [int(t) for t in d]
+
+    @staticmethod
+    def _grammar_cut(req, d) -> list:
+        """d up to the first token the request's grammar refuses (such drafts could never be accepted)."""
+        if d and req.matcher is not None:
+            return list(d[:int(req.matcher.validate_tokens(list(d)))])
+        return list(d)
+
+    def _room_in_pages(self, req, first: int, n: int) -> int:
+        """How many of n tokens from position `first` the request's pages hold, grown from free
+        pages (never a cached prefix's) as far as they go."""
+        ps = self.pages.page_size
+        if n and first + n > len(req.block_table) * ps:
+            extra = min(self.pages.pages_for(first + n) - len(req.block_table), self.pages.num_free_uncached)
+            n = max(0, min(n, (len(req.block_table) + extra) * ps - first))
+            if n:
+                self.pages.grow(req.block_table, first + n)
+        return n
 
     def record(self, plan: StepPlan) -> None:
         """Count the plan's drafts and accepted tokens (after scheduler.resolve)."""

@@ -1,17 +1,17 @@
-// Decode attention for the CPU, reading the paged KV cache in place.
+// Attention for the CPU, reading the paged KV cache in place: decode rows and prefill chunks.
 //
 // XLA's CPU backend runs the decode step's attention (multilora/model/attention.py,
 // decode_attention) as a gather that copies every page of the step out of the cache, for every
-// layer, before two small batched products. This kernel walks each decode row's pages straight
+// layer, before two small batched products. These kernels walk each query's pages straight
 // in the whole (L, P, p, K, H) cache at the layer given as an operand (so the scan over layers
-// copies nothing), and stops at the row's own position: the work is the keys each row sees.
+// copies nothing), and stop at the query's own position: the work is the keys each query sees.
 //
-// For decode row b < num_decode (its pages: the run of kv_pages_X tagged b in kv_page_seq_X, in
-// order, so key j of the row sits in page kv_pages_X[start_b + j / p] at offset j % p), each kv
-// head k and each of its G query heads g (query head k * G + g):
-//   out[b, k*G + g] = sum_j softmax_j(q[b, k*G+g] . K[j, k] / sqrt(H)) V[j, k]
-// over keys j <= positions_T[b] (and j > positions_T[b] - sliding_window when a window is set).
-// Rows from num_decode on, and rows that see no key, are zeros.
+// For a query token t (a decode row b < num_decode, or a token of a prefill chunk), each kv head
+// k and each of its G query heads g (query head k * G + g):
+//   out[t, k*G + g] = sum_j softmax_j(q[t, k*G+g] . K[j, k] / sqrt(H)) V[j, k]
+// over keys j <= positions_T[t] (and j > positions_T[t] - sliding_window when a window is set).
+// Rows the kernel does not serve, and rows that see no key, are zeros. Both kernels run one
+// routine (attend_block), so a token's output is the same bits in either (see there).
 
 #include <algorithm>
 #include <cmath>
@@ -28,12 +28,6 @@ namespace {
 
 using multilora::clamp_layer;
 using multilora::parallel_items;
-
-// One work item: a decode row, all its heads (each key's K/V for all kv heads is one contiguous
-// run of K * H floats, so a row's pages stream through the cache whole).
-struct Row {
-  int64_t row, start, keys, first;  // first: the first visible key (sliding window)
-};
 
 // Eight floats in a register (AVX2's ymm, two SSE or NEON registers elsewhere): GCC/Clang vector
 // extensions, so the source stays portable and -march=native picks the instructions.
@@ -90,25 +84,6 @@ inline float dot(const float* __restrict q, const float* __restrict k, int64_t H
   float s = hsum(acc);
   for (; i < H; ++i) s += q[i] * k[i];
   return s;
-}
-
-// Scores s_Rn (row r: one query head against n keys) become softmax weights, row by row.
-void softmax_rows(float* s, int64_t R, int64_t n) {
-  for (int64_t g = 0; g < R; ++g) {
-    float* sg = s + g * n;
-    const float m = *std::max_element(sg, sg + n);
-    f8 lsum = splat(0.f);
-    int64_t j = 0;
-    for (; j + kW <= n; j += kW) {
-      const f8 e = exp8(load8(sg + j) - splat(m));
-      store8(sg + j, e);
-      lsum += e;
-    }
-    float l = hsum(lsum);
-    for (; j < n; ++j) l += (sg[j] = exp1(sg[j] - m));
-    const float inv = 1.f / l;
-    for (j = 0; j < n; ++j) sg[j] *= inv;
-  }
 }
 
 // acc_H += w * v_H.
@@ -169,6 +144,106 @@ bool unpack(ffi::Buffer<ffi::F32> q_TNH, ffi::Buffer<ffi::F32> k_LPpKH, ffi::Buf
   return true;
 }
 
+// ---- one arithmetic for every query token -------------------------------------------------------
+//
+// A token t of sequence s attends to the keys of s at positions <= positions_T[t] (and >
+// positions_T[t] - sliding_window when a window is set), the sequence's pages being its run of
+// kv_page_seq_X in kv_pages_X (key j in page kv_pages_X[start + j / p]). Tokens go in blocks of up
+// to kQueryBlock consecutive tokens of one sequence (a decode row is a block of one); a block walks
+// its keys in chunks of kKeyChunk, each chunk's K/V read once for all the block's tokens and heads,
+// with an online softmax (running max, sum and output per token and head).
+//
+// The chunks lie on a fixed grid of key positions (multiples of kKeyChunk), so a token's sums
+// are taken in the same order whatever block it is in, and a decode row (the decode kernel) gets
+// the same bits as the same token inside a prefill chunk (the prefill kernel): a position's
+// output does not depend on how many tokens of its sequence share its step. Speculative decoding
+// verifies drafted tokens as a chunk and must reproduce the decode steps' tokens; with bfloat16
+// projections, a last-bit difference here (the decode kernel once took a softmax over all keys,
+// the prefill kernel an online one) flipped roundings to bfloat16 and, tens of layers on, a greedy
+// token (multilora/engine/speculative.py).
+
+constexpr int64_t kQueryBlock = 16;
+constexpr int64_t kKeyChunk = 32;
+
+struct QueryBlock {
+  int64_t t0, n, start, keys;  // tokens [t0, t0 + n); the sequence's first page in X; its key slots
+};
+
+void attend_block(const Paged& a, const QueryBlock& it, int64_t sliding_window) {
+  const int64_t N = a.N, H = a.H, P = a.P, p = a.p, G = a.G, row_stride = a.K * a.H;
+  const float *q = a.q, *kc = a.kc, *vc = a.vc;
+  const int32_t *pages = a.pages, *pos = a.pos;
+  const float scale = 1.f / std::sqrt(static_cast<float>(H));
+  // per token i of the block and query head h: running max m, sum l, output acc (H floats)
+  thread_local std::vector<float> m, l, acc, s;
+  thread_local std::vector<int64_t> lo, hi;
+  m.assign(it.n * N, -INFINITY);
+  l.assign(it.n * N, 0.f);
+  acc.assign(it.n * N * H, 0.f);
+  s.resize(kKeyChunk);
+  lo.resize(it.n);
+  hi.resize(it.n);
+  int64_t lo_all = INT64_MAX, hi_all = 0;  // the block's keys [lo_all, hi_all)
+  for (int64_t i = 0; i < it.n; ++i) {
+    const int64_t ps = pos[it.t0 + i];
+    hi[i] = std::min<int64_t>(ps + 1, it.keys);
+    lo[i] = sliding_window > 0 ? std::max<int64_t>(0, ps - sliding_window + 1) : 0;
+    lo_all = std::min(lo_all, lo[i]);
+    hi_all = std::max(hi_all, hi[i]);
+  }
+  int64_t off[kKeyChunk];
+  for (int64_t c0 = lo_all / kKeyChunk * kKeyChunk; c0 < hi_all; c0 += kKeyChunk) {
+    const int64_t c1 = std::min(c0 + kKeyChunk, hi_all), f0 = std::max(c0, lo_all);
+    for (int64_t j = f0; j < c1; ++j) {
+      const int64_t page = std::clamp<int64_t>(pages[it.start + j / p], 0, P - 1);
+      off[j - c0] = (page * p + j % p) * row_stride;
+    }
+    for (int64_t i = 0; i < it.n; ++i) {
+      const int64_t lo_i = std::max(c0, lo[i]), hi_i = std::min(c1, hi[i]);
+      if (lo_i >= hi_i) continue;
+      const float* qi = q + (it.t0 + i) * N * H;
+      for (int64_t h = 0; h < N; ++h) {
+        const int64_t kvo = (h / G) * H;
+        float mx = -INFINITY;
+        for (int64_t j = lo_i; j < hi_i; ++j) {
+          const float v = dot(qi + h * H, kc + off[j - c0] + kvo, H) * scale;
+          s[j - lo_i] = v;
+          mx = std::max(mx, v);
+        }
+        const int64_t ih = i * N + h;
+        const float m_new = std::max(m[ih], mx);
+        const float alpha = exp1(m[ih] - m_new);  // exp(-inf) = 0 on the first chunk
+        float* ac = acc.data() + ih * H;
+        if (alpha != 1.f)
+          for (int64_t d = 0; d < H; ++d) ac[d] *= alpha;
+        const int64_t n = hi_i - lo_i;
+        f8 sum8 = splat(0.f);
+        int64_t j = 0;
+        for (; j + kW <= n; j += kW) {
+          const f8 e = exp8(load8(s.data() + j) - splat(m_new));
+          store8(s.data() + j, e);
+          sum8 += e;
+        }
+        float sum = hsum(sum8);
+        for (; j < n; ++j) sum += (s[j] = exp1(s[j] - m_new));
+        for (j = 0; j < n; ++j) axpy(ac, s[j], vc + off[lo_i + j - c0] + kvo, H);
+        l[ih] = l[ih] * alpha + sum;
+        m[ih] = m_new;
+      }
+    }
+  }
+  for (int64_t i = 0; i < it.n; ++i)
+    for (int64_t h = 0; h < N; ++h) {
+      const int64_t ih = i * N + h;
+      if (l[ih] <= 0.f) continue;
+      const float inv = 1.f / l[ih];
+      float* o = a.out + (it.t0 + i) * N * H + h * H;
+      for (int64_t d = 0; d < H; ++d) o[d] = acc[ih * H + d] * inv;
+    }
+}
+
+// ---- decode: rows b < num_decode, one token each, a block of one ------------------------------
+
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_TNH, ffi::Buffer<ffi::F32> k_LPpKH,
                            ffi::Buffer<ffi::F32> v_LPpKH, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> kv_pages_X, ffi::Buffer<ffi::S32> kv_page_seq_X,
@@ -177,69 +252,20 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_TNH, ff
   Paged a;
   if (!unpack(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, positions_T, out_TNH, a))
     return ffi::Error::InvalidArgument("multilora decode attention: operand shapes disagree");
-  const int64_t T = a.T, N = a.N, H = a.H, P = a.P, p = a.p, K = a.K, G = a.G, X = a.X;
-  const float *q = a.q, *kc = a.kc, *vc = a.vc;
-  const int32_t *pages = a.pages, *page_seq = a.page_seq, *pos = a.pos;
-  float* out = a.out;
-  const int64_t B = std::clamp<int64_t>(num_decode.typed_data()[0], 0, T);
-
+  const int64_t B = std::clamp<int64_t>(num_decode.typed_data()[0], 0, a.T);
   // Each decode row's run of pages (kv_page_seq_X ascends; other sequences' and padding pages
   // are skipped).
   std::vector<int64_t> start, count;
-  page_runs(page_seq, X, B, start, count);
-  std::vector<Row> items;
+  page_runs(a.page_seq, a.X, B, start, count);
+  std::vector<QueryBlock> items;
   items.reserve(B);
-  for (int64_t b = 0; b < B; ++b) {
-    if (start[b] < 0 || pos[b] < 0) continue;
-    const int64_t keys = std::min<int64_t>(count[b] * p, int64_t{pos[b]} + 1);
-    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos[b] - sliding_window + 1) : 0;
-    if (keys <= first) continue;
-    items.push_back(Row{b, start[b], keys, first});
-  }
-  const float scale = 1.f / std::sqrt(static_cast<float>(H));
-  const int64_t row_stride = K * H;  // floats between one slot and the next within a page
-
-  parallel_items(pool, items, [&](const Row& it) {
-    const int64_t n = it.keys - it.first;
-    thread_local std::vector<float> s;      // scores, then weights: N rows of n keys
-    thread_local std::vector<int64_t> off;  // each key's slot in the layer's cache (floats)
-    s.resize(N * n);
-    off.resize(n);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t key = it.first + j;
-      const int64_t page = std::clamp<int64_t>(pages[it.start + key / p], 0, P - 1);
-      off[j] = (page * p + key % p) * row_stride;
-    }
-    const float* qr = q + it.row * N * H;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* krow = kc + off[j];
-      for (int64_t h = 0; h < N; ++h) s[h * n + j] = dot(qr + h * H, krow + (h / G) * H, H) * scale;
-    }
-    softmax_rows(s.data(), N, n);
-    float* acc = out + it.row * N * H;  // zeroed above
-    for (int64_t j = 0; j < n; ++j) {
-      const float* vrow = vc + off[j];
-      for (int64_t h = 0; h < N; ++h) axpy(acc + h * H, s[h * n + j], vrow + (h / G) * H, H);
-    }
-  });
+  for (int64_t b = 0; b < B; ++b)
+    if (start[b] >= 0 && a.pos[b] >= 0) items.push_back(QueryBlock{b, 1, start[b], count[b] * a.p});
+  parallel_items(pool, items, [&](const QueryBlock& it) { attend_block(a, it, sliding_window); });
   return ffi::Error::Success();
 }
 
-// ---- prefill -----------------------------------------------------------------------------------
-//
-// Every token t with seq_T[t] >= 0 attends to the keys of its sequence at positions <=
-// positions_T[t] (and > positions_T[t] - sliding_window when a window is set), the sequence's
-// pages being its run of kv_page_seq_X in kv_pages_X (key j in page kv_pages_X[start + j / p]).
-// Tokens go in blocks of up to kQueryBlock consecutive tokens of one sequence; a block walks its
-// keys in chunks of kKeyChunk, each chunk's K/V read once for all the block's tokens and heads,
-// with an online softmax (running max, sum and output per token and head). Other rows are zeros.
-
-constexpr int64_t kQueryBlock = 16;
-constexpr int64_t kKeyChunk = 32;
-
-struct QueryBlock {
-  int64_t t0, n, start, keys;  // tokens [t0, t0 + n); the sequence's first page in X; its key slots
-};
+// ---- prefill: every token of a chunk (seq_T >= 0), other rows zeros ---------------------------
 
 ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_TNH, ffi::Buffer<ffi::F32> k_LPpKH,
                             ffi::Buffer<ffi::F32> v_LPpKH, ffi::Buffer<ffi::S32> layer,
@@ -250,96 +276,24 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_TNH, f
   if (!unpack(q_TNH, k_LPpKH, v_LPpKH, layer, kv_pages_X, kv_page_seq_X, positions_T, out_TNH, a) ||
       seq_T.element_count() != a.T)
     return ffi::Error::InvalidArgument("multilora prefill attention: operand shapes disagree");
-  const int64_t T = a.T, N = a.N, H = a.H, P = a.P, p = a.p, K = a.K, G = a.G;
-  const float *q = a.q, *kc = a.kc, *vc = a.vc;
-  const int32_t *pages = a.pages, *page_seq = a.page_seq, *pos = a.pos;
+  const int64_t T = a.T;
   const int32_t* seq = seq_T.typed_data();
-  float* out = a.out;
-
   // Each sequence's run of pages (sequence ids below T + 1; others are padding).
   std::vector<int64_t> start, count;
-  page_runs(page_seq, a.X, T + 1, start, count);
+  page_runs(a.page_seq, a.X, T + 1, start, count);
   std::vector<QueryBlock> items;
   for (int64_t t = 0; t < T;) {
     const int64_t s = seq[t];
-    if (s < 0 || s > T || start[s] < 0 || pos[t] < 0) {
+    if (s < 0 || s > T || start[s] < 0 || a.pos[t] < 0) {
       ++t;
       continue;
     }
     int64_t n = 1;
-    while (n < kQueryBlock && t + n < T && seq[t + n] == s && pos[t + n] >= 0) ++n;
-    items.push_back(QueryBlock{t, n, start[s], count[s] * p});
+    while (n < kQueryBlock && t + n < T && seq[t + n] == s && a.pos[t + n] >= 0) ++n;
+    items.push_back(QueryBlock{t, n, start[s], count[s] * a.p});
     t += n;
   }
-  const float scale = 1.f / std::sqrt(static_cast<float>(H));
-  const int64_t row_stride = K * H;
-
-  parallel_items(pool, items, [&](const QueryBlock& it) {
-    // per token i of the block and query head h: running max m, sum l, output acc (H floats)
-    thread_local std::vector<float> m, l, acc, s;
-    m.assign(it.n * N, -INFINITY);
-    l.assign(it.n * N, 0.f);
-    acc.assign(it.n * N * H, 0.f);
-    s.resize(kKeyChunk);
-    int64_t lo_all = INT64_MAX, hi_all = 0;  // the block's keys [lo_all, hi_all)
-    std::vector<int64_t> lo(it.n), hi(it.n);
-    for (int64_t i = 0; i < it.n; ++i) {
-      const int64_t ps = pos[it.t0 + i];
-      hi[i] = std::min<int64_t>(ps + 1, it.keys);
-      lo[i] = sliding_window > 0 ? std::max<int64_t>(0, ps - sliding_window + 1) : 0;
-      lo_all = std::min(lo_all, lo[i]);
-      hi_all = std::max(hi_all, hi[i]);
-    }
-    int64_t off[kKeyChunk];
-    for (int64_t c0 = lo_all; c0 < hi_all; c0 += kKeyChunk) {
-      const int64_t c1 = std::min(c0 + kKeyChunk, hi_all);
-      for (int64_t j = c0; j < c1; ++j) {
-        const int64_t page = std::clamp<int64_t>(pages[it.start + j / p], 0, P - 1);
-        off[j - c0] = (page * p + j % p) * row_stride;
-      }
-      for (int64_t i = 0; i < it.n; ++i) {
-        const int64_t a = std::max(c0, lo[i]), b = std::min(c1, hi[i]);
-        if (a >= b) continue;
-        const float* qi = q + (it.t0 + i) * N * H;
-        for (int64_t h = 0; h < N; ++h) {
-          const int64_t kvo = (h / G) * H;
-          float mx = -INFINITY;
-          for (int64_t j = a; j < b; ++j) {
-            const float v = dot(qi + h * H, kc + off[j - c0] + kvo, H) * scale;
-            s[j - a] = v;
-            mx = std::max(mx, v);
-          }
-          const int64_t ih = i * N + h;
-          const float m_new = std::max(m[ih], mx);
-          const float alpha = exp1(m[ih] - m_new);  // exp(-inf) = 0 on the first chunk
-          float* ac = acc.data() + ih * H;
-          if (alpha != 1.f)
-            for (int64_t d = 0; d < H; ++d) ac[d] *= alpha;
-          const int64_t n = b - a;
-          f8 sum8 = splat(0.f);
-          int64_t j = 0;
-          for (; j + kW <= n; j += kW) {
-            const f8 e = exp8(load8(s.data() + j) - splat(m_new));
-            store8(s.data() + j, e);
-            sum8 += e;
-          }
-          float sum = hsum(sum8);
-          for (; j < n; ++j) sum += (s[j] = exp1(s[j] - m_new));
-          for (j = 0; j < n; ++j) axpy(ac, s[j], vc + off[a + j - c0] + kvo, H);
-          l[ih] = l[ih] * alpha + sum;
-          m[ih] = m_new;
-        }
-      }
-    }
-    for (int64_t i = 0; i < it.n; ++i)
-      for (int64_t h = 0; h < N; ++h) {
-        const int64_t ih = i * N + h;
-        if (l[ih] <= 0.f) continue;
-        const float inv = 1.f / l[ih];
-        float* o = out + (it.t0 + i) * N * H + h * H;
-        for (int64_t d = 0; d < H; ++d) o[d] = acc[ih * H + d] * inv;
-      }
-  });
+  parallel_items(pool, items, [&](const QueryBlock& it) { attend_block(a, it, sliding_window); });
   return ffi::Error::Success();
 }
 

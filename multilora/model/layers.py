@@ -14,11 +14,27 @@ import numpy as np
 from multilora.config import ModelConfig
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+    """Sums over the last axis, keeping it (size 1), in one fixed order whatever the other axes:
+    halves added elementwise until one column is left (an odd column carried along). XLA's CPU
+    reduce sums a row in another order when the rows are few (fewer than 8: split into windows
+    of 32, then summed) than when they are many, so a token's norm, and with bfloat16
+    projections at times its greedy token, depended on how many tokens shared its step
+    (speculative decoding verifies drafts in larger steps than decoding takes them). Elementwise
+    adds are the same for every row whatever the shape."""
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        s = x[..., :half] + x[..., half:2 * half]
+        x = jnp.concatenate([s, x[..., 2 * half:]], axis=-1) if x.shape[-1] % 2 else s
+    return x
+
+
 def rms_norm(x_TD: jax.Array, w_D: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
     """RMSNorm over the last axis, times w (Llama: cast back, then times w) or, plus_one, times
-    (1 + w) in float32 before the cast back (Gemma's)."""
+    (1 + w) in float32 before the cast back (Gemma's). The mean of squares in row_sum's order:
+    a row's result never depends on the other rows of its step."""
     x32 = x_TD.astype(jnp.float32)
-    var_T1 = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    var_T1 = row_sum(x32 * x32) * (1.0 / x_TD.shape[-1])
     normed = x32 * jax.lax.rsqrt(var_T1 + eps)
     if plus_one:
         return (normed * (1.0 + w_D.astype(jnp.float32))).astype(x_TD.dtype)
