@@ -47,7 +47,7 @@ from multilora.engine.residency import AdapterResidency
 from multilora.engine.request import Request, SamplingParams
 from multilora.engine.runner import Buckets, Launched, ModelRunner, ProcessRow, SampleRow, StepResult
 from multilora.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from multilora.engine.speculative import Speculator
+from multilora.engine.speculative import make_speculator
 from multilora.engine.step_budget import StepClock, StepCosts, step_budget
 from multilora.engine.structured import Grammars
 from multilora.engine.tokenizer import Detokenizer, load_tokenizer
@@ -183,21 +183,14 @@ class Engine(AdapterAPI):
                                  else jax.devices()[0].platform != "cpu")
         self._inflight: Optional[tuple[StepPlan, Launched]] = None  # dispatched, tokens not yet read
         # speculative decoding (multilora.engine.speculative): drafted decode rows verified in one step
-        spec = c.speculative_config
-        drafter = None
-        if spec is not None and spec.method == "draft_model":  # a second, smaller model (its own runner)
-            from multilora.engine.draft_model import DraftModel
-            drafter = DraftModel.build(spec.model, self.cfg, num_pages, page_size, c.dtype, c.projection_dtype,
-                                       self.buckets)
-        self.speculator = (Speculator(spec, self.pages, max_num_batched_tokens, max_num_seqs, drafter)
-                           if spec is not None else None)
+        self.speculator = make_speculator(c.speculative_config, self.cfg, self.pages, num_pages, page_size, self.buckets,
+                                          c.dtype, c.projection_dtype, max_num_batched_tokens, max_num_seqs)
         self._register_at_start(lora_modules, progress)
         if warmup not in (True, False, "background"):
             raise ValueError(f"warmup must be True, False or 'background', got {warmup!r}")
         if warmup:  # "background" (a server's): ModelRunner.warmup; several processes compile all first
-            bg = warmup == "background" and jax.process_count() == 1
-            for r in (self.runner, drafter) if drafter is not None else (self.runner,):
-                r.warmup(progress=progress, background=bg)
+            for r in filter(None, (self.runner, getattr(self.speculator, "drafter", None))):  # a draft model's too
+                r.warmup(progress=progress, background=warmup == "background" and jax.process_count() == 1)
         # Several processes: from here on, state changes go through process 0 (every process
         # built the same engine from the same arguments up to this point).
         self._num_processes = jax.process_count()

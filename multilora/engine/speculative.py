@@ -64,6 +64,20 @@ def propose_ngram(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: in
     return []
 
 
+def make_speculator(cfg: Optional[SpeculativeConfig], model_cfg, pages: PagePool, num_pages: int, page_size: int,
+                    buckets, dtype, projection_dtype, max_num_batched_tokens: int,
+                    max_num_seqs: int) -> "Optional[Speculator]":
+    """The engine's Speculator for its speculative_config (None: off); method "draft_model"
+    builds the draft model (its own runner, over the target's pages)."""
+    if cfg is None:
+        return None
+    drafter = None
+    if cfg.method == "draft_model":
+        from multilora.engine.draft_model import DraftModel
+        drafter = DraftModel.build(cfg.model, model_cfg, num_pages, page_size, dtype, projection_dtype, buckets)
+    return Speculator(cfg, pages, max_num_batched_tokens, max_num_seqs, drafter)
+
+
 class Speculator:
     """Drafts for a plan's decode rows under the never-a-loss rule, and the counters."""
 
