@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import reference
 from tests.procs import child_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +42,8 @@ LORAS = [None, "a", "b", "c", None, "c", "a", "b"]
 LENGTHS = [5, 13, 9, 20, 3, 17, 30, 11]   # 108 tokens: chunked prefills over several steps
 LLAMA_RUNS = [dict(model="llama", tp=tp, backend=be) for be in ("bgmv", "sgmv") for tp in (1, 2, 4)]
 QWEN_RUNS = [dict(model="qwen2", tp=tp, backend="sgmv") for tp in (1, 2, 4)]
-NEW_RUNS = [dict(model=m, tp=2, backend="bgmv") for m in ("qwen3", "gemma2")]  # against PEFT: no tp=1 run
+NEW_KINDS = ("qwen3", "gemma2", "gemma3", "mistral")
+NEW_RUNS = [dict(model=m, tp=2, backend="bgmv") for m in NEW_KINDS]  # against PEFT: no tp=1 run
 # Qwen3-MoE: adapter c's experts' gate_up at twice its rank (PEFT fuses gate and up): rank 32
 MOE_RUNS = [dict(model="qwen3_moe", tp=2, backend="bgmv", max_lora_rank=32)]
 ERROR_RUNS = [dict(model="llama", tp=3, backend="bgmv"), dict(model="llama", tp=8, backend="bgmv")]
@@ -184,7 +186,7 @@ def _parse(stdout: str) -> dict:
 def _spec(tiny_models, tiny_adapters, **kw) -> dict:
     return dict(models={k: str(v) for k, v in tiny_models.items()},
                 adapters={m: {ad: str(tiny_adapters[(m, ad)]) for ad in ADAPTERS.values()}
-                          for m in ("llama", "qwen2", "qwen3", "gemma2", "qwen3_moe")}, **kw)
+                          for m in ("llama", "qwen2", *NEW_KINDS, "qwen3_moe")}, **kw)
 
 
 def _launch(mode: str, spec: dict, path: Path) -> subprocess.Popen:
@@ -287,11 +289,12 @@ def test_fewer_kv_heads_than_devices_replicates_the_cache(tp_runs):
         assert r["compiles_after_warmup"] == 0 and r["lora_kept_sharding"] and r["kv_kept_sharding"]
 
 
-@pytest.mark.parametrize("model", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("model", NEW_KINDS)
 def test_newer_architectures_on_two_devices_give_peft_tokens(model, tp_runs, tiny_models, tiny_adapters,
                                                              peft_greedy_cache):
-    """The Qwen3 and Gemma 2 tinies (4 heads of 32, 2 KV heads) on tp=2: PEFT's greedy tokens for
-    the mixed batch, the projections split as Llama's, their own norm weights replicated."""
+    """The Qwen3, Gemma 2 and 3 (4 heads of 32) and Mistral (4 of 16) tinies, 2 KV heads, on tp=2:
+    PEFT's greedy tokens for the mixed batch, the projections split as Llama's, their own norm
+    weights replicated."""
     r = tp_runs[(model, 2, "bgmv")]
     want = peft_greedy_cache.many(tiny_models[model],
                                   [(None if l is None else tiny_adapters[(model, ADAPTERS[l])], p)
@@ -299,9 +302,13 @@ def test_newer_architectures_on_two_devices_give_peft_tokens(model, tp_runs, tin
     assert r["tokens"] == want
     w = r["weights"]
     assert r["mesh"] == {"tp_kv": 2, "tp_rep": 1}
-    assert w["wq_LDO"]["piece"][1:] == [64, 128 // 2] and w["wo_LOD"]["piece"][1:] == [128 // 2, 64]
-    assert w["wk_LDO"]["piece"][1:] == [64, 64 // 2]
-    norms = {"qwen3": ("q_norm_LH", "k_norm_LH"), "gemma2": ("post_attn_norm_LD",)}[model]
+    hf = reference.TINY_CONFIGS[model]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    q, kv = hf["num_attention_heads"] * head_dim, hf["num_key_value_heads"] * head_dim
+    assert w["wq_LDO"]["piece"][1:] == [64, q // 2] and w["wo_LOD"]["piece"][1:] == [q // 2, 64]
+    assert w["wk_LDO"]["piece"][1:] == [64, kv // 2]
+    norms = {"qwen3": ("q_norm_LH", "k_norm_LH"), "gemma2": ("post_attn_norm_LD",),
+             "gemma3": ("q_norm_LH", "k_norm_LH", "post_attn_norm_LD"), "mistral": ()}[model]
     for f in norms:
         assert w[f]["piece"] == w[f]["shape"] and w[f]["devices"] == 2, f
     assert r["compiles_after_warmup"] == 0 and r["lora_kept_sharding"] and r["kv_kept_sharding"]
