@@ -20,8 +20,8 @@ one turn per other adapter that is waiting. Preempted requests go before all oth
 
 Budgets: tokens per step (max_num_batched_tokens; below it, where the engine budgets steps by
 their measured costs, what token_budget allows a step with its decode rows: a long prompt then
-prefills in smaller chunks while streams decode, multilora.engine.step_budget), running sequences (max_num_seqs), prefill chunks per step
-(max_prefill_seqs), free KV pages, and distinct adapters among running requests (adapters_fit,
+prefills in smaller chunks while streams decode, multilora.engine.step_budget), running
+sequences (max_num_seqs), prefill chunks per step (max_prefill_seqs), free KV pages, and distinct adapters among running requests (adapters_fit,
 pinned adapters included): a request whose adapter does not fit waits. Later requests may pass a
 blocked one, but only for `starvation_steps` steps; after that nothing passes it. When pages run out, the latest-arrived running request
 not yet served this step is preempted (its page references dropped, recomputed later; its full
@@ -91,6 +91,11 @@ class StepPlan:
         return "decode" if single == len(self.chunks) else "prefill" if single == 0 else "mixed"
 
 
+def _done_when_resolved(req: Request) -> bool:
+    """Its pending token (async scheduling) is its last: nothing more to compute for it."""
+    return bool(req.awaiting) and len(req.output_token_ids) >= req.max_tokens
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, pages: PagePool,
                  adapters_fit: Callable[[set[str]], bool] = lambda names: True,
@@ -142,8 +147,8 @@ class Scheduler:
         plan = StepPlan([])
         budget = self.cfg.max_num_batched_tokens
         if self.token_budget is not None:
-            decode_rows = sum(r.status is RequestStatus.RUNNING and not r.is_prefilling
-                              and not (r.awaiting and len(r.output_token_ids) >= r.max_tokens) for r in self.running)
+            decode_rows = sum(r.status is RequestStatus.RUNNING and not r.is_prefilling and not _done_when_resolved(r)
+                              for r in self.running)
             budget = min(budget, self.token_budget(decode_rows))
         served: set[int] = set()
         prefill_chunks = 0
@@ -154,8 +159,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if req.awaiting and len(req.output_token_ids) >= req.max_tokens:
-                continue  # its pending token is its last: nothing more to compute
+            if _done_when_resolved(req):
+                continue
             prefilling = req.is_prefilling
             if prefilling and prefill_chunks >= self.cfg.max_prefill_seqs:
                 continue
