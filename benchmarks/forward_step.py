@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import faulthandler
 import glob
 import gzip
 import itertools
 import json
+import os
 import re
 import statistics
 import sys
@@ -210,6 +212,8 @@ def main(argv=None):
                     help="profile each case and print its op time by kind")
     args = ap.parse_args(argv)
     args.kv_writes = [kw or kv_write_mode() for kw in args.kv_writes]
+    if os.environ.get("MULTILORA_STACKS_EVERY_S"):  # a slow or stuck case says where it is (stderr)
+        faulthandler.dump_traceback_later(float(os.environ["MULTILORA_STACKS_EVERY_S"]), repeat=True)
 
     from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
     from multilora.model import projections

@@ -6,12 +6,15 @@
 # tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention),
 # trace, optrace, pprobe (the Pallas attention's prefill side), offline (the engine's throughput), stash and
 # agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py), cases
-# (each shape x mode x adapter count in its own process, whole outputs kept).
+# (each shape x mode x adapter count in its own process, whole outputs kept), variants (other
+# trees' cases side by side). Every limit is `timeout -k 5`: GNU timeout sends its SIGTERM to the
+# child and then to the child's group, so it can reach the child twice. A cut JAX process then
+# prints absl's "Signal 15 raised ... while already in FailureSignalHandler" (the second TERM,
+# not a crash of its own: log 33 took it for one), and the KILL 5 s later frees the chip.
 # Try it on the CPU first: JAX_PLATFORMS=cpu QUICK=1 bash benchmarks/tpu_steps.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-./tpu-out}
-mkdir -p "$OUT"
+mkdir -p "${OUT:=./tpu-out}" && OUT=$(cd "$OUT" && pwd)  # absolute: some parts run in other folders
 export MULTILORA_NATIVE=0 PYTHONUNBUFFERED=1
 PARTS=${PARTS:-tests small slots big}
 R=${REPEATS:-7}
@@ -20,46 +23,59 @@ if [ -n "${QUICK:-}" ]; then FS="$FS --decode-seqs 8 --prefill-tokens 64"; fi
 python3 -c "import jax, sys; print(sys.version); print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$OUT/env.txt"
 for part in $PARTS; do
   case $part in
-    tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider --noconftest tests/test_lora_pallas.py 2>&1 | tee "$OUT/tests.log" ;;
-    atests) timeout 150 python3 -m pytest -q -x -p no:cacheprovider --noconftest tests/test_attention_pallas.py \
+    tests) timeout -k 5 300 python3 -m pytest -q -x -p no:cacheprovider --noconftest tests/test_lora_pallas.py 2>&1 | tee "$OUT/tests.log" ;;
+    atests) timeout -k 5 150 python3 -m pytest -q -x -p no:cacheprovider --noconftest tests/test_attention_pallas.py \
               -k "${ATESTS_K:-bfloat16}" 2>&1 | tee "$OUT/attention_tests.log" || PA=off ;;
-    pa)    timeout 300 $FS --modes decode prefill --adapters 0 8 64 --pallas-attention ${PA:-off on} \
+    pa)    timeout -k 5 300 $FS --modes decode prefill --adapters 0 8 64 --pallas-attention ${PA:-off on} \
              --json "$OUT/steps_small_pa.json" 2>&1 | tee "$OUT/steps_small_pa.log" ;;
-    pa1b)  timeout 240 $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters 0 64 \
+    pa1b)  timeout -k 5 240 $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters 0 64 \
              --pallas-attention ${PA:-off on} --json "$OUT/steps_1b_pa.json" 2>&1 | tee "$OUT/steps_1b_pa.log" ;;
-    small) timeout 300 $FS --modes decode prefill --adapters 0 8 64 --backends auto dense \
+    small) timeout -k 5 300 $FS --modes decode prefill --adapters 0 8 64 --backends auto dense \
              --json "$OUT/steps_small.json" 2>&1 | tee "$OUT/steps_small.log" ;;
-    slots) timeout 240 $FS --modes decode prefill --adapters 0 8 64 --slots 256 --backends auto \
+    slots) timeout -k 5 240 $FS --modes decode prefill --adapters 0 8 64 --slots 256 --backends auto \
              --json "$OUT/steps_slots256.json" 2>&1 | tee "$OUT/steps_slots256.log" ;;
-    big)   timeout 300 $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters 0 8 64 \
+    big)   timeout -k 5 300 $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters 0 8 64 \
              --backends auto --json "$OUT/steps_1b.json" 2>&1 | tee "$OUT/steps_1b.log" ;;
-    trace) timeout 200 $FS --modes decode prefill --adapters 0 64 --backends auto --repeats 3 \
+    trace) timeout -k 5 200 $FS --modes decode prefill --adapters 0 64 --backends auto --repeats 3 \
              --trace /tmp/fs-trace 2>&1 | tee "$OUT/steps_trace.log"
-           timeout 200 $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters 0 --repeats 3 \
+           timeout -k 5 200 $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters 0 --repeats 3 \
              --trace /tmp/fs-trace-1b 2>&1 | tee "$OUT/steps_trace_1b.log" ;;
     # how the step's K/V rows are written (multilora.model.llama.KV_WRITES): alone, then in whole steps
     kvw) ls /opt/pypi/simple > "$OUT/pypi_index.txt" 2>/dev/null
-         timeout 150 python3 -m pytest -q -p no:cacheprovider --noconftest tests/test_kv_write.py 2>&1 | tee "$OUT/kv_write_tests.log"
-         timeout 200 python3 benchmarks/kv_write_probe.py --json "$OUT/kv_write_probe.json" 2>&1 | tee "$OUT/kv_write_probe.log"
-         timeout 240 $FS --modes decode prefill --adapters 0 --pallas-attention on off --kv-writes ${KVW:-rows pages pallas-pages} \
+         timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider --noconftest tests/test_kv_write.py 2>&1 | tee "$OUT/kv_write_tests.log"
+         timeout -k 5 200 python3 benchmarks/kv_write_probe.py --json "$OUT/kv_write_probe.json" 2>&1 | tee "$OUT/kv_write_probe.log"
+         timeout -k 5 240 $FS --modes decode prefill --adapters 0 --pallas-attention on off --kv-writes ${KVW:-rows pages pallas-pages} \
            --json "$OUT/steps_kvw.json" 2>&1 | tee "$OUT/steps_kvw.log" ;;
     # profiles by op (self time; the top ops by their jnp path, and the compiled HLO) of both attentions
-    optrace) timeout 300 $FS --modes decode prefill --adapters 0 64 --pallas-attention on off --repeats 3 \
+    optrace) timeout -k 5 300 $FS --modes decode prefill --adapters 0 64 --pallas-attention on off --repeats 3 \
                --trace /tmp/fs-optrace 2>&1 | tee "$OUT/steps_optrace.log"
              for f in $(find /tmp/fs-optrace -name top_ops.txt); do
                n=$(echo "$f" | sed 's|/tmp/fs-optrace/||; s|/top_ops.txt||; s|[^A-Za-z0-9_.-]|_|g'); echo "== $n" >> "$OUT/top_ops.txt"
                cat "$f" >> "$OUT/top_ops.txt"; done ;;
     # the kernels' tests compiled on the chip (bf16 attention cases; ~31 tests, compiles dominate: one call)
-    chip) timeout 480 python3 -m pytest -q -p no:cacheprovider --noconftest tests/test_kv_write.py tests/test_lora_pallas.py \
+    chip) timeout -k 5 480 python3 -m pytest -q -p no:cacheprovider --noconftest tests/test_kv_write.py tests/test_lora_pallas.py \
             tests/test_attention_pallas.py -k "not float32 or kv_write or lora" 2>&1 | tee "$OUT/chip_tests.log" ;;
     # both shapes, both attentions, 0 / 8 / 64 adapters (12 cases a shape; another call)
-    steps) timeout ${T1:-270} $FS --modes decode prefill --adapters ${ADAPTERS:-0 8 64} --pallas-attention on off \
+    steps) timeout -k 5 ${T1:-270} $FS --modes decode prefill --adapters ${ADAPTERS:-0 8 64} --pallas-attention on off \
              --json "$OUT/steps_small.json" 2>&1 | tee "$OUT/steps_small.log"
-           timeout ${T2:-300} $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters ${ADAPTERS:-0 8 64} \
+           timeout -k 5 ${T2:-300} $FS --model llama-3.2-1b --decode-ctx 256 --modes decode prefill --adapters ${ADAPTERS:-0 8 64} \
              --pallas-attention on off --json "$OUT/steps_1b.json" 2>&1 | tee "$OUT/steps_1b.log" ;;
     # issue 40: a Llama-3.1-8B shape with an int8 base (quantization=int8) and 64 adapters on one chip
-    int8) timeout 400 $FS --model llama-3.1-8b --dtypes int8 --decode-ctx 256 --modes decode prefill \
+    int8) timeout -k 5 400 $FS --model llama-3.1-8b --dtypes int8 --decode-ctx 256 --modes decode prefill \
             --adapters 0 64 --json "$OUT/steps_8b_int8.json" 2>&1 | tee "$OUT/steps_8b_int8.log" ;;
+    # the same cases for several trees side by side (VARIANTS: folders holding a multilora/ and a
+    # benchmarks/, e.g. other branches' `git archive`), a process per tree and shape, whole outputs
+    # in $OUT/var_<tree>_<shape>.log, Python's stacks every 60 s where a case is slow
+    variants) for shape in ${SHAPES_:-smollm2-135m llama-3.2-1b}; do
+                ctx=$([ "$shape" = smollm2-135m ] && echo 80 || echo 256)
+                for v in ${VARIANTS:-.}; do
+                  n="var_$(basename "$(cd "$v" && pwd)")_${shape}"
+                  (cd "$v" && MULTILORA_STACKS_EVERY_S=60 timeout -k 5 ${CASE_LIMIT:-200} $FS --model "$shape" \
+                     --decode-ctx "$ctx" --modes decode prefill --adapters ${ADAPTERS:-0 8 64} \
+                     --json "$OUT/$n.json") > "$OUT/$n.log" 2>&1
+                  echo "$n: exit $?" | tee -a "$OUT/variants.txt"; grep -E "^(decode |prefill )" "$OUT/$n.log"
+                done
+              done ;;
     # every (shape, mode, adapters) case in its own process, its whole output kept
     # ($OUT/case_<shape>_<mode>_<k>.log): a case that crashes or hangs costs only its own
     # CASE_LIMIT seconds and says which it was (forward_step prints compile and first step apart)
@@ -67,22 +83,22 @@ for part in $PARTS; do
              ctx=$([ "$shape" = smollm2-135m ] && echo 80 || echo 256)
              for mode in decode prefill; do for k in ${ADAPTERS:-0 8 64}; do
                n="case_${shape}_${mode}_${k}"
-               timeout ${CASE_LIMIT:-150} $FS --model "$shape" --decode-ctx "$ctx" --modes $mode --adapters $k \
+               timeout -k 5 ${CASE_LIMIT:-150} $FS --model "$shape" --decode-ctx "$ctx" --modes $mode --adapters $k \
                  --json "$OUT/$n.json" > "$OUT/$n.log" 2>&1; echo "$n: exit $?" | tee -a "$OUT/cases.txt"
                grep -E "^(# |decode |prefill )" "$OUT/$n.log" | tail -4
              done; done
            done ;;
     # next: the prefill side of the Pallas attention (query blocks of 16 and 64 rows; its profile)
-    pprobe) for qb in 16 64; do MULTILORA_PALLAS_QUERY_BLOCK=$qb timeout 150 $FS --modes prefill --adapters 0 \
+    pprobe) for qb in 16 64; do MULTILORA_PALLAS_QUERY_BLOCK=$qb timeout -k 5 150 $FS --modes prefill --adapters 0 \
                --pallas-attention off on --json "$OUT/prefill_qb$qb.json" 2>&1 | tee "$OUT/prefill_qb$qb.log"; done
-            timeout 150 $FS --modes prefill decode --adapters 0 --pallas-attention on --repeats 3 \
+            timeout -k 5 150 $FS --modes prefill decode --adapters 0 --pallas-attention on --repeats 3 \
               --trace /tmp/fs-trace-pa 2>&1 | tee "$OUT/steps_trace_pa.log" ;;
     # offline throughput through the engine (64 requests x 64 new tokens), its packages from the
     # machine's own index (not yet tried there)
     offline) PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --only-binary=:all: \
                --index-url file:///opt/pypi/simple --target /tmp/site safetensors tokenizers jinja2 markupsafe \
                && export PYTHONPATH=${PYTHONPATH:-}:/tmp/site
-             timeout 500 python3 benchmarks/engine_throughput.py --adapters 0 8 64 --dtype bfloat16 \
+             timeout -k 5 500 python3 benchmarks/engine_throughput.py --adapters 0 8 64 --dtype bfloat16 \
                --workdir /tmp/bench --json "$OUT/offline.json" 2>&1 | tee "$OUT/offline.log" ;;
     # greedy tokens against the CPU's float32 record: the GGUF's parts carried in .tpu-carry/ by
     # earlier calls of the same lease (PARTS=stash), the gguf wheel in .whl-tpu/ (not yet tried there)
@@ -93,7 +109,7 @@ for part in $PARTS; do
            PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --target /tmp/site \
              .whl-tpu/gguf-*.whl && export PYTHONPATH=${PYTHONPATH:-}:/tmp/site
            cat /tmp/gguf/model.gguf.part* > /tmp/model.gguf
-           timeout 400 python3 benchmarks/tpu_agreement.py check --ref benchmarks/results/agreement_cpu_f32.json \
+           timeout -k 5 400 python3 benchmarks/tpu_agreement.py check --ref benchmarks/results/agreement_cpu_f32.json \
              --gguf /tmp/model.gguf --dtype bfloat16 --json "$OUT/agreement_tpu_bf16.json" 2>&1 | tee "$OUT/agreement.log" ;;
   esac
 done
