@@ -69,7 +69,7 @@ for part in $PARTS; do
     variants) for shape in ${SHAPES_:-smollm2-135m llama-3.2-1b}; do
                 ctx=$([ "$shape" = smollm2-135m ] && echo 80 || echo 256)
                 for v in ${VARIANTS:-.}; do
-                  n="var_$(basename "$(cd "$v" && pwd)")_${shape}"
+                  n="var_$([ "$v" = . ] && echo this || basename "$v")_${shape}"
                   (cd "$v" && MULTILORA_STACKS_EVERY_S=60 timeout -k 5 ${CASE_LIMIT:-200} $FS --model "$shape" \
                      --decode-ctx "$ctx" --modes decode prefill --adapters ${ADAPTERS:-0 8 64} \
                      --json "$OUT/$n.json") > "$OUT/$n.log" 2>&1
