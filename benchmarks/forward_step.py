@@ -118,13 +118,16 @@ def random_weights(cfg, seed=0, dtype=jnp.float32, int8: bool = False):
 
 def random_lora(cfg, num_slots, rank, seed=1):
     """Random adapters in slots 1..S-1, each at `rank`, as a pool read through slot_major_rows."""
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 32))
+    rng = np.random.default_rng(seed)
     out = {}
     for field, width in lora_feature_dims(cfg).items():
         b = blocks_of(field)
-        w = 0.02 * jax.random.normal(next(keys), (cfg.num_layers, num_slots, b * rank, width), jnp.float32)
-        w = w.at[:, 0].set(0.0)  # slot 0 stays zero
-        out[field] = jax.vmap(lambda w, b=b: slot_major_pool(w, b))(w)
+        # drawn on the host: on a TPU v5e, jax.random.normal at these shapes took 30-60 s a pool to
+        # compile (benchmarks/log/35), longer than the step's own compile
+        w = rng.standard_normal((cfg.num_layers, num_slots, b * rank, width), np.float32)
+        w *= 0.02
+        w[:, 0] = 0.0  # slot 0 stays zero
+        out[field] = jax.vmap(lambda w, b=b: slot_major_pool(w, b))(jnp.asarray(w))
     return LoRAWeights(**out)
 
 
@@ -212,8 +215,8 @@ def main(argv=None):
                     help="profile each case and print its op time by kind")
     args = ap.parse_args(argv)
     args.kv_writes = [kw or kv_write_mode() for kw in args.kv_writes]
-    if os.environ.get("MULTILORA_STACKS_EVERY_S"):  # a slow or stuck case says where it is (stderr)
-        faulthandler.dump_traceback_later(float(os.environ["MULTILORA_STACKS_EVERY_S"]), repeat=True)
+    if os.environ.get("MULTILORA_STACKS_AFTER_S"):  # a slow or stuck run says where it is (stderr)
+        faulthandler.dump_traceback_later(float(os.environ["MULTILORA_STACKS_AFTER_S"]))
 
     from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
     from multilora.model import projections

@@ -65,12 +65,12 @@ for part in $PARTS; do
             --adapters 0 64 --json "$OUT/steps_8b_int8.json" 2>&1 | tee "$OUT/steps_8b_int8.log" ;;
     # the same cases for several trees side by side (VARIANTS: folders holding a multilora/ and a
     # benchmarks/, e.g. other branches' `git archive`), a process per tree and shape, whole outputs
-    # in $OUT/var_<tree>_<shape>.log, Python's stacks every 60 s where a case is slow
+    # in $OUT/var_<tree>_<shape>.log, Python's stacks 15 s before the limit
     variants) for shape in ${SHAPES_:-smollm2-135m llama-3.2-1b}; do
                 ctx=$([ "$shape" = smollm2-135m ] && echo 80 || echo 256)
                 for v in ${VARIANTS:-.}; do
                   n="var_$([ "$v" = . ] && echo this || basename "$v")_${shape}"
-                  (cd "$v" && MULTILORA_STACKS_EVERY_S=60 timeout -k 5 ${CASE_LIMIT:-200} $FS --model "$shape" \
+                  (cd "$v" && MULTILORA_STACKS_AFTER_S=$((${CASE_LIMIT:-200} - 15)) timeout -k 5 ${CASE_LIMIT:-200} $FS --model "$shape" \
                      --decode-ctx "$ctx" --modes decode prefill --adapters ${ADAPTERS:-0 8 64} \
                      --json "$OUT/$n.json") > "$OUT/$n.log" 2>&1
                   echo "$n: exit $?" | tee -a "$OUT/variants.txt"; grep -E "^(decode |prefill )" "$OUT/$n.log"
