@@ -3,7 +3,7 @@ the CPU's float32 path, base model and demo adapters (`shout`, `signoff`) in one
 "greedy tokens on the chip agree with the CPU float32 path within a stated bf16 tolerance").
 
     python benchmarks/tpu_agreement.py record --json benchmarks/results/agreement_cpu_f32.json    # CPU, float32
-    python benchmarks/tpu_agreement.py split --gguf PATH --parts DIR        # the GGUF in parts of 40 MB
+    python benchmarks/tpu_agreement.py split --gguf PATH --parts DIR        # the GGUF in parts of 48 MB
     python benchmarks/tpu_agreement.py check --ref benchmarks/results/agreement_cpu_f32.json \\
         --gguf PATH --dtype bfloat16 --json OUT.json                          # the other device
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -45,8 +46,14 @@ def _engine(model_dir: str, dtype: str):
     from multilora.engine.engine import Engine
     # float32 is the exact path (no bf16 projections, which `auto` takes on AVX512-BF16 or AMX CPUs)
     proj = "float32" if dtype == "float32" else "auto"
+    # no warm-up: only the few shapes these batches land on compile (on a TPU v5e the whole
+    # warm-up with adapters took longer than a 250 s limit: benchmarks/log/35)
     return Engine(model_dir, demo_lora_modules(), dtype=dtype, projection_dtype=proj, max_num_seqs=32,
-                  kv_cache_memory_gb=0.5)
+                  kv_cache_memory_gb=0.5, warmup=False)
+
+
+def _log(msg: str, t0: float) -> None:
+    print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
 
 
 def _cases(engine=None, ref=None):
@@ -77,7 +84,7 @@ def split(args) -> int:
     data = Path(args.gguf).read_bytes()
     out = Path(args.parts)
     out.mkdir(parents=True, exist_ok=True)
-    size = 40 * 1000 * 1000  # with the working tree (~14 MB), under a call's 64 MiB
+    size = 48 * 1000 * 1000  # with the working tree, under a call's 64 MiB (tried: log 35)
     for i in range(0, len(data), size):
         (out / f"model.gguf.part{i // size}").write_bytes(data[i:i + size])
     print(f"{-(-len(data) // size)} parts in {out}")
@@ -89,17 +96,23 @@ def check(args) -> int:
 
     from multilora.default_model import convert_gguf_to_hf, is_converted
     from multilora.engine.request import SamplingParams
+    t0 = time.perf_counter()
     ref = json.loads(Path(args.ref).read_text())
     folder = Path(args.model_dir)
     if not is_converted(folder):
         convert_gguf_to_hf(Path(args.gguf), folder)
+    _log(f"model in {folder}; starting the engine ({args.dtype}, {jax.devices()[0]})", t0)
     eng = _engine(str(folder), args.dtype)
+    eng.runner.compiler.before_compile = lambda what, key: _log(f"compiling {what} {key}", t0)
     cases = _cases(ref=ref)
     want = [c["tokens"] for c in ref["cases"]]
+    _log(f"engine up; {len(cases)} prompts free-running, {NEW_TOKENS} greedy tokens each", t0)
     free = eng.generate([p for _, p in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
                                                               ignore_eos=True), [a for a, _ in cases])
+    _log("free-running done; the CPU's sequences teacher-forced (prompt_logprobs=1)", t0)
     forced = eng.generate([p + w for (_, p), w in zip(cases, want)],
                           SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), [a for a, _ in cases])
+    _log("teacher-forced done", t0)
     report, ok = {}, True
     for (a, p), w, f, t in zip(cases, want, free, forced):
         lead = next((i for i, (x, y) in enumerate(zip(f.token_ids, w)) if x != y), len(w))
