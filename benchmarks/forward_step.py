@@ -47,7 +47,7 @@ from multilora.engine.batching import SeqChunk, build_batch, pages_needed  # noq
 from multilora.adapters.pool import (blocks_of, lora_feature_dims, rows_major, slot_major_pool,  # noqa: E402
                                  slot_major_rows)
 from multilora.model.llama import (KV_WRITES, KVCache, LayerWeights, LoRAWeights, Weights, forward_packed,  # noqa: E402
-                                   init_kv_cache, kv_cache_formats, kv_heads_major_on, kv_write_mode, make_kv_cache,
+                                   embedding_rows_major, init_kv_cache, kv_cache_formats, kv_heads_major_on, kv_write_mode, make_kv_cache,
                                    split_layers)
 from multilora.model.packing import pack  # noqa: E402
 
@@ -241,6 +241,7 @@ def main(argv=None):
         else:
             dt = asked
             w = jax.tree.map(lambda a, dt=dt: a.astype(dt), stacked)
+        w = embedding_rows_major(w)   # as the engine's loader places it
         platform = jax.devices()[0].platform
         kv_hms = dict.fromkeys(kv_heads_major_on(platform) if k == "auto" else k == "heads-major"
                                for k in args.kv_layouts)

@@ -87,3 +87,28 @@ def test_kv_page_writes_groups_slots_by_page():
     assert src[0, 3] == 1 and src[0, 0] in (4, 5) and src[0, 1] == src[0, 2] == -1
     np.testing.assert_array_equal(src[1], [2, 0, 3, -1])
     assert (src[2:] == -1).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_page_slot_rows_one_hot_equals_the_gather_and_keeps_nan_to_its_token(dtype, monkeypatch):
+    from multilora.kernels import kv_write_pallas
+    rng = np.random.default_rng(3)
+    t, p = 10, 4
+    new = rng.standard_normal((t, K, H)).astype(np.float32)
+    new[6, 1, 5] = np.nan                       # token 6's row: its own slot only
+    new_TKH = jnp.asarray(new, dtype)
+    src = np.full((5, p), -1, np.int32)
+    src[0, :3] = [4, 5, 6]
+    src[1] = [0, 1, 2, 3]
+    src[3, 2] = 9
+    src_Up = jnp.asarray(src)
+    one_hot = np.asarray(kv_write_pallas.page_slot_rows(new_TKH, src_Up, jnp.float32))
+    monkeypatch.setattr(kv_write_pallas, "ONE_HOT_MAX_TOKENS", 0)
+    gather = np.asarray(kv_write_pallas.page_slot_rows(new_TKH, src_Up, jnp.float32))
+    written = (src >= 0)[:, None, :, None] & np.ones((1, K, 1, H), bool)
+    nan_slot = np.zeros_like(written)
+    nan_slot[0, 1, 2, 5] = True
+    ok = written & ~nan_slot
+    np.testing.assert_array_equal(one_hot[ok], gather[ok])
+    assert np.isfinite(one_hot[~nan_slot]).all(), "a NaN reached another token's slots"
+    assert np.isnan(gather[nan_slot]).all()

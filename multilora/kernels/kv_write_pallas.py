@@ -38,6 +38,30 @@ def _pages_kernel(layer_ref, page_ref, n_ref,                     # scalar prefe
         v_out_ref[...] = jnp.where(written[None], v_new_ref[...], v_old_ref[...])
 
 
+# Steps of at most this many tokens build their pages' new rows as a one-hot product (below).
+ONE_HOT_MAX_TOKENS = 1024
+
+
+def page_slot_rows(new_TKH, src_Up, dtype):
+    """(U, K, p, H) in `dtype`: for each slot of the pages written, the new row of the token that
+    writes it (src_Up; -1: none, zeros). XLA's row gather costs a TPU ~0.1 us a row, whatever its
+    bytes (0.26 ms of a 64-row decode step of SmolLM2's shape, 0.8 ms of a 480-token prefill:
+    benchmarks/log/33-2026-12-06-tpu-v5e-host-gap.md), so a step of up to ONE_HOT_MAX_TOKENS
+    tokens takes them as one product with a one-hot (U * p, T) matrix on the MXU instead: exact
+    (one term per row, float32 accumulation, float32 rows at full precision), its work T x U x p
+    x K x H. Non-finite rows enter the product as zeros, so that one token's inf or NaN cannot
+    reach another token's slots (0 x NaN); the gather keeps them."""
+    t, kvh, h = new_TKH.shape
+    u, p = src_Up.shape
+    if t > ONE_HOT_MAX_TOKENS:
+        return jnp.swapaxes(jnp.take(new_TKH, jnp.maximum(src_Up, 0), axis=0), 1, 2).astype(dtype)
+    onehot = (src_Up.reshape(u * p, 1) == jnp.arange(t, dtype=src_Up.dtype)[None, :]).astype(new_TKH.dtype)
+    finite = jnp.where(jnp.isfinite(new_TKH), new_TKH, 0).reshape(t, kvh * h)
+    precision = jax.lax.Precision.HIGHEST if new_TKH.dtype == jnp.float32 else None
+    rows = jnp.dot(onehot, finite, precision=precision, preferred_element_type=jnp.float32)
+    return jnp.swapaxes(rows.reshape(u, p, kvh, h), 1, 2).astype(dtype)
+
+
 def write_pages(k_LPKpH, v_LPKpH, layer, page_U, num_pages, src_Up, k_TKH, v_TKH, interpret: bool = False):
     """k_LPKpH, v_LPKpH with the step's rows written at layer: page_U the distinct pages written
     (entries from num_pages on repeat the last one: the pipeline neither reads nor writes a
@@ -45,9 +69,8 @@ def write_pages(k_LPKpH, v_LPKpH, layer, page_U, num_pages, src_Up, k_TKH, v_TKH
     none; the slot keeps its value)."""
     _, _, kvh, p, h = k_LPKpH.shape
     u = page_U.shape[0]
-    safe_Up = jnp.maximum(src_Up, 0)
-    k_new_UKpH = jnp.swapaxes(jnp.take(k_TKH, safe_Up, axis=0), 1, 2).astype(k_LPKpH.dtype)
-    v_new_UKpH = jnp.swapaxes(jnp.take(v_TKH, safe_Up, axis=0), 1, 2).astype(v_LPKpH.dtype)
+    k_new_UKpH = page_slot_rows(k_TKH, src_Up, k_LPKpH.dtype)
+    v_new_UKpH = page_slot_rows(v_TKH, src_Up, v_LPKpH.dtype)
     page_block = pl.BlockSpec((None, kvh, p, h), lambda i, *_: (i, 0, 0, 0))
     cache_block = pl.BlockSpec((None, None, kvh, p, h), lambda i, layer_ref, page_ref, _: (layer_ref[0], page_ref[i], 0, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(

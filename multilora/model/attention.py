@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from multilora import kernels
+from multilora.kernels.kv_write_pallas import page_slot_rows
 
 MASKED = -1e30  # finite, so padding rows with no visible key stay NaN-free
 
@@ -69,7 +70,7 @@ def write_kv_pages(cache_LPKpH: jax.Array, layer: jax.Array, page_U: jax.Array, 
     flat = cache_LPKpH.reshape((l * num_cache_pages,) + cache_LPKpH.shape[2:])
     idx_U = layer * num_cache_pages + page_U
     old_UKpH = jnp.take(flat, idx_U, axis=0, mode="clip")
-    new_UKpH = jnp.swapaxes(jnp.take(new_TKH, jnp.maximum(src_Up, 0), axis=0), 1, 2).astype(cache_LPKpH.dtype)
+    new_UKpH = page_slot_rows(new_TKH, src_Up, cache_LPKpH.dtype)
     merged = jnp.where((src_Up >= 0)[:, None, :, None], new_UKpH, old_UKpH)
     idx_U = jnp.where(jnp.arange(page_U.shape[0]) < num_pages, idx_U, l * num_cache_pages)  # repeats dropped
     return flat.at[idx_U].set(merged, mode="drop").reshape(cache_LPKpH.shape)

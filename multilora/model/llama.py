@@ -290,6 +290,24 @@ def kv_cache_formats(shardings: KVCache, heads_major: bool) -> KVCache:
     return jax.tree.map(lambda s: Format(KV_HEADS_MAJOR, s) if heads_major else s, shardings)
 
 
+# The embedding table (V, D) rows-major: the step's lookup takes whole rows. A TPU v5e's default
+# layout for SmolLM2's bf16[49152, 576] puts V minor (the axis whose 128-wide tiles pad least), and
+# every compiled step then copied the whole table (0.19 ms of a 2.8 ms decode step on the device,
+# benchmarks/log/33-2026-12-06-tpu-v5e-host-gap.md) before its lookup; the tied LM head's product
+# reads either layout in place. The CPU's default is rows-major already.
+EMBED_LAYOUT = Layout(major_to_minor=(0, 1))
+
+
+def embedding_rows_major(weights: Weights) -> Weights:
+    """The same weights with embed_VD in EMBED_LAYOUT on its own sharding (moved only where it
+    is not): what the step is then compiled for, so it reads the table in place."""
+    e = weights.embed_VD
+    layout = getattr(getattr(e, "format", None), "layout", None)
+    if layout is None or layout.major_to_minor == EMBED_LAYOUT.major_to_minor:
+        return weights
+    return dataclasses.replace(weights, embed_VD=jax.device_put(e, Format(EMBED_LAYOUT, e.sharding)))
+
+
 def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype, heads_major: bool) -> int:
     """Device bytes of one page of K and V over all layers: heads-major, a (p, H) tile is padded
     to 128 lanes of H (a TPU's tiles), which doubles the page where H = 64."""

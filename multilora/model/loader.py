@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from multilora.config import ModelConfig
 from multilora.model.arrays import ArrayInfo, arrays, shape_of
-from multilora.model.llama import LayerWeights, Weights
+from multilora.model.llama import LayerWeights, Weights, embedding_rows_major
 from multilora.model.sharding import dataclass_shardings, make_mesh, put, rules_for
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -164,4 +164,4 @@ def _fused_experts(idx: _TensorIndex, layer: int, info: ArrayInfo, shape: tuple[
 def place_weights(host_w: Weights, cfg: ModelConfig, mesh, dtype) -> Weights:
     """Host arrays -> device arrays in `dtype`, sharded by the rules table."""
     shardings = dataclass_shardings(host_w, mesh, rules_for(cfg, mesh))
-    return jax.tree.map(lambda a, s: put(np.asarray(a).astype(dtype), s), host_w, shardings)
+    return embedding_rows_major(jax.tree.map(lambda a, s: put(np.asarray(a).astype(dtype), s), host_w, shardings))
