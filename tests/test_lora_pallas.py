@@ -1,7 +1,8 @@
 """The Pallas LoRA kernel (multilora.kernels.lora_pallas) against a plain per-token definition.
 
 On the CPU (CI) the kernel runs in Pallas's TPU interpreter, DMAs and semaphores included; on a
-TPU the same tests run it compiled. Cases: ragged token counts, pages out of order in the pool,
+TPU the same tests run it compiled. Cases: ragged token counts, pages out of order in the pool
+and adapters whose pages are one run (read in one copy),
 base rows among adapter rows, mixed ranks, stacked A blocks, several layers read in place at a
 traced layer, more step adapters than one chunk, tokens split over several tiles, float32 and
 bfloat16 pools, and pool rows that no adapter names holding NaN (one read would show).
@@ -23,16 +24,20 @@ ON_TPU = jax.default_backend() == "tpu"
 
 def paged_pool(rng, num_layers, blocks, slot_ranks, width, dtype, table_width):
     """(pool (L, blocks*U, X), rows_SR, dense (L, blocks, S, R, X)): each slot's ceil(rank / 8)
-    pages at random pages of the pool, page 0 zero, rows past a slot's rank zero, rows no slot
+    pages in the pool, an odd slot's as one run of consecutive pages (read in one copy), an even
+    slot's at random pages, in no order; page 0 zero, rows past a slot's rank zero, rows no slot
     names NaN."""
     s = len(slot_ranks)
     need = [-(-int(k) // PAGE_ROWS) for k in slot_ranks]
+    n_runs = sum(n for i, n in enumerate(need) if i % 2)
     n_pages = 1 + sum(need) + 3
-    free = list(rng.permutation(np.arange(1, n_pages)))
+    runs = iter(range(n_pages - n_runs, n_pages))           # the top pages, handed out in order
+    free = list(rng.permutation(np.arange(1, n_pages - n_runs)))
     rows = np.tile(np.arange(table_width, dtype=np.int32) % PAGE_ROWS, (s, 1))
     for i, n in enumerate(need):
         for p in range(n):
-            rows[i, PAGE_ROWS * p:PAGE_ROWS * (p + 1)] = free.pop() * PAGE_ROWS + np.arange(PAGE_ROWS)
+            page = next(runs) if i % 2 else free.pop()
+            rows[i, PAGE_ROWS * p:PAGE_ROWS * (p + 1)] = page * PAGE_ROWS + np.arange(PAGE_ROWS)
     u = n_pages * PAGE_ROWS
     dense = rng.standard_normal((num_layers, blocks, s, table_width, width)).astype(np.float32)
     for i, k in enumerate(slot_ranks):
@@ -126,6 +131,37 @@ def test_lora_delta_matches_the_per_token_definition(case, dtype):
         ref = lora_delta_reference(x, a_pool, b_pool, layer, info.step_slots_A, info.local_T, rows,
                                    scalings, block, blocks)
         assert np.allclose(np.asarray(ref.astype(jnp.float32)), want, atol=tol * scale)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stacked_outputs_in_one_call_match_each_projection(dtype):
+    """lora_deltas: q/k/v-like outputs of different widths from one stacked A pool in one call,
+    over two token tiles and three chunks of adapters, against the per-token definition."""
+    from multilora.kernels.lora_pallas import lora_deltas
+    rng = np.random.default_rng(11)
+    ranks = [0] + [16, 8] * 9 + [16]
+    t, d, outs, layers = 40, 128, (256, 128, 128), 2
+    a_pool, rows, a_dense = paged_pool(rng, layers, len(outs), ranks, d, dtype, 16)
+    u = a_pool.shape[1] // len(outs)
+    bs = [b_pool_by_table(np.random.default_rng(20 + k), layers, ranks, rows, u, o, dtype) for k, o in enumerate(outs)]
+    scalings = rng.uniform(0.25, 2.0, len(ranks)).astype(np.float32)
+    scalings[NO_ADAPTER] = 0.0
+    slot_T = make_tokens(rng, "random", t, len(ranks))
+    info = make_lora_batch_info(slot_T, scalings, np.asarray(ranks, np.int32), rows, max_grouped=24)
+    x = jnp.asarray(rng.standard_normal((t, d)).astype(np.float32)).astype(dtype)
+    x_np = np.asarray(x.astype(jnp.float32))
+    tol = 2e-2 if dtype == "bfloat16" else (2e-3 if ON_TPU else 1e-4)
+    got = jax.jit(lora_deltas, static_argnames=("a_block_ids", "a_blocks", "interpret", "tile_rows"))(
+        x, a_pool, [b for b, _ in bs], jnp.int32(1), info.step_slots_A, info.local_T, rows, scalings,
+        a_blocks=len(outs), interpret=not ON_TPU, tile_rows=16)
+    assert len(got) == len(outs)
+    for k, (y, (_, b_dense)) in enumerate(zip(got, bs)):
+        y = np.asarray(jnp.asarray(y).astype(jnp.float32))
+        want = np_delta(x_np, a_dense, b_dense, 1, k, scalings, slot_T)
+        assert y.shape == (t, outs[k]) and np.isfinite(y).all()
+        assert np.all(y[slot_T == NO_ADAPTER] == 0.0)
+        scale = max(1.0, float(np.abs(want).max()))
+        assert float(np.abs(y - want).max()) <= tol * scale, f"output {k}"
 
 
 def test_step_adapters_in_order_of_first_appearance():

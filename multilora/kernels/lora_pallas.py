@@ -51,8 +51,8 @@ def chunk_adapters(table_width: int) -> int:
 
 
 def token_tile(num_tokens: int, d_in: int, d_out: int, itemsize: int) -> int:
-    """Rows per token tile: the whole step where its x block, f32 accumulator and output block
-    fit the VMEM budget, else the largest power of two (>= 8) that does (the step is padded to
+    """Rows per token tile: the whole step where its x block, f32 accumulators and output blocks
+    (d_out: the features of every output of the call together) fit the VMEM budget, else the largest power of two (>= 8) that does (the step is padded to
     whole tiles)."""
     def fits(tm):
         return tm * (2 * d_in * itemsize + 4 * d_out + 2 * d_out * itemsize) <= VMEM_BUDGET_BYTES // 2
@@ -69,69 +69,99 @@ def _precision(operand):
     return jax.lax.Precision.HIGHEST if operand.dtype == jnp.float32 else None
 
 
-def _kernel(layer_ref, pages_ref, lo_ref, n_ref, start_ref,      # scalar prefetch (SMEM)
-            x_ref, local_ref, scale_ref, a_hbm, b_hbm,           # inputs
-            y_ref,                                                # output
-            abuf, bbuf, sem, acc,                                 # scratch
-            *, pages_per_chunk: int, a_off: int, rank_cols: int, per_chunk: int, num_tiles: int):
+def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, a_hbm, *refs, nb: int, pages_per_chunk: int,
+            a_offs: tuple, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int):
+    """layer_ref, meta_ref (SMEM): the layer; the plan's pages and runs, then the tile size's
+    lo / n / start (lora_plan's "meta"). refs: nb B pools (HBM), nb outputs, then the scratch: A's buffer (both slots, a
+    block of W rows per output), nb B buffers, the DMA semaphores, nb accumulators."""
+    b_hbm, y_refs = refs[:nb], refs[nb:2 * nb]
+    abuf, bbufs, sem, accs = refs[2 * nb], refs[2 * nb + 1:3 * nb + 1], refs[3 * nb + 1], refs[3 * nb + 2:]
     i, j = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
+    per_adapter = rank_cols // PAGE_ROWS
+    w = per_chunk * rank_cols
+    o_pages, o_runs = 0, num_chunks * pages_per_chunk
+    o_lo = o_runs + num_chunks * per_chunk
+    o_n, o_start = o_lo + num_tiles, o_lo + 2 * num_tiles
 
-    def copies(tile, jj, slot):
-        c = lo_ref[tile] + jj
-        out = []
-        for q in range(pages_per_chunk):
-            row = pl.multiple_of(pages_ref[c * pages_per_chunk + q] * PAGE_ROWS, PAGE_ROWS)
-            dst = pl.ds(q * PAGE_ROWS, PAGE_ROWS)
-            out.append(pltpu.make_async_copy(a_hbm.at[layer, pl.ds(a_off + row, PAGE_ROWS)],
-                                             abuf.at[slot, dst], sem.at[0, slot]))
-            out.append(pltpu.make_async_copy(b_hbm.at[layer, pl.ds(row, PAGE_ROWS)],
-                                             bbuf.at[slot, dst], sem.at[1, slot]))
-        return out
+    def dmas(tile, jj, slot, act):
+        """act(copy) for each copy of the tile's jj-th chunk into buffer `slot`: an adapter whose
+        pages are consecutive in the pool (the registry hands pages lowest first, so a loaded
+        adapter's usually are) in one copy of its rank rows per pool, another page by page.
+        Started and waited on alike, so that each wait matches its copy."""
+        c = meta_ref[o_lo + tile] + jj
 
-    active = j < n_ref[i]
-    slot = (start_ref[i] + j) % 2
+        def copy(first_page, dst_row, rows):
+            row = pl.multiple_of(first_page * PAGE_ROWS, PAGE_ROWS)
+            for k, a_off in enumerate(a_offs):
+                act(pltpu.make_async_copy(a_hbm.at[layer, pl.ds(a_off + row, rows)],
+                                          abuf.at[slot, pl.ds(k * w + dst_row, rows)], sem.at[0, slot]))
+            for k in range(nb):
+                act(pltpu.make_async_copy(b_hbm[k].at[layer, pl.ds(row, rows)],
+                                          bbufs[k].at[slot, pl.ds(dst_row, rows)], sem.at[1 + k, slot]))
+
+        for a in range(per_chunk):
+            entry = c * per_chunk + a
+            first = o_pages + entry * per_adapter
+            if per_adapter == 1:
+                copy(meta_ref[first], a * rank_cols, PAGE_ROWS)
+                continue
+            run = meta_ref[o_runs + entry] == 1
+
+            @pl.when(run)
+            def _():
+                copy(meta_ref[first], a * rank_cols, rank_cols)
+
+            @pl.when(jnp.logical_not(run))
+            def _():
+                for q in range(per_adapter):
+                    copy(meta_ref[first + q], a * rank_cols + q * PAGE_ROWS, PAGE_ROWS)
+
+    n_i = meta_ref[o_n + i]
+    active = j < n_i
+    slot = (meta_ref[o_start + i] + j) % 2
 
     @pl.when((i == 0) & (j == 0))
     def _():
-        for cp in copies(0, 0, 0):
-            cp.start()
+        dmas(0, 0, 0, lambda cp: cp.start())
 
     @pl.when(active)
     def _():
         # The next active step's pages go in flight before this step waits for its own.
-        last_of_tile = j + 1 >= n_ref[i]
+        last_of_tile = j + 1 >= n_i
 
         @pl.when(jnp.logical_not(last_of_tile))
         def _():
-            for cp in copies(i, j + 1, 1 - slot):
-                cp.start()
+            dmas(i, j + 1, 1 - slot, lambda cp: cp.start())
 
         @pl.when(last_of_tile & (i + 1 < num_tiles))
         def _():
-            for cp in copies(i + 1, 0, 1 - slot):
-                cp.start()
+            dmas(i + 1, 0, 1 - slot, lambda cp: cp.start())
 
-        for cp in copies(i, j, slot):
-            cp.wait()
+        dmas(i, j, slot, lambda cp: cp.wait())
 
         @pl.when(j == 0)
         def _():
-            acc[...] = jnp.zeros_like(acc)
+            for acc in accs:
+                acc[...] = jnp.zeros_like(acc)
 
-        c = lo_ref[i] + j
+        c = meta_ref[o_lo + i] + j
         x = x_ref[...]
-        a = abuf[slot]
-        h = jax.lax.dot_general(x, a.astype(x.dtype), (((1,), (1,)), ((), ())), precision=_precision(x),
-                                preferred_element_type=jnp.float32)            # (tm, W)
-        col = c * per_chunk + jax.lax.broadcasted_iota(jnp.int32, (1, h.shape[1]), 1) // rank_cols
-        h = jnp.where(local_ref[...] == col, h * scale_ref[c], 0.0)
-        b = bbuf[slot]
-        acc[...] += jnp.dot(h.astype(b.dtype), b, precision=_precision(b), preferred_element_type=jnp.float32)
+        col = c * per_chunk + jax.lax.broadcasted_iota(jnp.int32, (1, w), 1) // rank_cols
+        mine = local_ref[...] == col
+        scale = scale_ref[c]
+        for k in range(nb):
+            a = abuf[slot, pl.ds(k * w, w), :]
+            h = jax.lax.dot_general(x, a.astype(x.dtype), (((1,), (1,)), ((), ())), precision=_precision(x),
+                                    preferred_element_type=jnp.float32)            # (tm, W)
+            h = jnp.where(mine, h * scale, 0.0)
+            b = bbufs[k][slot]
+            accs[k][...] += jnp.dot(h.astype(b.dtype), b, precision=_precision(b), preferred_element_type=jnp.float32)
 
         @pl.when(last_of_tile)
         def _():
-            y_ref[...] = acc[...].astype(y_ref.dtype)
+            for y_ref, acc in zip(y_refs, accs):
+                y_ref[...] = acc[...].astype(y_ref.dtype)
 
 
 def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles) -> dict:
@@ -151,6 +181,8 @@ def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles) -> dict:
     rows_AR = jnp.take(rows_SR, slots, axis=0, mode="clip")
     # padding entries (slot 0) read the zero page, never slot 0's rows
     pages = jnp.where(slots[:, None] == NO_ADAPTER, 0, rows_AR[:, ::PAGE_ROWS] // PAGE_ROWS)
+    # each entry's pages one run of consecutive pool pages: read in one copy (the kernel's `dmas`)
+    runs = jnp.all(pages == pages[:, :1] + jnp.arange(pages.shape[1], dtype=pages.dtype), axis=1).astype(jnp.int32)
     pages = pages.reshape(-1).astype(jnp.int32)                                       # (C * Q,)
     scale_C1W = jnp.repeat(jnp.take(scalings_S, slots, mode="clip").astype(jnp.float32), r).reshape(
         num_chunks, 1, per_chunk * r)
@@ -166,8 +198,10 @@ def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles) -> dict:
         hi = jnp.max(jnp.where(used, chunk_T, -1), axis=1)
         lo = jnp.where(lo >= num_chunks, 0, lo).astype(jnp.int32)
         n = jnp.maximum(hi - lo + 1, 1).astype(jnp.int32)
-        by_tile[tm] = dict(local=local_pad[:, None], lo=lo, n=n, start=(jnp.cumsum(n) - n).astype(jnp.int32))
-    return dict(pages=pages, scale=scale_C1W, tiles=by_tile)
+        start = (jnp.cumsum(n) - n).astype(jnp.int32)
+        # the kernel's scalars in one array (one copy into SMEM a call, not one per array)
+        by_tile[tm] = dict(local=local_pad[:, None], meta=jnp.concatenate([pages, runs, lo, n, start]))
+    return dict(scale=scale_C1W, tiles=by_tile)
 
 
 def lora_delta(x_TD, a_pool_LUD, b_pool_LUO, layer, step_slots_A, local_T, rows_SR, scalings_S,
@@ -180,10 +214,25 @@ def lora_delta(x_TD, a_pool_LUD, b_pool_LUO, layer, step_slots_A, local_T, rows_
     projection's A rows. interpret: Pallas's TPU interpreter (any platform; the tests' path).
     tile_rows: rows per token tile (default: token_tile's pick). plan: lora_plan's for the same
     step (made here where not given, or where it lacks this call's tile size)."""
+    (y,) = lora_deltas(x_TD, a_pool_LUD, (b_pool_LUO,), layer, step_slots_A, local_T, rows_SR, scalings_S,
+                       (a_block,), a_blocks, interpret, tile_rows, plan)
+    return y
+
+
+def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, rows_SR, scalings_S,
+                a_block_ids=None, a_blocks: int = 1, interpret: bool = False, tile_rows: int | None = None,
+                plan: dict | None = None):
+    """The deltas of several projections over one input (q/k/v, gate/up), in one call: output k
+    from A block a_block_ids[k] of the stacked A pool (default: block k) and B pool b_pools_LUO[k].
+    One call reads x once and walks the step's adapters once for all of them, where separate calls
+    each pay a call's fixed cost (its scalars, its first pages' wait, x read again): ~4 us on a
+    v5e, 210 calls a step of SmolLM2's shape. Arguments as lora_delta's."""
     t, d = x_TD.shape
-    o = b_pool_LUO.shape[2]
+    nb = len(b_pools_LUO)
+    a_block_ids = tuple(range(nb)) if a_block_ids is None else tuple(a_block_ids)
+    outs = [b.shape[2] for b in b_pools_LUO]
     r = rows_SR.shape[1]
-    tm = tile_rows or token_tile(t, d, o, jnp.dtype(x_TD.dtype).itemsize)
+    tm = tile_rows or token_tile(t, d, sum(outs), jnp.dtype(x_TD.dtype).itemsize)
     if plan is None or tm not in plan["tiles"]:
         plan = lora_plan(step_slots_A, local_T, rows_SR, scalings_S, (tm,))
     per_chunk = chunk_adapters(r)
@@ -193,36 +242,36 @@ def lora_delta(x_TD, a_pool_LUD, b_pool_LUO, layer, step_slots_A, local_T, rows_
     pad = nt * tm - t
     x_pad = jnp.pad(x_TD, ((0, pad), (0, 0))) if pad else x_TD
     tile = plan["tiles"][tm]
-    kernel = functools.partial(_kernel, pages_per_chunk=w // PAGE_ROWS, a_off=a_block * (a_pool_LUD.shape[1] // a_blocks),
-                               rank_cols=r, per_chunk=per_chunk, num_tiles=nt)
+    block_rows = a_pool_LUD.shape[1] // a_blocks
+    kernel = functools.partial(_kernel, nb=nb, pages_per_chunk=w // PAGE_ROWS,
+                               a_offs=tuple(k * block_rows for k in a_block_ids), rank_cols=r,
+                               per_chunk=per_chunk, num_tiles=nt, num_chunks=num_chunks)
+    any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
+        num_scalar_prefetch=2,
         grid=(nt, num_chunks),
         in_specs=[
             pl.BlockSpec((tm, d), lambda i, j, *_: (i, 0)),
             pl.BlockSpec((tm, 1), lambda i, j, *_: (i, 0)),
             pl.BlockSpec((num_chunks, 1, w), lambda i, j, *_: (0, 0, 0)),
-            pl.BlockSpec(memory_space=pl.ANY),
-            pl.BlockSpec(memory_space=pl.ANY),
-        ],
-        out_specs=pl.BlockSpec((tm, o), lambda i, j, *_: (i, 0)),
-        scratch_shapes=[
-            pltpu.VMEM((2, w, d), a_pool_LUD.dtype),
-            pltpu.VMEM((2, w, o), b_pool_LUO.dtype),
-            pltpu.SemaphoreType.DMA((2, 2)),
-            pltpu.VMEM((tm, o), jnp.float32),
-        ],
+            any_space,
+        ] + [any_space] * nb,
+        out_specs=[pl.BlockSpec((tm, o), lambda i, j, *_: (i, 0)) for o in outs],
+        scratch_shapes=[pltpu.VMEM((2, nb * w, d), a_pool_LUD.dtype)]
+        + [pltpu.VMEM((2, w, o), b.dtype) for o, b in zip(outs, b_pools_LUO)]
+        + [pltpu.SemaphoreType.DMA((1 + nb, 2))]
+        + [pltpu.VMEM((tm, o), jnp.float32) for o in outs],
     )
-    y = pl.pallas_call(
+    ys = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((nt * tm, o), x_TD.dtype),
+        out_shape=[jax.ShapeDtypeStruct((nt * tm, o), x_TD.dtype) for o in outs],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
                                              vmem_limit_bytes=VMEM_LIMIT_BYTES),
         interpret=pltpu.InterpretParams() if interpret else False,
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), plan["pages"], tile["lo"], tile["n"], tile["start"],
-      x_pad, tile["local"], plan["scale"], a_pool_LUD, b_pool_LUO)
-    return y[:t] if pad else y
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), tile["meta"], x_pad, tile["local"], plan["scale"],
+      a_pool_LUD, *b_pools_LUO)
+    return tuple(y[:t] if pad else y for y in ys)
 
 
 def lora_delta_reference(x_TD, a_pool_LUD, b_pool_LUO, layer, step_slots_A, local_T, rows_SR, scalings_S,

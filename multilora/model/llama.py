@@ -383,7 +383,8 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     norm = lambda x, w: rms_norm(x, w, cfg.rms_norm_eps, cfg.gemma_norms)  # noqa: E731
     if be is not None:  # each backend's per-step metadata, once for every layer (plan_step)
         d, f = cfg.hidden_size, cfg.intermediate_size
-        dims = ((d, n * h), (d, kvh * h), (n * h, d), (d, f), (f, d))
+        # each LoRA call's (in, out) features, a stacked call's outputs together (q/k/v, gate/up)
+        dims = ((d, n * h + 2 * kvh * h), (n * h, d), (d, 2 * f), (f, d))
         dims += ((d, cfg.num_experts),) if cfg.moe_layers else ()  # the router's LoRA
         for b in bes:
             info = b.plan_step(info, t, dims, x_TD.dtype)

@@ -76,7 +76,8 @@ class BaseLoRABackend:
                   dtype) -> LoRABatchInfo:
         """Inside the step, before its layers: info with whatever the backend derives from it
         once for every layer's calls (LoRABatchInfo.kernel_plan). dims: the (in, out) features
-        of the projections it will be called for; dtype: the activations'."""
+        of each call it will get (run_qkv_lora's and run_gate_up_lora's outputs together);
+        dtype: the activations'."""
         return info
 
     def prepare_lora_batch(self, slot_T: np.ndarray, scalings_S: np.ndarray, ranks_S: np.ndarray,

@@ -1,6 +1,7 @@
 """LoRA through a Pallas TPU kernel that reads only the step's own adapters, in place.
 
-Each projection's delta is one kernel call (multilora.kernels.lora_pallas): the step's distinct
+Each call's deltas (one projection's, or q/k/v's and gate/up's together) are one kernel call
+(multilora.kernels.lora_pallas): the step's distinct
 adapters (LoRABatchInfo.step_slots_A, in order of first appearance) are walked a chunk at a time,
 their pages DMA'd from the pool at the step's layer straight into VMEM, shrink and expand fused.
 Its cost follows the step's adapters and tokens, not the pool's slots: the XLA backends' gathers
@@ -20,7 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from multilora.kernels.lora_pallas import lora_delta, lora_plan, token_tile
+from multilora.kernels.lora_pallas import lora_deltas, lora_plan, token_tile
 from multilora.lora.backend.base import BaseLoRABackend, add_base, pool_layer, slot_rows
 from multilora.lora.backend.dense import onehot_expand, onehot_shrink
 from multilora.lora.batch import NO_ADAPTER, PAGE_ROWS, PER_TOKEN, LoRABatchInfo
@@ -48,28 +49,31 @@ class PallasLoRABackend(BaseLoRABackend):
         return info
 
     def plan_step(self, info: LoRABatchInfo, num_tokens: int, dims, dtype) -> LoRABatchInfo:
-        """The kernel's per-step metadata (lora_plan), for the token tiles the step's projections
-        will take, made once instead of in each of the step's layers x projections calls."""
+        """The kernel's per-step metadata (lora_plan), for the token tiles the step's calls will
+        take (dims: each call's input features and its outputs' together), made once instead of
+        in each of the step's layers x calls."""
         if not _paged(info):
             return info
         tiles = {token_tile(num_tokens, d, o, jnp.dtype(dtype).itemsize) for d, o in dims}
         plan = lora_plan(info.step_slots_A, info.local_T, info.rows_SR, info.scalings_S, tuple(tiles))
         return dataclasses.replace(info, kernel_plan=plan)
 
-    def _delta(self, x_TD, a, b, info: LoRABatchInfo, a_block: int = 0, a_blocks: int = 1):
-        a, b = pool_layer(a), pool_layer(b)
-        return lora_delta(x_TD, a.pool, b.pool, a.layer, info.step_slots_A, info.local_T, info.rows_SR,
-                          info.scalings_S, a_block, a_blocks, interpret=_interpret(), plan=info.kernel_plan)
+    def _deltas(self, x_TD, a, bs, info: LoRABatchInfo):
+        """Every output of one A pool (its len(bs) blocks) in one kernel call."""
+        a = pool_layer(a)
+        bs = [pool_layer(b).pool for b in bs]
+        return lora_deltas(x_TD, a.pool, bs, a.layer, info.step_slots_A, info.local_T, info.rows_SR,
+                           info.scalings_S, a_blocks=len(bs), interpret=_interpret(), plan=info.kernel_plan)
 
     def run_lora(self, x_TD, lora_a_UD, lora_b_UO, info: LoRABatchInfo):
         if not _paged(info):
             return super().run_lora(x_TD, lora_a_UD, lora_b_UO, info)
-        return self._delta(x_TD, lora_a_UD, lora_b_UO, info)
+        return self._deltas(x_TD, lora_a_UD, (lora_b_UO,), info)[0]
 
     def _stacked(self, x_TD, a_UD, lora_b, info):
         if not _paged(info):
             return super()._stacked(x_TD, a_UD, lora_b, info)
-        return tuple(self._delta(x_TD, a_UD, b_UO, info, i, len(lora_b)) for i, b_UO in enumerate(lora_b))
+        return self._deltas(x_TD, a_UD, lora_b, info)
 
     # The interface's separate shrink and expand: dense's one-hot arithmetic over the step's
     # adapters (padding entries, slot 0, read as zeros).
