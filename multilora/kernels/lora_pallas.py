@@ -52,8 +52,8 @@ def chunk_adapters(table_width: int) -> int:
 
 def token_tile(num_tokens: int, d_in: int, d_out: int, itemsize: int) -> int:
     """Rows per token tile: the whole step where its x block, f32 accumulators and output blocks
-    (d_out: the features of every output of the call together) fit the VMEM budget, else the largest power of two (>= 8) that does (the step is padded to
-    whole tiles)."""
+    (d_out: the features of every output of the call together) fit the VMEM budget, else the
+    largest power of two (>= 8) that does (the step is padded to whole tiles)."""
     def fits(tm):
         return tm * (2 * d_in * itemsize + 4 * d_out + 2 * d_out * itemsize) <= VMEM_BUDGET_BYTES // 2
     if fits(num_tokens):

@@ -1,9 +1,9 @@
 """LoRA through a Pallas TPU kernel that reads only the step's own adapters, in place.
 
 Each call's deltas (one projection's, or q/k/v's and gate/up's together) are one kernel call
-(multilora.kernels.lora_pallas): the step's distinct
-adapters (LoRABatchInfo.step_slots_A, in order of first appearance) are walked a chunk at a time,
-their pages DMA'd from the pool at the step's layer straight into VMEM, shrink and expand fused.
+(multilora.kernels.lora_pallas): the step's distinct adapters (LoRABatchInfo.step_slots_A, in
+order of first appearance) are walked a chunk at a time, their pages DMA'd from the pool at the
+step's layer straight into VMEM, shrink and expand fused.
 Its cost follows the step's adapters and tokens, not the pool's slots: the XLA backends' gathers
 (bgmv, sgmv, dense) cost far more than their bytes on a TPU, and the one-hot product over every
 slot (sglang-jax's, `dense` here) reads the whole pool every step.
