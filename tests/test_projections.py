@@ -171,3 +171,16 @@ def test_resolve_on_the_avx2_path(monkeypatch):
     monkeypatch.setenv(kernels.ISA_ENV, "sse4")
     with pytest.raises(ValueError, match="MULTILORA_KERNEL_ISA='sse4': choose one of avx2, avx512-bf16, amx"):
         projections.resolve("bfloat16", jnp.float32, like)
+
+
+def test_describe_warns_about_half_precision_dtypes_on_the_cpu():
+    """The engine's log line about its arithmetic: a warning that names the faster setting where
+    the model's dtype is bfloat16 or float16 on a CPU, plain information otherwise."""
+    import logging
+    on_cpu = jnp.zeros((4, 4), jnp.float32)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        level, msg = projections.describe("bfloat16", jnp.bfloat16, dtype, on_cpu)
+        assert level == logging.WARNING
+        assert jnp.dtype(dtype).name in msg and "dtype float32" in msg and "projection_dtype auto" in msg
+    level, msg = projections.describe("bfloat16-packed", jnp.bfloat16, jnp.float32, on_cpu)
+    assert level == logging.INFO and msg == "projections: bfloat16-packed; adapter pool: bfloat16"

@@ -105,7 +105,7 @@ class Engine(AdapterAPI):
         weights = projections.convert(weights, self.projection_mode)
         self.lora_dtype = projections.lora_pool_dtype(c.lora_dtype, self.dtype, self.projection_mode,
                                                        c.lora_backend)
-        log.info("projections: %s; adapter pool: %s", self.projection_mode, self.lora_dtype.name)
+        log.log(*projections.describe(self.projection_mode, self.lora_dtype, self.dtype, weights.embed_VD))
         self.tokenizer = load_tokenizer(model)
         self.eos_token_ids = set(self.cfg.eos_token_ids) | generation_eos(model)
 
