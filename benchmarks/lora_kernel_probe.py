@@ -1,16 +1,19 @@
-"""The Pallas LoRA kernel alone at the model shapes' calls, one call kind at a time: each case
-compiled, run once, then timed (median of --repeats), every step printed as it happens, so that a
-crash or a hang names its case (log 33: whole steps with the fused kernel crashed on the chip
-and the cause was not found). Separate calls (lora_delta per output) beside one call for a
-stacked A pool's outputs (lora_deltas), rank-16 adapters, bf16.
+"""The Pallas LoRA kernel alone at the model shapes' calls, one call kind at a time, timed on the
+device: one jitted loop over the model's layers (each iteration the kernel at that layer, as a
+step's scan calls it), its median wall time divided by the layers, so a call's host dispatch is
+paid once per loop, not per call. Each case is compiled, run once, then timed, every step printed
+as it happens (a crash or a hang names its case). Separate calls (lora_delta per output) beside
+one call for a stacked A pool's outputs (lora_deltas), rank-16 adapters, bf16; --chunks sweeps
+the adapters per chunk (MULTILORA_LORA_CHUNK_ADAPTERS; 0: the kernel's own pick).
 
-    python3 benchmarks/lora_kernel_probe.py --model llama-3.2-1b --tokens 64 --adapters 64
+    python3 benchmarks/lora_kernel_probe.py --model llama-3.2-1b --tokens 64 --adapters 64 --chunks 0 16
     JAX_PLATFORMS=cpu python3 benchmarks/lora_kernel_probe.py --quick   # the interpreter, tiny shapes
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -25,7 +28,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import SHAPES  # noqa: E402
 from multilora.adapters.pool import slot_major_rows  # noqa: E402
 from multilora.config import ModelConfig  # noqa: E402
-from multilora.kernels.lora_pallas import lora_delta, lora_deltas  # noqa: E402
+from multilora.kernels.lora_pallas import CHUNK_ENV, lora_delta, lora_deltas  # noqa: E402
 from multilora.lora.batch import make_lora_batch_info  # noqa: E402
 
 
@@ -39,6 +42,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--adapters", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--calls", nargs="+", default=["qkv", "gate_up", "o", "down"])
+    ap.add_argument("--chunks", type=int, nargs="+", default=[0], help="adapters per chunk (0: the kernel's pick)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="tiny shapes in the interpreter (a CPU check)")
     args = ap.parse_args(argv)
@@ -49,7 +53,7 @@ def main(argv=None):
         d, f, q, kv = 128, 256, 128, 128
         args.tokens, args.adapters, args.repeats = [16], [4], 2
     kinds = {"qkv": (d, (q, kv, kv)), "gate_up": (d, (f, f)), "o": (q, (d,)), "down": (f, (d,))}
-    rank, layers = 16, 2
+    rank, layers = 16, (2 if args.quick else cfg.num_layers)
     key = iter(jax.random.split(jax.random.PRNGKey(0), 64))
     for name in args.calls:
         d_in, outs = kinds[name]
@@ -64,31 +68,47 @@ def main(argv=None):
                 info = make_lora_batch_info(slot_T, np.full(s, 2.0, np.float32), np.full(s, rank, np.int32), rows,
                                             max_grouped=min(64, max(k, 1)))
                 x = (jax.random.normal(next(key), (t, d_in))).astype(jnp.bfloat16)
-                args_ = (x, a, bs, jnp.int32(1), info.step_slots_A, info.local_T, rows, np.full(s, 2.0, np.float32))
-                ways = {
-                    "separate": lambda *z: tuple(lora_delta(z[0], z[1], b, z[3], *z[4:], a_block=i, a_blocks=len(outs),
-                                                            interpret=interpret) for i, b in enumerate(z[2])),
-                    "one call": lambda *z: lora_deltas(*z, a_blocks=len(outs), interpret=interpret),
-                }
-                got = {}
-                for way, fn in ways.items():
-                    what = f"{args.model} {name} T={t} adapters={k} {way}"
-                    log(f"# compiling {what} ...")
-                    t0 = time.perf_counter()
-                    exe = jax.jit(fn).lower(*args_).compile()
-                    log(f"# compiled {what}: {time.perf_counter() - t0:.1f} s; its first run ...")
-                    t0 = time.perf_counter()
-                    got[way] = jax.block_until_ready(exe(*args_))
-                    log(f"# ran {what} once: {time.perf_counter() - t0:.3f} s")
-                    times = []
-                    for _ in range(args.repeats):
+                args_ = (x, a, bs, info.step_slots_A, info.local_T, rows, np.full(s, 2.0, np.float32))
+
+                def separate(x, a, bs, layer, *z):
+                    return tuple(lora_delta(x, a, b, layer, *z, a_block=i, a_blocks=len(outs), interpret=interpret)
+                                 for i, b in enumerate(bs))
+
+                def one_call(x, a, bs, layer, *z):
+                    return lora_deltas(x, a, bs, layer, *z, a_blocks=len(outs), interpret=interpret)
+
+                for chunk in args.chunks:
+                    os.environ[CHUNK_ENV] = str(chunk) if chunk else ""
+                    got = {}
+                    for way, fn in {"separate": separate, "one call": one_call}.items():
+                        what = f"{args.model} {name} T={t} adapters={k} chunk={chunk or 'auto'} {way}"
+                        log(f"# compiling {what} ...")
                         t0 = time.perf_counter()
-                        jax.block_until_ready(exe(*args_))
-                        times.append(time.perf_counter() - t0)
-                    log(f"{what}: median {1e6 * statistics.median(times):.1f} us")
-                diff = max(float(jnp.max(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32))))
-                           for u, v in zip(got["separate"], got["one call"]))
-                log(f"{args.model} {name} T={t} adapters={k}: max |separate - one call| {diff:.3g}")
+                        exe = jax.jit(lambda *z, fn=fn: over_layers(fn, layers, *z)).lower(*args_).compile()
+                        log(f"# compiled {what}: {time.perf_counter() - t0:.1f} s; its first run ...")
+                        t0 = time.perf_counter()
+                        got[way] = jax.block_until_ready(exe(*args_))
+                        log(f"# ran {what} once: {time.perf_counter() - t0:.3f} s")
+                        times = []
+                        for _ in range(args.repeats):
+                            t0 = time.perf_counter()
+                            jax.block_until_ready(exe(*args_))
+                            times.append(time.perf_counter() - t0)
+                        log(f"{what}: {1e6 * statistics.median(times) / layers:.1f} us a layer "
+                            f"({layers} layers in {1e3 * statistics.median(times):.2f} ms)")
+                    diff = max(float(jnp.max(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32))))
+                               for u, v in zip(got["separate"], got["one call"]))
+                    log(f"{args.model} {name} T={t} adapters={k} chunk={chunk or 'auto'}: "
+                        f"max |separate - one call| {diff:.3g}")
+
+
+def over_layers(fn, layers, x, a, bs, *z):
+    """fn at every layer of the pools in turn (a loop, as a step's scan over its layers), each
+    layer's outputs summed, so that every call's result is used and one dispatch runs them all."""
+    def body(layer, acc):
+        return tuple(s + y.astype(jnp.float32) for s, y in zip(acc, fn(x, a, bs, layer, *z)))
+    zeros = tuple(jnp.zeros((x.shape[0], b.shape[2]), jnp.float32) for b in bs)
+    return jax.lax.fori_loop(0, layers, body, zeros)
 
 
 if __name__ == "__main__":

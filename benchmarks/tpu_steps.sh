@@ -63,12 +63,12 @@ for part in $PARTS; do
     # issue 40: a Llama-3.1-8B shape with an int8 base (quantization=int8) and 64 adapters on one chip
     int8) timeout -k 5 400 $FS --model llama-3.1-8b --dtypes int8 --decode-ctx 256 --modes decode prefill \
             --adapters 0 64 --json "$OUT/steps_8b_int8.json" 2>&1 | tee "$OUT/steps_8b_int8.log" ;;
-    # the LoRA kernel alone, separate calls against one call per stacked pool, a process per
-    # shape (benchmarks/lora_kernel_probe.py; whole outputs kept)
+    # the LoRA kernel alone, timed on the device over the model's layers: separate calls against
+    # one call per stacked pool, adapters per chunk swept, a process per shape (whole outputs kept)
     probe) for shape in ${SHAPES_:-smollm2-135m llama-3.2-1b}; do
              n="probe_${shape}"
              timeout -k 5 ${CASE_LIMIT:-150} python3 benchmarks/lora_kernel_probe.py --model "$shape" \
-               > "$OUT/$n.log" 2>&1; echo "$n: exit $?" | tee -a "$OUT/probe.txt"; grep -v "^# " "$OUT/$n.log"
+               --tokens ${TOKENS:-64} --adapters ${ADAPTERS:-64} --chunks ${CHUNKS:-0 16 32} > "$OUT/$n.log" 2>&1; echo "$n: exit $?" | tee -a "$OUT/probe.txt"; grep -v "^# " "$OUT/$n.log"
            done ;;
     # the same cases for several trees side by side (VARIANTS: folders holding a multilora/ and a
     # benchmarks/, e.g. other branches' `git archive`), a process per tree and shape, whole outputs

@@ -133,11 +133,14 @@ def test_lora_delta_matches_the_per_token_definition(case, dtype):
         assert np.allclose(np.asarray(ref.astype(jnp.float32)), want, atol=tol * scale)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_stacked_outputs_in_one_call_match_each_projection(dtype):
+@pytest.mark.parametrize("dtype,chunk", [("float32", None), ("bfloat16", None), ("bfloat16", 4), ("float32", 16)])
+def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, monkeypatch):
     """lora_deltas: q/k/v-like outputs of different widths from one stacked A pool in one call,
-    over two token tiles and three chunks of adapters, against the per-token definition."""
-    from multilora.kernels.lora_pallas import lora_deltas
+    over two token tiles and several chunks of adapters (the kernel's pick of adapters per chunk,
+    and others through MULTILORA_LORA_CHUNK_ADAPTERS), against the per-token definition."""
+    from multilora.kernels.lora_pallas import CHUNK_ENV, lora_deltas
+    if chunk:
+        monkeypatch.setenv(CHUNK_ENV, str(chunk))
     rng = np.random.default_rng(11)
     ranks = [0] + [16, 8] * 9 + [16]
     t, d, outs, layers = 40, 128, (256, 128, 128), 2

@@ -27,6 +27,7 @@ C chunks of adapters, W rank columns of a chunk, Q pages of a chunk, R row table
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -40,11 +41,15 @@ VMEM_LIMIT_BYTES = 64 * 1024 * 1024   # a v5e core has 128 MiB of VMEM; the defa
 VMEM_BUDGET_BYTES = 40 * 1024 * 1024  # what one call's buffers may take (tm is picked to fit)
 
 
+# Adapters per chunk in place of chunk_adapters' pick (a probe's knob: benchmarks/lora_kernel_probe.py)
+CHUNK_ENV = "MULTILORA_LORA_CHUNK_ADAPTERS"
+
+
 def chunk_adapters(table_width: int) -> int:
-    """Adapters per chunk: enough that a chunk's rank columns fill the MXU's lanes, and an even
-    number where the width is an odd number of pages, so that a chunk's rows are whole (16, 128)
-    tiles of a bfloat16 buffer."""
-    n = max(1, LANES // table_width)
+    """Adapters per chunk: enough that a chunk's rank columns fill the MXU's lanes (or
+    $MULTILORA_LORA_CHUNK_ADAPTERS), and an even number where the width is an odd number of
+    pages, so that a chunk's rows are whole (16, 128) tiles of a bfloat16 buffer."""
+    n = int(os.environ.get(CHUNK_ENV) or 0) or max(1, LANES // table_width)
     if (table_width // PAGE_ROWS) % 2 and n % 2:
         n = n - 1 if n > 1 else 2
     return n
