@@ -23,6 +23,7 @@ import numpy as np
 
 from multilora.config import (ALL_LORA_MODULES, EXPERT_LORA_MODULES, LORA_MODULES, ROUTER_LORA_MODULE, LoRAType,
                               ModelConfig)
+from multilora.adapters.errors import AdapterError  # noqa: F401  (callers import it from here)
 from multilora.adapters.pacing import checkpoint
 from multilora.adapters.safetensors_views import Scratch, read_header, read_tensors, views
 
@@ -36,15 +37,6 @@ _PER_EXPERT_KEY_RE = re.compile(r"layers\.\d+\.mlp\.experts\.\d+\.")
 _ALL_LINEAR = "all-linear"
 _HASH_CHUNK = 1 << 20  # bytes hashed between two checkpoints (multilora.adapters.pacing)
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-class AdapterError(ValueError):
-    """An adapter folder that cannot be served; the message names the adapter and the reason."""
-
-    def __init__(self, name: str, reason: str):
-        super().__init__(f"LoRA adapter {name!r}: {reason}")
-        self.adapter_name = name
-        self.reason = reason
 
 
 @dataclasses.dataclass
