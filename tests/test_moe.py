@@ -1,8 +1,8 @@
 """Qwen3-MoE (multilora.model.moe and its place in the model): the grouped experts and their LoRA
 against plain-jnp definitions on random shapes, the router against transformers', the config as
 transformers reads it, checkpoints with per-expert or fused experts, adapters refused by name
-(transformers 4's per-expert layout, a router or experts on a model without them, other
-parameters), the sharding rules, and a second tiny Qwen3-MoE unlike tests/reference.py's (every
+(transformers 4's per-expert layout missing experts, a router or experts on a model without them,
+other parameters), the sharding rules, and a second tiny Qwen3-MoE unlike tests/reference.py's (every
 layer sparse, 8 experts, top 3 not renormalised, one KV head, a sliding window, tied embeddings,
 biases) whose greedy tokens through the forward equal PEFT's in a mixed batch, with adapters on
 the router (all-linear), the experts and the attention. The tiny Qwen3-MoE of
@@ -207,9 +207,9 @@ def test_fused_experts_load_like_per_expert_ones(other, tmp_path):
 
 
 def test_adapters_on_what_is_not_supported_are_refused_by_name(other, tmp_path, tiny_models, tiny_adapters):
-    """Transformers 4's per-expert LoRA tensors, a router's or experts' LoRA on a model without
-    them, a parameter other than the router's and the experts': each an AdapterError that names
-    it."""
+    """Transformers 4's per-expert LoRA tensors for one expert of eight, a router's or experts'
+    LoRA on a model without them, a parameter other than the router's and the experts': each an
+    AdapterError that names it (tests/test_moe_per_expert.py reads the per-expert layout)."""
     model, adapters = other
     cfg = ModelConfig.from_dir(model)
     config = json.loads((adapters["down"] / "adapter_config.json").read_text())
@@ -218,7 +218,7 @@ def test_adapters_on_what_is_not_supported_are_refused_by_name(other, tmp_path, 
     tensors = load_file(str(v4 / "adapter_model.safetensors"))
     tensors["base_model.model.model.layers.0.mlp.experts.3.up_proj.lora_A.weight"] = np.zeros((4, 48), np.float32)
     save_file(tensors, str(v4 / "adapter_model.safetensors"))
-    with pytest.raises(AdapterError, match="per-expert LoRA tensors .transformers 4's layout. are not supported"):
+    with pytest.raises(AdapterError, match="layer 0 up_proj has LoRA tensors for experts 3 but none for 0-2, 4-7"):
         load_adapter("v4", v4, cfg, 16)
     llama = ModelConfig.from_dir(tiny_models["llama"])
     with pytest.raises(AdapterError, match="adapts MoE experts, but the base model has none"):

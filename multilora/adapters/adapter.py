@@ -25,6 +25,7 @@ from multilora.config import (ALL_LORA_MODULES, EXPERT_LORA_MODULES, LORA_MODULE
                               ModelConfig)
 from multilora.adapters.errors import AdapterError  # noqa: F401  (callers import it from here)
 from multilora.adapters.pacing import checkpoint
+from multilora.adapters.per_expert import PER_EXPERT_RE, Fused, fuse, plan as per_expert_plan
 from multilora.adapters.safetensors_views import Scratch, read_header, read_tensors, views
 
 _KEY_RE = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.(?:[\w-]+\.)?weight$")
@@ -33,7 +34,6 @@ _KEY_RE = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.(?:[\
 # base_layer), each lora_A (r * E, in), lora_B (out, r * E); which parameter a wrapper adapts is
 # told by its shapes (experts.gate_up_proj: D -> 2M, experts.down_proj: M -> D, never both).
 _EXPERT_KEY_RE = re.compile(r"layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)\.lora_([AB])\.(?:[\w-]+\.)?weight$")
-_PER_EXPERT_KEY_RE = re.compile(r"layers\.\d+\.mlp\.experts\.\d+\.")
 _ALL_LINEAR = "all-linear"
 _HASH_CHUNK = 1 << 20  # bytes hashed between two checkpoints (multilora.adapters.pacing)
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -182,10 +182,11 @@ def _weights_file(name: str, folder: Path) -> Path:
 
 
 def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: ModelConfig,
-          max_lora_rank: int) -> tuple[dict[str, dict[int, tuple[str, str, float]]], int, float]:
+          max_lora_rank: int) -> tuple[dict[str, dict[int, tuple]], int, float]:
     """Check every tensor's name and shape against the config and the base model (what the
     header alone tells). Returns module -> layer -> (A key, B key, scaling ratio folded into B),
-    the largest rank and the default scaling."""
+    or (per_expert.Fused, None, 1.0) for transformers 4's per-expert tensors, the largest rank and
+    the default scaling."""
     r_default = int(cfg.get("r", 8))
     alpha_default = float(cfg.get("lora_alpha", 8))
     rslora = bool(cfg.get("use_rslora", False))
@@ -196,16 +197,21 @@ def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: M
         return alpha / math.sqrt(r) if rslora else alpha / r
 
     default_scaling = scaling_of(alpha_default, r_default)
+
+    def ratio_of(what: str, module_key: str, r: int) -> float:
+        """The module's scaling over the default one; its rank checked against rank_pattern."""
+        r_cfg = int(_pattern_value(rank_pattern, module_key, r_default))
+        if r_cfg != r:
+            raise AdapterError(name, f"{what}: weights have rank {r} but the config says {r_cfg}")
+        return scaling_of(float(_pattern_value(alpha_pattern, module_key, alpha_default)), r) / default_scaling
+
     found: dict[tuple[int, str], dict[LoRAType, str]] = {}
     for (layer, module), ab in _expert_keys(name, shapes, model_cfg).items():
         found[(layer, module)] = ab
+    per_expert = per_expert_plan(name, shapes, model_cfg, ratio_of, max_lora_rank, set(found))
     for key in shapes:
-        if _EXPERT_KEY_RE.search(key):
+        if _EXPERT_KEY_RE.search(key) or PER_EXPERT_RE.search(key):
             continue
-        if _PER_EXPERT_KEY_RE.search(key):
-            raise AdapterError(name, f"tensor {key!r}: per-expert LoRA tensors (transformers 4's layout) are "
-                                     "not supported; PEFT on transformers 5 saves the experts' LoRA fused "
-                                     "(target_parameters gate_up_proj, down_proj), which is")
         m = _KEY_RE.search(key)
         if m is None:
             raise AdapterError(name, f"tensor {key!r} is not a LoRA A/B weight of "
@@ -226,10 +232,10 @@ def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: M
             raise AdapterError(name, f"tensor {key!r} names layer {layer}, but the base model has "
                                      f"{model_cfg.num_layers} layers (an adapter for another model?)")
         found.setdefault((layer, module), {})[ab] = key
-    if not found:
+    if not found and not per_expert:
         raise AdapterError(name, "adapter_model.safetensors holds no LoRA weights")
 
-    plan: dict[str, dict[int, tuple[str, str, float]]] = {}
+    plan: dict[str, dict[int, tuple]] = {}
     max_rank = 0
     for (layer, module), ab in sorted(found.items()):
         if set(ab) != set(LoRAType):
@@ -249,13 +255,12 @@ def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: M
         module_key = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
         if module == ROUTER_LORA_MODULE and any(map(_is_router_parameter, cfg.get("target_parameters") or ())):
             module_key += ".weight"  # PEFT's key of a targeted parameter, as its patterns see it
-        alpha = float(_pattern_value(alpha_pattern, module_key, alpha_default))
-        r_cfg = int(_pattern_value(rank_pattern, module_key, r_default))
-        if r_cfg != r:
-            raise AdapterError(name, f"layer {layer} {module}: weights have rank {r} but the config "
-                                     f"says {r_cfg}")
-        plan.setdefault(module, {})[layer] = (ab[LoRAType.A], ab[LoRAType.B], scaling_of(alpha, r) / default_scaling)
+        ratio = ratio_of(f"layer {layer} {module}", module_key, r)
+        plan.setdefault(module, {})[layer] = (ab[LoRAType.A], ab[LoRAType.B], ratio)
         max_rank = max(max_rank, r)
+    for (layer, module), fused in sorted(per_expert.items()):
+        plan.setdefault(module, {})[layer] = (fused, None, 1.0)
+        max_rank = max(max_rank, fused.rank)
     return plan, max_rank, default_scaling
 
 
@@ -302,11 +307,16 @@ def _expert_keys(name: str, shapes: dict[str, tuple[int, ...]],
     return out
 
 
+def _a_rows(ka, shapes) -> int:
+    """Rows of a layer's lora_A in a plan (_plan): its tensor's, or E * R once fused (per_expert)."""
+    return ka.experts * ka.rank if isinstance(ka, Fused) else shapes[ka][0]
+
+
 def _host_bytes(plan, shapes, model_cfg: ModelConfig, itemsize: int) -> int:
     total = 0
     for module, layers in plan.items():
         d_in, d_out = model_cfg.module_dims(module)
-        r_mod = max(shapes[ka][0] for ka, _, _ in layers.values()) // _experts_of(module, model_cfg)
+        r_mod = max(_a_rows(ka, shapes) for ka, _, _ in layers.values()) // _experts_of(module, model_cfg)
         total += itemsize * model_cfg.num_layers * r_mod * (d_in + d_out)
     return total
 
@@ -432,20 +442,21 @@ _recipes_lock = threading.Lock()
 
 def _make_recipe(name: str, cfg: dict, entries: dict, header: bytes, model_cfg: ModelConfig,
                  max_lora_rank: int, dtype: np.dtype) -> _Recipe:
-    plan, max_rank, default_scaling = _plan(name, cfg, {k: shape for k, (_, shape, _) in entries.items()},
-                                            model_cfg, max_lora_rank)
+    shapes = {k: shape for k, (_, shape, _) in entries.items()}
+    plan, max_rank, default_scaling = _plan(name, cfg, shapes, model_cfg, max_lora_rank)
     base = 8 + len(header)  # tensors' offsets in the file's bytes
     parts, size = [], 0
     for module, layers in plan.items():
         d_in, d_out = model_cfg.module_dims(module)
         experts = _experts_of(module, model_cfg)
-        r_mod = max(entries[ka][1][0] for ka, _, _ in layers.values()) // experts
+        r_mod = max(_a_rows(ka, shapes) for ka, _, _ in layers.values()) // experts
         L = model_cfg.num_layers
         a_start, b_start = size, size + L * r_mod * d_in
         size = b_start + L * d_out * r_mod
         # the experts' tensors are rearranged on the way (_copy_part), which the copier does not do
         native = experts == 1 and dtype in _DST_KINDS and all(
-            entries[k][0] in _SRC_KINDS for ka, kb, _ in layers.values() for k in (ka, kb))
+            not isinstance(ka, Fused) and entries[k][0] in _SRC_KINDS
+            for ka, kb, _ in layers.values() for k in (ka, kb))
         jobs = []  # multilora_copy_tensors' rows: src offset, kind, dst offset, rows, cols, strides, scale
         for layer, (ka, kb, ratio) in sorted(layers.items()) if native else ():
             r = entries[ka][1][0]
@@ -455,7 +466,8 @@ def _make_recipe(name: str, cfg: dict, entries: dict, header: bytes, model_cfg: 
                          d_out, r, r, r_mod, _F32_BITS(ratio)))
         parts.append(_Part(module=module, a_start=a_start, a_shape=(L, r_mod, d_in), b_start=b_start,
                            b_shape=(L, d_out, r_mod),
-                           keys=tuple(k for ka, kb, _ in layers.values() for k in (ka, kb)),
+                           keys=tuple(k for ka, kb, _ in layers.values()
+                                      for k in (ka.keys if isinstance(ka, Fused) else (ka, kb))),
                            layers=tuple((layer, ka, kb, ratio) for layer, (ka, kb, ratio) in sorted(layers.items())),
                            jobs=np.ascontiguousarray(jobs, np.int64) if native else None, experts=experts))
     return _Recipe(parts=tuple(parts), size=size, rank=max_rank, scaling=default_scaling)
@@ -490,11 +502,15 @@ def _copy_part(part: _Part, tensors: dict, a_LRI: np.ndarray, b_LOR: np.ndarray)
     dtype); False if the result holds NaN or Inf."""
     e = part.experts
     for layer, ka, kb, ratio in part.layers:
-        a_ri, b_or = tensors[ka], tensors[kb]
-        r = a_ri.shape[0] // e
-        if e > 1:  # PEFT's A rows e * r + j and B columns j * E + e -> expert e's run of a rank row
-            a_ri = np.ascontiguousarray(a_ri.reshape(e, r, -1).transpose(1, 0, 2).reshape(r, -1))
-            b_or = np.ascontiguousarray(b_or.reshape(-1, r, e).transpose(2, 0, 1).reshape(-1, r))
+        if isinstance(ka, Fused):  # transformers 4's per-expert tensors, fused into the rows below
+            a_ri, b_or = fuse(ka, tensors)
+            r = ka.rank
+        else:
+            a_ri, b_or = tensors[ka], tensors[kb]
+            r = a_ri.shape[0] // e
+            if e > 1:  # PEFT's A rows e * r + j and B columns j * E + e -> expert e's run of a rank row
+                a_ri = np.ascontiguousarray(a_ri.reshape(e, r, -1).transpose(1, 0, 2).reshape(r, -1))
+                b_or = np.ascontiguousarray(b_or.reshape(-1, r, e).transpose(2, 0, 1).reshape(-1, r))
         _round_into(a_LRI[layer, :r], a_ri)
         # a pattern's scaling ratio, folded into B in float32 before the one rounding
         _round_into(b_LOR[layer, :, :r], b_or if ratio == 1.0 else b_or.astype(np.float32) * np.float32(ratio))
