@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -54,18 +55,32 @@ def lora_sizing(cfg: ModelConfig, c: EngineConfig, lora_dtype: np.dtype, max_lor
     return LoRAConfig(max_loras_per_batch=max_loras_per_batch, max_lora_rank=max_lora_rank, pool_rows=pool_rows)
 
 
-def default_max_rank(lora_modules: dict[str, str], floor: int = 16) -> int:
+def default_max_rank(lora_modules: dict[str, str], floor: int = 16, experts: bool = False) -> int:
     """The largest rank among the adapters given at start (their adapter_config.json), at least
-    `floor` (vLLM's default max_lora_rank): slots are no wider than what is served."""
+    `floor` (vLLM's default max_lora_rank): slots are no wider than what is served. On a model
+    with experts, an adapter whose target_modules take both gate_proj and up_proj counts twice
+    its largest rank: in transformers 4's per-expert layout the experts' gate and up LoRA are
+    served fused, at the sum of their ranks (multilora.adapters.per_expert; transformers 5's
+    adapters say that rank in their rank_pattern)."""
     best = floor
     for path in lora_modules.values():
         try:
             cfg = json.loads((Path(path) / "adapter_config.json").read_text())
             ranks = [cfg.get("r", 8), *(cfg.get("rank_pattern") or {}).values()]
-            best = max(best, *(int(r) for r in ranks if isinstance(r, int) and not isinstance(r, bool)))
-        except (OSError, ValueError, TypeError, AttributeError):
+            top = max(int(r) for r in ranks if isinstance(r, int) and not isinstance(r, bool))
+            best = max(best, 2 * top if experts and _targets_gate_and_up(cfg.get("target_modules")) else top)
+        except (OSError, ValueError, TypeError, AttributeError, re.error):
             continue  # registering it reports what is wrong
     return best
+
+
+def _targets_gate_and_up(targets) -> bool:
+    """Whether PEFT's target_modules (a list of names, "all-linear" or a regex) take an expert's
+    gate_proj and up_proj."""
+    names = ("gate_proj", "up_proj")
+    if isinstance(targets, str):
+        return targets == "all-linear" or all(re.fullmatch(targets, f"model.layers.0.mlp.experts.0.{n}") for n in names)
+    return all(any(str(t).split(".")[-1] == n for t in targets or ()) for n in names)
 
 
 def default_lora_memory_gb(device) -> float:

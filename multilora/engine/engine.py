@@ -99,7 +99,7 @@ class Engine(AdapterAPI):
         self.rules = rules_for(self.cfg, self.mesh)  # fails early if the heads do not divide
         # Read the adapters given at start before anything big: a bad one fails fast, and the
         # default max_lora_rank follows their ranks.
-        max_lora_rank = c.max_lora_rank or default_max_rank(lora_modules)
+        max_lora_rank = c.max_lora_rank or default_max_rank(lora_modules, experts=bool(self.cfg.moe_layers))
         _, weights = load_weights(model, self.cfg, c.dtype, self.mesh, progress=progress)
         self.projection_mode = c.quantization or projections.resolve(c.projection_dtype, self.dtype, weights.embed_VD)
         weights = projections.convert(weights, self.projection_mode)
