@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,7 +44,7 @@ def workload_buckets(n_requests: int, max_tokens_step: int = 512):
 
 
 def run_multilora(model_dir, adapters, prompts, new_tokens, backend, max_loras, dtype="float32",
-                  fixed_buckets=False, quantization=None, async_scheduling=None):
+                  fixed_buckets=False, quantization=None, async_scheduling=None, repeats=1):
     from multilora import Engine, SamplingParams
     k = len(adapters)
     mods = {f"a{i}": str(p) for i, p in enumerate(adapters)}
@@ -57,13 +58,16 @@ def run_multilora(model_dir, adapters, prompts, new_tokens, backend, max_loras, 
     names = [f"a{i % k}" if k else None for i in range(len(prompts))]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     eng.generate(prompts[:4], params, lora=names[:4])  # touch the path once (no compile: warm)
-    t0 = time.time()
-    outs = eng.generate(prompts, params, lora=names)
-    secs = time.time() - t0
+    runs = []  # timed runs (their median; a run that compiled again shows as an outlier)
+    for _ in range(max(1, repeats)):
+        t0 = time.time()
+        outs = eng.generate(prompts, params, lora=names)
+        runs.append(time.time() - t0)
+    secs = statistics.median(runs)
     toks = sum(len(o.token_ids) for o in outs)
     res = dict(system="multilora", adapters=k, backend=backend, dtype=dtype, quantization=quantization,
                async_scheduling=eng.async_scheduling,
-               projections=eng.projection_mode, tokens=toks, seconds=secs,
+               projections=eng.projection_mode, tokens=toks, seconds=secs, run_seconds=runs,
                tok_per_s=toks / secs, init_s=init_s, steps=dict(eng.stats),
                compiles_after_warmup=eng.runner.compiles_after_warmup)
     del eng
@@ -124,6 +128,7 @@ def main(argv=None):
                     help="compile only this workload's shapes (for slow compilers, e.g. GPU)")
     ap.add_argument("--async-scheduling", nargs="+", default=["auto"], choices=["auto", "on", "off"],
                     help="the engine's async_scheduling (auto: on with an accelerator); several: each in turn")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs of the workload (their median)")
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/multilora/bench"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -141,7 +146,7 @@ def main(argv=None):
         for a in args.async_scheduling:
             r = run_multilora(model_dir, adapters[:k], prompts, args.new_tokens, args.backend,
                               args.max_loras_per_batch, args.dtype, args.fixed_buckets, args.quantization,
-                              modes[a])
+                              modes[a], args.repeats)
             print(f"multilora  adapters={k:3d} ({r['projections']}, async {r['async_scheduling']}): "
                   f"{r['tok_per_s']:7.1f} tok/s ({r['seconds']:.1f}s)", flush=True)
             results.append(r)

@@ -83,7 +83,7 @@ def multilora_runs(args, model: str, raw_dir: Path) -> dict:
         cmd = [py, str(HERE / "engine_throughput.py"), "--model", model, "--adapters", *map(str, args.adapters),
                "--dtype", "bfloat16", "--workdir", str(args.workdir / "multilora"), "--json", str(raw),
                # compile only the workload's shapes (the measured run is after warm-up either way)
-               "--fixed-buckets"]
+               "--fixed-buckets", "--repeats", str(min(args.repeats, 3))]
         if args.quick:
             cmd += ["--requests", "4", "--new-tokens", "8"]
         out["offline"] = run(cmd, raw, args.timeout)
