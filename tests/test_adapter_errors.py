@@ -150,6 +150,7 @@ CASES = {
                         ["adapter_model.safetensors", "not readable", "dtype 'I8'", "F32"]),
     "dora": (_json_case(use_dora=True), MAX_RANK, ["use_dora", "DoRA"]),
     "modules_to_save": (_json_case(modules_to_save=["lm_head"]), MAX_RANK, ["modules_to_save", "lm_head"]),
+    "lora_bias": (_json_case(lora_bias=True), MAX_RANK, ["lora_bias=true", "not supported"]),
     "target_embed_tokens": (_json_case(target_modules=["embed_tokens"]), MAX_RANK,
                             ["embed_tokens", "outside the supported set", "q_proj"]),
     "target_lm_head": (_json_case(target_modules=["q_proj", "lm_head"]), MAX_RANK,

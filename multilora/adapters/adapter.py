@@ -23,6 +23,7 @@ import numpy as np
 
 from multilora.config import (ALL_LORA_MODULES, EXPERT_LORA_MODULES, LORA_MODULES, ROUTER_LORA_MODULE, LoRAType,
                               ModelConfig)
+from multilora.adapters.adapter_config import check_config, is_router_parameter, pattern_value, read_config
 from multilora.adapters.errors import AdapterError  # noqa: F401  (callers import it from here)
 from multilora.adapters.pacing import checkpoint
 from multilora.adapters.per_expert import PER_EXPERT_RE, Fused, fuse, plan as per_expert_plan
@@ -34,7 +35,6 @@ _KEY_RE = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.(?:[\
 # base_layer), each lora_A (r * E, in), lora_B (out, r * E); which parameter a wrapper adapts is
 # told by its shapes (experts.gate_up_proj: D -> 2M, experts.down_proj: M -> D, never both).
 _EXPERT_KEY_RE = re.compile(r"layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)\.lora_([AB])\.(?:[\w-]+\.)?weight$")
-_ALL_LINEAR = "all-linear"
 _HASH_CHUNK = 1 << 20  # bytes hashed between two checkpoints (multilora.adapters.pacing)
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -92,74 +92,6 @@ class LoRAAdapter:
         return held
 
 
-def _pattern_value(patterns: dict, key: str, default):
-    # PEFT's get_pattern_key: a pattern matches a trailing, dot-separated part of the module name.
-    for pat, val in patterns.items():
-        if re.match(rf"(.*\.)?({pat})$", key):
-            return val
-    return default
-
-
-def _read_config(name: str, folder: Path) -> dict:
-    cfg_path = folder / "adapter_config.json"
-    if not folder.is_dir():
-        raise AdapterError(name, f"adapter folder {str(folder)!r} does not exist")
-    if not cfg_path.is_file():
-        raise AdapterError(name, f"no adapter_config.json in {str(folder)!r}")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterError(name, f"adapter_config.json is not readable JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise AdapterError(name, "adapter_config.json must hold a JSON object")
-    return cfg
-
-
-def _check_config(name: str, cfg: dict) -> None:
-    peft_type = str(cfg.get("peft_type", "LORA")).upper()
-    if peft_type != "LORA":
-        raise AdapterError(name, f"peft_type {peft_type!r} is not supported; only LORA adapters are")
-    if cfg.get("use_dora"):
-        raise AdapterError(name, "use_dora=true (DoRA) is not supported; only plain LoRA is")
-    if cfg.get("modules_to_save"):
-        raise AdapterError(name, f"modules_to_save={cfg['modules_to_save']} is not supported: it replaces "
-                                 "base weights per adapter; only LoRA deltas on "
-                                 f"{', '.join(LORA_MODULES)} are")
-    if cfg.get("bias", "none") != "none":
-        raise AdapterError(name, f"bias={cfg['bias']!r} is not supported; only bias='none' is")
-    if cfg.get("alora_invocation_tokens"):
-        raise AdapterError(name, "activated LoRA (alora_invocation_tokens) is not supported")
-    targets = cfg.get("target_modules")
-    if targets is not None and not isinstance(targets, (list, str)):
-        raise AdapterError(name, f"target_modules must be a list of names or a regex string, got {targets!r}")
-    if isinstance(targets, list):
-        if any(not isinstance(t, str) for t in targets):
-            raise AdapterError(name, f"target_modules must hold module names (strings), got {targets!r}")
-        allowed = LORA_MODULES + (ROUTER_LORA_MODULE,)
-        bad = [t for t in targets if t.split(".")[-1] not in allowed and t != _ALL_LINEAR]
-        if bad:
-            raise AdapterError(name, f"target_modules {bad} are outside the supported set "
-                                     f"{', '.join(allowed)}")
-    params = cfg.get("target_parameters")
-    if params is not None and (not isinstance(params, list) or any(not isinstance(p, str) for p in params)):
-        raise AdapterError(name, f"target_parameters must be a list of parameter names, got {params!r}")
-    for p in params or ():
-        if p.split(".")[-1] not in ("gate_up_proj", "down_proj") and not _is_router_parameter(p):
-            raise AdapterError(name, f"target_parameters {p!r} is not supported; only a Qwen3-MoE's router "
-                                     "(gate.weight) and experts (gate_up_proj, down_proj) are")
-    r = cfg.get("r", 8)
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise AdapterError(name, f"r must be a positive integer, got {r!r}")
-    alpha = cfg.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise AdapterError(name, f"lora_alpha must be a positive number, got {alpha!r}")
-    for key, kind in (("rank_pattern", int), ("alpha_pattern", (int, float))):
-        pat = cfg.get(key) or {}
-        if not isinstance(pat, dict) or any(
-                isinstance(v, bool) or not isinstance(v, kind) or not v > 0 for v in pat.values()):
-            raise AdapterError(name, f"{key} must map module patterns to positive numbers, got {pat!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class AdapterProbe:
     """What an adapter folder's config and safetensors header say, read without its weights:
@@ -200,10 +132,10 @@ def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: M
 
     def ratio_of(what: str, module_key: str, r: int) -> float:
         """The module's scaling over the default one; its rank checked against rank_pattern."""
-        r_cfg = int(_pattern_value(rank_pattern, module_key, r_default))
+        r_cfg = int(pattern_value(rank_pattern, module_key, r_default))
         if r_cfg != r:
             raise AdapterError(name, f"{what}: weights have rank {r} but the config says {r_cfg}")
-        return scaling_of(float(_pattern_value(alpha_pattern, module_key, alpha_default)), r) / default_scaling
+        return scaling_of(float(pattern_value(alpha_pattern, module_key, alpha_default)), r) / default_scaling
 
     found: dict[tuple[int, str], dict[LoRAType, str]] = {}
     for (layer, module), ab in _expert_keys(name, shapes, model_cfg).items():
@@ -253,7 +185,7 @@ def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: M
         if r > max_lora_rank:
             raise AdapterError(name, f"rank {r} ({module}) exceeds max_lora_rank={max_lora_rank}")
         module_key = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
-        if module == ROUTER_LORA_MODULE and any(map(_is_router_parameter, cfg.get("target_parameters") or ())):
+        if module == ROUTER_LORA_MODULE and any(map(is_router_parameter, cfg.get("target_parameters") or ())):
             module_key += ".weight"  # PEFT's key of a targeted parameter, as its patterns see it
         ratio = ratio_of(f"layer {layer} {module}", module_key, r)
         plan.setdefault(module, {})[layer] = (ab[LoRAType.A], ab[LoRAType.B], ratio)
@@ -262,11 +194,6 @@ def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: M
         plan.setdefault(module, {})[layer] = (fused, None, 1.0)
         max_rank = max(max_rank, fused.rank)
     return plan, max_rank, default_scaling
-
-
-def _is_router_parameter(p: str) -> bool:
-    """Whether a target_parameters entry names the MoE router's weight (gate.weight)."""
-    return p.split(".")[-2:] == ["gate", "weight"]
 
 
 def _experts_of(module: str, model_cfg: ModelConfig) -> int:
@@ -359,8 +286,8 @@ def _read_weights(name: str, weights_file: Path):
 def _checked_folder(name: str, path: str | Path) -> tuple[Path, dict, Path]:
     """The folder, its checked adapter_config.json and its weights file: what both reads share."""
     folder = Path(path)
-    cfg = _read_config(name, folder)
-    _check_config(name, cfg)
+    cfg = read_config(name, folder)
+    check_config(name, cfg)
     return folder, cfg, _weights_file(name, folder)
 
 
@@ -536,7 +463,7 @@ def adapter_from_tensors(name: str, tensors: dict, config: dict, model_cfg: Mode
     dtype = host_dtype(dtype)
     if not isinstance(config, dict):
         raise AdapterError(name, f"config must be a PEFT adapter_config dict, got {type(config).__name__}")
-    _check_config(name, config)
+    check_config(name, config)
     if not isinstance(tensors, dict) or not tensors:
         raise AdapterError(name, "tensors must be a non-empty dict of PEFT tensor names to arrays")
     host = {}
