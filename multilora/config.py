@@ -11,6 +11,9 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from multilora.errors import UnsupportedModelError
+from multilora.rope_scaling import RopeScaling, gemma3_rope, parse_rope_scaling
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -42,22 +45,6 @@ class LoRAType(enum.Enum):
 
     A = "A"  # shrink: in_features -> rank
     B = "B"  # expand: rank -> out_features
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture or config is one multilora does not implement."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """Rotary frequency scaling: "llama3" (Llama 3.1's smooth per-band scaling) or "linear"
-    (every frequency divided by factor, i.e. positions interpolated)."""
-
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    rope_type: str = "llama3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,9 +170,9 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}")
         if gemma3:
-            rope_theta, rope_scaling, local_theta = _gemma3_rope(cfg)
+            rope_theta, rope_scaling, local_theta = gemma3_rope(cfg)
         else:
-            rope_scaling = _parse_rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters"))
+            rope_scaling = parse_rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters"), cfg)
             rope_theta, local_theta = cfg.get("rope_theta"), None
             if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
                 rope_theta = cfg["rope_parameters"].get("rope_theta")
@@ -219,9 +206,10 @@ class ModelConfig:
             hidden_act="gelu_tanh" if gemma else "silu",
             embed_scale=gemma,
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None,
-            # Gemma 2 caps by default, Gemma 3 not
-            attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping", None if gemma3 else 50.0))
-            if gemma else None,
+            # Gemma 2 caps scores by default; Gemma 3 never does: its config keeps the field, but
+            # transformers' Gemma 3 attention does not apply it (QK norms took its place)
+            attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping", 50.0))
+            if gemma and not gemma3 else None,
             final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping", None if gemma3 else 30.0))
             if gemma else None,
             local_rope_theta=local_theta,
@@ -262,21 +250,6 @@ def _optional_float(x) -> float | None:
     return None if x is None else float(x)
 
 
-def _gemma3_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
-    """Gemma 3's (global theta, global scaling, local theta), from either form of its config:
-    transformers 5's rope_parameters keyed by layer type, or the older rope_theta, rope_scaling
-    (the global layers') and rope_local_base_freq. The local layers' RoPE is never scaled."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:
-        full, local = params["full_attention"] or {}, params.get("sliding_attention") or {}
-        if _parse_rope_scaling(local) is not None:
-            raise UnsupportedModelError("Gemma 3 with a scaled RoPE on its sliding-window layers is not supported")
-        return (float(full.get("rope_theta", 1000000.0)), _parse_rope_scaling(full),
-                float(local.get("rope_theta", 10000.0)))
-    return (float(cfg.get("rope_theta", 1000000.0)), _parse_rope_scaling(cfg.get("rope_scaling")),
-            float(cfg.get("rope_local_base_freq", 10000.0)))
-
-
 def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
     """(the window, the layers without it), as transformers reads the config: Mistral's window on
     every layer; Qwen2/Qwen3's (use_sliding_window) on the layers `layer_types` marks, by default
@@ -309,31 +282,6 @@ def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[in
     if not window or "sliding_attention" not in types:
         return None, ()
     return int(window), tuple(i for i, t in enumerate(types) if t == "full_attention")
-
-
-def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
-    if not rs:
-        return None
-    kind = rs.get("rope_type", rs.get("type", "default"))
-    if kind == "default":
-        return None
-    needs = {"linear": ("factor",),
-             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-    if kind not in needs:
-        raise UnsupportedModelError(
-            f"unsupported rope_scaling type {kind!r}; supported: 'llama3', 'linear' (or none)")
-    missing = [k for k in needs[kind] if not isinstance(rs.get(k), (int, float)) or isinstance(rs.get(k), bool)]
-    if missing:
-        raise UnsupportedModelError(f"rope_scaling type {kind!r} needs numeric {', '.join(needs[kind])}; "
-                                    f"missing or not a number: {', '.join(missing)}")
-    if kind == "linear":
-        return RopeScaling(factor=float(rs["factor"]), rope_type="linear")
-    return RopeScaling(
-        factor=float(rs["factor"]),
-        low_freq_factor=float(rs["low_freq_factor"]),
-        high_freq_factor=float(rs["high_freq_factor"]),
-        original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-    )
 
 
 # The adapter pool (multilora.adapters.pool) hands out rank rows in aligned pages of this many: an

@@ -21,6 +21,8 @@ LAYERS = [
     {"kernels"},
     {"demo_adapters"},
     {"config", "default_model"},
+    {"rope_scaling"},
+    {"errors"},
 ]
 
 

@@ -503,6 +503,11 @@ def test_gemma3_config():
         full_attention=dict(rope_type="default", rope_theta=1e6)))
     with pytest.raises(UnsupportedModelError, match="scaled RoPE on its sliding-window layers"):
         ModelConfig.from_hf_dict(scaled_local)
+    # the field is in Gemma 3's config class, but its attention never caps (transformers): only the
+    # final logits' cap is read
+    capped = ModelConfig.from_hf_dict(dict(reference.TINY_CONFIGS["gemma3"], attn_logit_softcapping=2.0,
+                                           final_logit_softcapping=3.0))
+    assert capped.attn_logit_softcapping is None and capped.final_logit_softcapping == 3.0
 
 
 def test_qwen3_config():
@@ -565,29 +570,46 @@ def test_qwen_sliding_window_follows_layer_types(kind):
     assert ModelConfig.from_hf_dict(llama).sliding_window is None  # transformers' Llama has none
 
 
-@pytest.mark.parametrize("scaling", [
-    None,
-    dict(rope_type="linear", factor=4.0),
-    dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-         original_max_position_embeddings=64),
+@pytest.mark.parametrize("scaling,top", [
+    (None, {}),
+    (dict(rope_type="linear", factor=4.0), {}),
+    (dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+          original_max_position_embeddings=64), {}),
+    # YaRN as Qwen2.5's and Qwen3's cards add it ("type" the older key), and with each field that
+    # changes its numbers: the original context from max_position_embeddings or from a top-level
+    # field, its betas, no truncation, DeepSeek's two mscales, an explicit attention factor
+    (dict(type="yarn", factor=4.0, original_max_position_embeddings=64), {}),
+    (dict(rope_type="yarn", factor=2.0), dict(max_position_embeddings=100)),
+    (dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=4096),
+     dict(original_max_position_embeddings=32)),
+    (dict(rope_type="yarn", factor=3.0, original_max_position_embeddings=50, beta_fast=16, beta_slow=2,
+          truncate=False), {}),
+    (dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=64, mscale=1.0,
+          mscale_all_dim=0.707), {}),
+    (dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, attention_factor=1.25), {}),
 ])
-def test_rope_frequencies_match_transformers(scaling):
-    """The rotary inverse frequencies equal transformers' own for each supported scaling."""
+def test_rope_frequencies_match_transformers(scaling, top):
+    """The rotary inverse frequencies, and the factor on cos and sin, equal transformers' own for
+    each supported scaling."""
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from multilora.model.layers import rope_inv_freq
+    from multilora.model.layers import rope_attention_factor, rope_inv_freq
     hf = copy.deepcopy(reference.TINY_CONFIGS["llama"])
     hf.pop("rope_scaling")
+    hf.update(top)
     if scaling is not None:
-        hf["rope_scaling"] = scaling
-    config = AutoConfig.for_model(**hf)
+        hf["rope_scaling"] = dict(scaling)
+    config = AutoConfig.for_model(**copy.deepcopy(hf))
     if scaling is None:
-        want = 1.0 / (hf["rope_theta"] ** (np.arange(0, 16, 2, dtype=np.float64) / 16))
+        want, want_factor = 1.0 / (hf["rope_theta"] ** (np.arange(0, 16, 2, dtype=np.float64) / 16)), 1.0
     else:
-        want = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")[0].numpy()
-    got = rope_inv_freq(ModelConfig.from_hf_dict(hf))
-    np.testing.assert_allclose(got, want, rtol=1e-6)
+        kind = scaling.get("rope_type", scaling.get("type"))
+        want, want_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+        want = want.numpy()
+    cfg = ModelConfig.from_hf_dict(hf)
+    np.testing.assert_allclose(rope_inv_freq(cfg), want, rtol=1e-6)
+    assert rope_attention_factor(cfg) == pytest.approx(want_factor, rel=1e-6)
 
 
 @pytest.mark.parametrize("scaling,missing", [
@@ -603,14 +625,18 @@ def test_rope_scaling_without_its_numbers_is_named(scaling, missing):
 
 @pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
 @pytest.mark.parametrize("type_key", ["rope_type", "type"])
-def test_yarn_rope_scaling_is_refused(key, type_key):
+def test_dynamic_rope_scaling_is_refused(key, type_key):
+    """Dynamic NTK turns by each forward's sequence length (transformers), which a batch of
+    sequences of many lengths cannot follow: refused, naming what is supported."""
     hf = copy.deepcopy(reference.TINY_CONFIGS["llama"])
     hf.pop("rope_scaling")
-    hf[key] = {type_key: "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-               "rope_theta": 10000.0}
-    with pytest.raises(UnsupportedModelError, match="yarn") as e:
+    hf[key] = {type_key: "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    with pytest.raises(UnsupportedModelError, match="dynamic") as e:
         ModelConfig.from_hf_dict(hf)
-    assert "llama3" in str(e.value)  # names what is supported
+    assert "llama3" in str(e.value) and "yarn" in str(e.value)  # names what is supported
+    hf[key] = {type_key: "yarn", "factor": 4.0, "partial_rotary_factor": 0.5, "rope_theta": 10000.0}
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.5"):
+        ModelConfig.from_hf_dict(hf)
 
 
 

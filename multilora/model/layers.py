@@ -42,7 +42,7 @@ def rms_norm(x_TD: jax.Array, w_D: jax.Array, eps: float, plus_one: bool = False
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies (H/2,), with Llama-3 scaling when the config asks for it."""
+    """Inverse frequencies (H/2,), scaled as the config asks (llama3, linear, yarn)."""
     h = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
     rs = cfg.rope_scaling
@@ -50,6 +50,8 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         return inv.astype(np.float32)
     if rs.rope_type == "linear":
         return (inv / rs.factor).astype(np.float32)
+    if rs.rope_type == "yarn":
+        return _yarn_inv_freq(inv, h, cfg.rope_theta, rs).astype(np.float32)
     low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
     high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -61,10 +63,36 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_cos_sin(positions_T: jax.Array, inv_freq_h: np.ndarray) -> tuple[jax.Array, jax.Array]:
+def _yarn_inv_freq(inv_h: np.ndarray, h: int, theta: float, rs) -> np.ndarray:
+    """YaRN's frequencies (transformers' _compute_yarn_parameters): a frequency that turns more
+    than beta_fast times over the original context is kept, one that turns fewer than
+    beta_slow times is interpolated (divided by factor), and those between are ramped linearly
+    over their dimension index."""
+    def dim_of(rotations: float) -> float:
+        return h * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(rs.beta_fast), dim_of(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, h - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(h // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    keep = 1.0 - ramp
+    return inv_h / rs.factor * (1.0 - keep) + inv_h * keep
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor on cos and sin (YaRN's attention scaling; 1 for the other scalings)."""
+    rs = cfg.rope_scaling
+    return rs.attention_factor if rs is not None and rs.rope_type == "yarn" else 1.0
+
+
+def rope_cos_sin(positions_T: jax.Array, inv_freq_h: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
     freqs_Th = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq_h)[None, :]
     emb_TH = jnp.concatenate([freqs_Th, freqs_Th], axis=-1)
-    return jnp.cos(emb_TH), jnp.sin(emb_TH)
+    if scale == 1.0:
+        return jnp.cos(emb_TH), jnp.sin(emb_TH)
+    return jnp.cos(emb_TH) * scale, jnp.sin(emb_TH) * scale
 
 
 def apply_rope(x_TNH: jax.Array, cos_TH: jax.Array, sin_TH: jax.Array) -> jax.Array:

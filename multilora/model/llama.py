@@ -33,7 +33,8 @@ from multilora.lora.batch import NO_LORA, PER_TOKEN, LoRABatchInfo
 from multilora.model.arrays import lora_pool, weight
 from multilora.model.attention import (decode_attention, kv_page_writes, max_pages_written, prefill_attention,
                                        softcap_logits, write_kv, write_kv_pages)
-from multilora.model.layers import apply_rope, geglu_tanh, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from multilora.model.layers import (apply_rope, geglu_tanh, rms_norm, rope_attention_factor, rope_cos_sin,
+                                    rope_inv_freq, swiglu)
 from multilora.model.moe import ExpertLoRA, grouped_experts, select_experts
 from multilora.model.packing import PackSpec, unpack
 from multilora.model.projections import PackedBf16, QuantInt8
@@ -373,7 +374,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     pallas_attention = pallas_attention and softcap is None  # nor does the Pallas kernel (the XLA path reads heads-major too)
     n, kvh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     t = batch.token_ids_T.shape[0]
-    rope_global = rope_cos_sin(batch.positions_T, rope_inv_freq(cfg))
+    rope_global = rope_cos_sin(batch.positions_T, rope_inv_freq(cfg), rope_attention_factor(cfg))
     # Gemma 3: the sliding-window layers turn by their own base, unscaled
     rope_local = rope_global if cfg.local_rope_theta is None else rope_cos_sin(
         batch.positions_T, rope_inv_freq(dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None)))
