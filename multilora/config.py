@@ -176,7 +176,10 @@ class ModelConfig:
             rope_theta, local_theta = cfg.get("rope_theta"), None
             if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
                 rope_theta = cfg["rope_parameters"].get("rope_theta")
-        attention_bias = bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))
+        # as transformers builds each family's attention: Qwen2's q/k/v always carry biases (o never),
+        # Mistral's no projection does, the others follow attention_bias (q/k/v and o alike)
+        attention_bias = {"Qwen2ForCausalLM": True, "MistralForCausalLM": False}.get(
+            arch, bool(cfg.get("attention_bias", False)))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         sliding, global_layers = _sliding_window(cfg, arch, int(cfg["num_hidden_layers"]))

@@ -525,6 +525,19 @@ def test_qwen3_config():
     assert not ModelConfig.from_hf_dict(reference.TINY_CONFIGS["qwen2"]).qk_norm
 
 
+@pytest.mark.parametrize("kind,flag,want", [
+    ("qwen2", False, (True, False)), ("qwen2", True, (True, False)),    # q/k/v biases always, o never
+    ("mistral", True, (False, False)),                                  # none, whatever the flag
+    ("llama", True, (True, True)), ("llama", False, (False, False)),    # the flag, o included
+    ("gemma2", True, (True, True)), ("qwen3_moe", True, (True, True)),
+])
+def test_attention_biases_as_transformers_builds_them(kind, flag, want):
+    """Which projections carry biases follows each family's transformers attention, not the
+    attention_bias field alone (Qwen2 and Mistral ignore it)."""
+    cfg = ModelConfig.from_hf_dict(dict(reference.TINY_CONFIGS[kind], attention_bias=flag))
+    assert (cfg.attention_bias, cfg.o_proj_bias) == want
+
+
 def test_gemma2_config():
     """Gemma 2 as transformers' Gemma2Config reads it, defaults included: every other layer local
     from layer 0, soft caps 50 and 30, query_pre_attn_scalar 256, tied embeddings, GELU (tanh)."""
