@@ -174,33 +174,32 @@ def step_kind(chunks) -> str:
 
 
 def instrument_steps(eng, records: list, profile: "PhaseTimer | None"):
-    """Record every runner.execute (mode: the step's kind, rows, decode rows, distinct slots,
-    context tokens, seconds); with a PhaseTimer also time each phase. All by wrapping instance
-    attributes: the package is untouched."""
+    """Record every step the runner launches (mode: the step's kind, rows, decode rows, distinct
+    slots, context tokens, its launch time; close_step_records gives each its seconds); with a
+    PhaseTimer also time each phase. All by wrapping instance attributes: the package is
+    untouched."""
     import jax
 
     import multilora.engine.runner as runner_mod
     import multilora.engine.tokenizer as tok_mod
     runner = eng.runner
-    orig_execute = runner.execute
+    orig_launch = runner.launch
 
     current = {"kind": None}  # the step being run, for the forward's label in the profile
 
-    def execute(chunks, rows, *args, **kw):
+    def launch(chunks, rows, *args, **kw):
         current["kind"] = mode = step_kind(chunks)
-        t0 = time.perf_counter()
-        res = orig_execute(chunks, rows, *args, **kw)
         records.append(dict(mode=mode, rows=len(chunks), decode_rows=sum(len(c.token_ids) == 1 for c in chunks),
                             distinct=len({c.slot for c in chunks if c.slot}),
                             ctx=sum(c.start_pos + len(c.token_ids) for c in chunks),
-                            tokens=sum(len(c.token_ids) for c in chunks), s=time.perf_counter() - t0))
-        return res
-    runner.execute = execute
-    restore = []
+                            tokens=sum(len(c.token_ids) for c in chunks), t0=time.perf_counter()))
+        return orig_launch(chunks, rows, *args, **kw)
+    runner.launch = launch  # runner.execute launches too
+    restore = [lambda: runner.__dict__.pop("launch", None)]
     if profile is None:
         return restore
     p = profile
-    runner.execute = p.wrap("execute", execute)
+    runner.launch = p.wrap("execute", launch)
     eng.step = p.wrap("step", eng.step)
     eng.scheduler.schedule = p.wrap("schedule", eng.scheduler.schedule)
     eng.scheduler.postprocess = p.wrap("schedule", eng.scheduler.postprocess)
@@ -239,6 +238,14 @@ def instrument_steps(eng, records: list, profile: "PhaseTimer | None"):
     return restore
 
 
+def close_step_records(records: list, t_end: float) -> None:
+    """Each step's seconds: from its launch to the next one's (to t_end for the last), the
+    engine's cadence. With async scheduling the host plans and sends a step while the one before
+    runs, so a step's own launch-to-result time would count that overlap twice."""
+    for r, nxt in zip(records, records[1:] + [None]):
+        r["s"] = (nxt["t0"] if nxt is not None else t_end) - r.pop("t0")
+
+
 def run_engine(model, adapters, prompts, names, new_tokens, mlpb, mll, dtype, backend, profile=False,
                system="multilora-engine", projection_dtype=None, lora_dtype=None):
     from multilora import Engine, SamplingParams
@@ -261,6 +268,7 @@ def run_engine(model, adapters, prompts, names, new_tokens, mlpb, mll, dtype, ba
     t0 = time.time()
     outs = eng.generate(prompts, params, lora=lora)
     secs = time.time() - t0
+    close_step_records(records, time.perf_counter())
     for r in restore:
         r()
     toks = sum(len(o.token_ids) for o in outs)
