@@ -135,8 +135,13 @@ def test_resolve(monkeypatch):
 
 def test_lora_pool_dtype_follows_packed_projections_else_the_engines_unless_given():
     assert projections.lora_pool_dtype("auto", jnp.float32) == jnp.float32  # see its docstring
-    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-packed") == jnp.bfloat16
-    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-packed", "native") == jnp.bfloat16
+    for isa in ("avx512-bf16", "amx"):
+        assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-packed", isa=isa) == jnp.bfloat16
+        assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-packed", "native", isa) == jnp.bfloat16
+    # AVX2 widens bf16 rows slower than it reads float32 ones: float32 pools beside packed projections
+    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-packed", isa="avx2") == jnp.float32
+    here = jnp.bfloat16 if kernels.bf16_gemm_isa() in projections.AUTO_BF16_POOL_ISAS else jnp.float32
+    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-packed") == here
     assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-packed", "bgmv") == jnp.float32  # XLA reads
     assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16") == jnp.float32  # no in-place writer
     assert projections.lora_pool_dtype("auto", jnp.float32, "float32") == jnp.float32
@@ -154,20 +159,21 @@ def test_lora_pool_dtype_follows_packed_projections_else_the_engines_unless_give
 @pytest.mark.skipif("avx2" not in ISAS, reason="multilora's bf16 GEMM has no AVX2 + FMA path here")
 def test_resolve_on_the_avx2_path(monkeypatch):
     """Held to AVX2 + FMA ($MULTILORA_KERNEL_ISA, as on a CPU without AVX512-BF16): bfloat16
-    projections are packed for the AVX2 kernel, auto stays float32 (AUTO_BF16_ISAS: not measured
-    faster there yet) unless MULTILORA_PROJECTION_DTYPE says bfloat16; bf16 pools follow the
-    packed projections. An unknown ISA is an error naming the choices."""
+    projections are packed for the AVX2 kernel and auto takes them (AUTO_BF16_ISAS: measured
+    faster than float32 there) unless MULTILORA_PROJECTION_DTYPE says float32; auto pools stay
+    float32 beside them (AUTO_BF16_POOL_ISAS). An unknown ISA is an error naming the choices."""
     like = jnp.zeros(4)
     monkeypatch.delenv(projections.AUTO_ENV, raising=False)
     monkeypatch.setenv(kernels.ISA_ENV, "avx2")
     assert kernels.bf16_gemm_isa() == "avx2" and kernels.bf16_gemm_isas() == ("avx2",)
     assert projections.resolve("bfloat16", jnp.float32, like) == "bfloat16-packed"
-    assert projections.resolve("auto", jnp.float32, like) == "float32"
-    assert projections.auto_dtype("avx2", jnp.float32) == "float32"
-    assert projections.auto_dtype("avx512-bf16", jnp.float32) == "bfloat16"
-    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-packed") == jnp.bfloat16
-    monkeypatch.setenv(projections.AUTO_ENV, "bfloat16")
     assert projections.resolve("auto", jnp.float32, like) == "bfloat16-packed"
+    assert projections.auto_dtype("avx2", jnp.float32) == "bfloat16"
+    assert projections.auto_dtype("avx512-bf16", jnp.float32) == "bfloat16"
+    assert projections.auto_dtype("", jnp.float32) == "float32"
+    assert projections.lora_pool_dtype("auto", jnp.float32, "bfloat16-packed") == jnp.float32
+    monkeypatch.setenv(projections.AUTO_ENV, "float32")
+    assert projections.resolve("auto", jnp.float32, like) == "float32"
     monkeypatch.setenv(kernels.ISA_ENV, "sse4")
     with pytest.raises(ValueError, match="MULTILORA_KERNEL_ISA='sse4': choose one of avx2, avx512-bf16, amx"):
         projections.resolve("bfloat16", jnp.float32, like)

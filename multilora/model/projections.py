@@ -10,12 +10,11 @@ head), apart from the activations' and the KV cache's.
         AMX, AVX512-BF16 and XLA round the activations to bfloat16 at each product; the AVX2
         path keeps them float32 and widens the weights in registers (half the bytes of float32
         weights, a float32 product on bf16-rounded weights).
-    projection_dtype="auto" (the default): bfloat16 where the packed kernel runs on AMX or
-        AVX512-BF16 (AUTO_BF16_ISAS: there it is faster than float32,
-        benchmarks/log/14-2026-12-04-bf16-projections-avx512bf16.md), else the engine's dtype.
-        On an AVX2-only CPU auto stays float32 until a measurement there says the widening path
-        wins (BENCHMARKS.md: the commands); projection_dtype="bfloat16" takes it. The environment
-        variable MULTILORA_PROJECTION_DTYPE, when set, says what auto means.
+    projection_dtype="auto" (the default): bfloat16 where the packed kernel runs on AMX,
+        AVX512-BF16 or AVX2 + FMA (AUTO_BF16_ISAS: on each it is faster than float32,
+        benchmarks/log/14-2026-12-04-bf16-projections-avx512bf16.md and, on an AVX2-only AMD
+        EPYC, benchmarks/log/36-2026-12-06-avx2-host.md), else the engine's dtype. The
+        environment variable MULTILORA_PROJECTION_DTYPE, when set, says what auto means.
 
     mode "int8" (EngineConfig.quantization="int8"): a weight-only int8 base. Each projection
         matrix is stored as int8 with one float32 scale per output column (symmetric:
@@ -42,8 +41,12 @@ from multilora import kernels
 PROJECTION_DTYPES = ("auto", "float32", "bfloat16")
 AUTO_ENV = "MULTILORA_PROJECTION_DTYPE"
 # The bf16 GEMM's instruction sets (kernels.bf16_gemm_isa) on which auto means bfloat16: those
-# measured faster than float32. "avx2" joins once measured so (its benchmark: BENCHMARKS.md).
-AUTO_BF16_ISAS = ("avx512-bf16", "amx")
+# measured faster than float32 at decode and prefill (AVX2: benchmarks/log/36).
+AUTO_BF16_ISAS = ("avx2", "avx512-bf16", "amx")
+# Those on which an auto adapter pool is bfloat16 beside packed projections: the LoRA kernels
+# read bf16 rows there as fast as float32 ones. On AVX2 the widening costs more than the bytes
+# save (a 64-row decode step with 8 adapters 158 against 152 ms, prefill 900 against 846: log 36).
+AUTO_BF16_POOL_ISAS = ("avx512-bf16", "amx")
 # The LayerWeights fields that are (in, out) projection matrices (the MLP's absent from a model
 # whose every layer is a mixture of experts).
 PROJECTIONS = ("wq_LDO", "wk_LDO", "wv_LDO", "wo_LOD", "w_gate_LDF", "w_up_LDF", "w_down_LFD")
@@ -155,18 +158,21 @@ def describe(projection_mode: str, lora_dtype, dtype, like: jax.Array) -> tuple[
     return logging.INFO, msg
 
 
-def lora_pool_dtype(lora_dtype: str, dtype, projection_mode: str = "", lora_backend: str = "auto"):
+def lora_pool_dtype(lora_dtype: str, dtype, projection_mode: str = "", lora_backend: str = "auto",
+                    isa: str | None = None):
     """The adapter pool's dtype: lora_dtype when given; auto: bfloat16 beside packed bfloat16
     projections (projection_mode "bfloat16-packed": one CPU device with multilora's kernels, which
     read bf16 rows exactly widened and write them in place) when the LoRA backend is auto or
-    native, else the engine's dtype. A bf16 pool halves the bytes each adapter costs a decode
+    native and the kernels run on AUTO_BF16_POOL_ISAS (`isa`, kernels.bf16_gemm_isa() when
+    None), else the engine's dtype. A bf16 pool halves the bytes each adapter costs a decode
     step and in memory (twice the adapters per GB); the float32 path stays the exact one."""
     if lora_dtype not in PROJECTION_DTYPES:
         raise ValueError(f"unknown lora_dtype {lora_dtype!r}; choose one of {', '.join(PROJECTION_DTYPES)}")
     if lora_dtype != "auto":
         return jnp.dtype(lora_dtype)
     if projection_mode == "bfloat16-packed" and lora_backend in ("auto", "native"):
-        return jnp.dtype(jnp.bfloat16)
+        if (kernels.bf16_gemm_isa() if isa is None else isa) in AUTO_BF16_POOL_ISAS:
+            return jnp.dtype(jnp.bfloat16)
     return jnp.dtype(dtype)
 
 
