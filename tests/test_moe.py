@@ -242,14 +242,39 @@ def test_adapters_on_what_is_not_supported_are_refused_by_name(other, tmp_path, 
         load_adapter("v4", v4, cfg, 16)
 
 
+def run_mixed_batch(cfg, weights, slots, seqs, prompts, new, mesh):
+    """Greedy decoding of `seqs` ((prompt length, slot)) together: prefilled in one batch, then a
+    token a step. Returns (tokens, logits) per sequence, logits (new, V)."""
+    from multilora.engine.batching import SeqChunk, build_batch, decode_first
+    from multilora.lora.backend import get_backend
+    from multilora.model.llama import forward, init_kv_cache
+    page = 4
+    pages = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(len(seqs))]
+    be = get_backend("bgmv")
+    fwd = jax.jit(forward, static_argnames=("cfg", "backend"))
+    kv = jax.device_put(init_kv_cache(cfg, 32, page, jnp.float32), jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))
+    chunks = [SeqChunk(p, 0, pg, s) for p, pg, (_, s) in zip(prompts, pages, seqs)]
+    tokens, logits_of = [[] for _ in seqs], [[] for _ in seqs]
+    for step in range(new):
+        order = decode_first(chunks)
+        batch = build_batch([chunks[i] for i in order], num_tokens=64, num_pages=32, num_logits=8, page_size=page,
+                            prepare_lora=lambda slot_T: be.prepare_lora_batch(slot_T, slots.scalings_S, slots.ranks_S,
+                                                                              slots.rows_SR))
+        logits, kv = fwd(weights, slots.weights, kv, batch, cfg=cfg, backend="bgmv")
+        logits = np.asarray(logits)
+        for j, i in enumerate(order):
+            tokens[i].append(int(np.argmax(logits[j])))
+            logits_of[i].append(logits[j])
+        chunks = [SeqChunk([tokens[i][-1]], n + step, pages[i], s) for i, (n, s) in enumerate(seqs)]
+    return tokens, [np.stack(x) for x in logits_of]
+
+
 def test_another_qwen3_moe_gives_peft_greedy_tokens_in_a_mixed_batch(other, peft_greedy_cache):
     """The OTHER tiny Qwen3-MoE, base rows beside its two adapters in one batch, prefilled
     together then decoded a token a step: PEFT's greedy tokens (transformers' generate) exactly."""
     from multilora.adapters.pool import LoRASlots, page_rows
-    from multilora.engine.batching import SeqChunk, build_batch, decode_first
     from multilora.engine.runner import jit_slot_writer
-    from multilora.lora.backend import get_backend
-    from multilora.model.llama import forward, init_kv_cache
     from multilora.model.loader import load_weights
     from multilora.model.sharding import make_mesh
     model, adapters = other
@@ -266,24 +291,8 @@ def test_another_qwen3_moe_gives_peft_greedy_tokens_in_a_mixed_batch(other, peft
     assert "gate" in load_adapter("linear", adapters["linear"], cfg, 16).target_modules  # the router
     seqs = [(7, 0), (5, 1), (9, 2), (4, 3), (8, 0), (6, 2), (5, 3)]  # (prompt length, slot)
     prompts = [np.random.default_rng(21).integers(3, 256, size=n).tolist() for n, _ in seqs]
-    new, page = 6, 4
-    pages = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(len(seqs))]
-    be = get_backend("bgmv")
-    fwd = jax.jit(forward, static_argnames=("cfg", "backend"))
-    kv = jax.device_put(init_kv_cache(cfg, 32, page, jnp.float32), jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec()))
-    chunks = [SeqChunk(p, 0, pg, s) for p, pg, (_, s) in zip(prompts, pages, seqs)]
-    got = [[] for _ in seqs]
-    for step in range(new):
-        order = decode_first(chunks)
-        batch = build_batch([chunks[i] for i in order], num_tokens=64, num_pages=32, num_logits=8, page_size=page,
-                            prepare_lora=lambda slot_T: be.prepare_lora_batch(slot_T, slots.scalings_S, slots.ranks_S,
-                                                                              slots.rows_SR))
-        logits, kv = fwd(weights, slots.weights, kv, batch, cfg=cfg, backend="bgmv")
-        logits = np.asarray(logits)
-        for j, i in enumerate(order):
-            got[i].append(int(np.argmax(logits[j])))
-        chunks = [SeqChunk([got[i][-1]], n + step, pages[i], s) for i, (n, s) in enumerate(seqs)]
+    new = 6
+    got, _ = run_mixed_batch(cfg, weights, slots, seqs, prompts, new, mesh)
     want = peft_greedy_cache.many(model, [(None if s == 0 else adapters[names[s]], p)
                                           for p, (_, s) in zip(prompts, seqs)], new)
     assert got == want

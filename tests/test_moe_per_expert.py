@@ -31,7 +31,6 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -40,7 +39,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 from multilora.adapters.adapter import AdapterError, load_adapter, probe_adapter  # noqa: E402
 from multilora.config import LoRAConfig, ModelConfig  # noqa: E402
 from tests import reference  # noqa: E402
-from tests.test_moe import OTHER  # noqa: E402  (8 experts of width 24, every layer sparse)
+from tests.test_moe import OTHER, run_mixed_batch  # noqa: E402  (OTHER: 8 experts of width 24, every layer sparse)
 
 E, D, M, L = OTHER["num_experts"], OTHER["hidden_size"], OTHER["moe_intermediate_size"], OTHER["num_hidden_layers"]
 Q, KV = D, D // OTHER["num_attention_heads"] * OTHER["num_key_value_heads"]
@@ -264,34 +263,6 @@ def test_a_nan_in_one_expert_is_named_when_the_weights_are_read(folders, cfg, tm
         load_adapter("nan", folder, cfg, MAX_RANK)
 
 
-def _run_mixed_batch(cfg, weights, slots, seqs, prompts, new, mesh):
-    """Greedy decoding of `seqs` ((prompt length, slot)) together: prefilled in one batch, then a
-    token a step. Returns (tokens, logits) per sequence, logits (new, V)."""
-    from multilora.engine.batching import SeqChunk, build_batch, decode_first
-    from multilora.lora.backend import get_backend
-    from multilora.model.llama import forward, init_kv_cache
-    page = 4
-    pages = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(len(seqs))]
-    be = get_backend("bgmv")
-    fwd = jax.jit(forward, static_argnames=("cfg", "backend"))
-    kv = jax.device_put(init_kv_cache(cfg, 32, page, jnp.float32), jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec()))
-    chunks = [SeqChunk(p, 0, pg, s) for p, pg, (_, s) in zip(prompts, pages, seqs)]
-    tokens, logits_of = [[] for _ in seqs], [[] for _ in seqs]
-    for step in range(new):
-        order = decode_first(chunks)
-        batch = build_batch([chunks[i] for i in order], num_tokens=64, num_pages=32, num_logits=8, page_size=page,
-                            prepare_lora=lambda slot_T: be.prepare_lora_batch(slot_T, slots.scalings_S, slots.ranks_S,
-                                                                              slots.rows_SR))
-        logits, kv = fwd(weights, slots.weights, kv, batch, cfg=cfg, backend="bgmv")
-        logits = np.asarray(logits)
-        for j, i in enumerate(order):
-            tokens[i].append(int(np.argmax(logits[j])))
-            logits_of[i].append(logits[j])
-        chunks = [SeqChunk([tokens[i][-1]], n + step, pages[i], s) for i, (n, s) in enumerate(seqs)]
-    return tokens, [np.stack(x) for x in logits_of]
-
-
 def test_per_expert_adapters_give_peft_greedy_tokens_in_a_mixed_batch(folders, peft_greedy_cache):
     """Base rows beside the four per-expert adapters in one batch, prefilled together then
     decoded a token a step: PEFT's greedy tokens (the fused twins; "linear": its own conversion)
@@ -318,7 +289,7 @@ def test_per_expert_adapters_give_peft_greedy_tokens_in_a_mixed_batch(folders, p
     seqs = [(7, 0), (5, 1), (9, 2), (4, 3), (8, 4), (6, 2), (5, 3), (6, 1)]  # (prompt length, slot)
     prompts = [np.random.default_rng(41 + i).integers(3, 256, size=n).tolist() for i, (n, _) in enumerate(seqs)]
     new = 6
-    got, logits = _run_mixed_batch(cfg, weights, slots, seqs, prompts, new, mesh)
+    got, logits = run_mixed_batch(cfg, weights, slots, seqs, prompts, new, mesh)
     want = peft_greedy_cache.many(model, [(None if s == 0 else refs[names[s]], p)
                                           for p, (_, s) in zip(prompts, seqs)], new)
     assert got == want
@@ -328,7 +299,7 @@ def test_per_expert_adapters_give_peft_greedy_tokens_in_a_mixed_batch(folders, p
         err = np.abs(logits[i] - full).max()
         assert err <= ATOL, f"sequence {i} (slot {s}): max |logit error| {err:.2e} > {ATOL}"
     fill(refs)
-    _, twin_logits = _run_mixed_batch(cfg, weights, slots, seqs, prompts, new, mesh)
+    _, twin_logits = run_mixed_batch(cfg, weights, slots, seqs, prompts, new, mesh)
     for i in range(len(seqs)):
         np.testing.assert_array_equal(twin_logits[i], logits[i], err_msg=f"sequence {i}")
 
