@@ -79,6 +79,7 @@ def main(argv=None):
 
                 for chunk in args.chunks:
                     os.environ[CHUNK_ENV] = str(chunk) if chunk else ""
+                    jax.clear_caches()  # the knob is read at trace time
                     got = {}
                     for way, fn in {"separate": separate, "one call": one_call}.items():
                         what = f"{args.model} {name} T={t} adapters={k} chunk={chunk or 'auto'} {way}"

@@ -4,7 +4,7 @@
 # projections), 0 / 8 / 64 adapters, multilora's TPU backend beside `dense` (sglang-jax's one-hot
 # product over every slot). Raw output under $OUT. Parts (PARTS="..."): tests atests (the kernels'
 # tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention),
-# trace, optrace, pprobe (the Pallas attention's prefill side), offline (the engine's throughput), stash and
+# trace, optrace, pprobe (the Pallas attention's prefill side), copyloop, offline (the engine's throughput), stash and
 # agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py), cases
 # (each shape x mode x adapter count in its own process, whole outputs kept), variants (other
 # trees' cases side by side). Every limit is `timeout -k 5`: GNU timeout sends its SIGTERM to the
@@ -83,6 +83,10 @@ for part in $PARTS; do
                   echo "$n: exit $?" | tee -a "$OUT/variants.txt"; grep -E "^(decode |prefill )" "$OUT/$n.log"
                 done
               done ;;
+    # the LoRA kernel's adapter copies unrolled (0) and in a loop (1, MULTILORA_LORA_COPY_LOOP):
+    # compile seconds and step times with adapters, a process each
+    copyloop) for v in 0 1; do MULTILORA_LORA_COPY_LOOP=$v timeout -k 5 ${CASE_LIMIT:-200} $FS --modes decode prefill \
+                --adapters ${ADAPTERS:-8 64} --json "$OUT/copyloop_$v.json" 2>&1 | tee "$OUT/copyloop_$v.log"; done ;;
     # every (shape, mode, adapters) case in its own process, its whole output kept
     # ($OUT/case_<shape>_<mode>_<k>.log): a case that crashes or hangs costs only its own
     # CASE_LIMIT seconds and says which it was (forward_step prints compile and first step apart)

@@ -77,6 +77,24 @@ def np_delta(x_TD, a_dense, b_dense, layer, block, scalings_S, slot_T):
     return y
 
 
+@pytest.fixture
+def trace_time_knob(monkeypatch):
+    """set(name, value): a knob the kernel reads when it is traced, with JAX's caches cleared
+    before and after the test, so that no trace of one setting serves another (a cached trace
+    would test the default again)."""
+    used = []
+
+    def set_(name, value):
+        monkeypatch.setenv(name, value)
+        jax.clear_caches()
+        used.append(name)
+
+    yield set_
+    if used:
+        monkeypatch.undo()
+        jax.clear_caches()
+
+
 CASES = [  # (T, D, O, slot ranks (slot 0 first), table width, max step adapters, token pattern)
     (1, 128, 256, [0, 16, 8], 16, 4, "random"),
     (13, 256, 128, [0, 8, 16, 16, 8], 16, 8, "random"),
@@ -98,9 +116,19 @@ def make_tokens(rng, pattern, t, s):
     return rng.integers(0, s, t).astype(np.int32)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-D{c[1]}-O{c[2]}-S{len(c[3])}-R{c[4]}-{c[6]}")
-def test_lora_delta_matches_the_per_token_definition(case, dtype):
+# every case unrolled at both dtypes; the copies in a loop where a chunk holds several adapters of
+# one page, or adapters of several pages (page by page where an adapter's pages are not consecutive)
+KERNEL_CASES = ([(c, dt, False) for c in CASES for dt in ("float32", "bfloat16")]
+                + [(c, "float32", True) for c in CASES if c[0] == 64 or c[4] > 16])
+
+
+@pytest.mark.parametrize("case,dtype,copy_loop", KERNEL_CASES, ids=lambda v: (
+    f"T{v[0]}-D{v[1]}-O{v[2]}-S{len(v[3])}-R{v[4]}-{v[6]}" if isinstance(v, tuple) else str(v)))
+def test_lora_delta_matches_the_per_token_definition(case, dtype, copy_loop, trace_time_knob):
+    """Unrolled copies of a chunk's adapters, and (MULTILORA_LORA_COPY_LOOP=1) copies in a loop."""
+    from multilora.kernels.lora_pallas import COPY_LOOP_ENV
+    if copy_loop:
+        trace_time_knob(COPY_LOOP_ENV, "1")
     t, d, o, ranks, width, max_adapters, pattern = case
     rng = np.random.default_rng(t * 7 + d)
     layers, blocks = 2, 3
@@ -134,13 +162,13 @@ def test_lora_delta_matches_the_per_token_definition(case, dtype):
 
 
 @pytest.mark.parametrize("dtype,chunk", [("float32", None), ("bfloat16", None), ("bfloat16", 4), ("float32", 16)])
-def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, monkeypatch):
+def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, trace_time_knob):
     """lora_deltas: q/k/v-like outputs of different widths from one stacked A pool in one call,
     over two token tiles and several chunks of adapters (the kernel's pick of adapters per chunk,
     and others through MULTILORA_LORA_CHUNK_ADAPTERS), against the per-token definition."""
     from multilora.kernels.lora_pallas import CHUNK_ENV, lora_deltas
     if chunk:
-        monkeypatch.setenv(CHUNK_ENV, str(chunk))
+        trace_time_knob(CHUNK_ENV, str(chunk))
     rng = np.random.default_rng(11)
     ranks = [0] + [16, 8] * 9 + [16]
     t, d, outs, layers = 40, 128, (256, 128, 128), 2

@@ -43,6 +43,10 @@ VMEM_BUDGET_BYTES = 40 * 1024 * 1024  # what one call's buffers may take (tm is 
 
 # Adapters per chunk in place of chunk_adapters' pick (a probe's knob: benchmarks/lora_kernel_probe.py)
 CHUNK_ENV = "MULTILORA_LORA_CHUNK_ADAPTERS"
+# "1": a chunk's adapter copies issued in a loop (pl.loop) instead of unrolled, a smaller module
+# for Mosaic to compile (benchmarks/log/37: the kernel's compile is ~14 s of a LoRA step's 17-21
+# s on a v5e). Not yet timed on the chip, so off by default; tpu_steps.sh's part `copyloop`.
+COPY_LOOP_ENV = "MULTILORA_LORA_COPY_LOOP"
 
 
 def chunk_adapters(table_width: int) -> int:
@@ -75,7 +79,8 @@ def _precision(operand):
 
 
 def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, a_hbm, *refs, nb: int, pages_per_chunk: int,
-            a_offs: tuple, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int):
+            a_offs: tuple, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int,
+            copy_loop: bool = False):
     """layer_ref, meta_ref (SMEM): the layer; the plan's pages and runs, then the tile size's
     lo / n / start (lora_plan's "meta"). refs: nb B pools (HBM), nb outputs, then the scratch: A's buffer (both slots, a
     block of W rows per output), nb B buffers, the DMA semaphores, nb accumulators."""
@@ -105,22 +110,31 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, a_hbm, *refs, nb: 
                 act(pltpu.make_async_copy(b_hbm[k].at[layer, pl.ds(row, rows)],
                                           bbufs[k].at[slot, pl.ds(dst_row, rows)], sem.at[1 + k, slot]))
 
-        for a in range(per_chunk):
+        def adapter(a, dst):
+            """The copies of the chunk's a-th adapter, to its rank columns from dst on."""
             entry = c * per_chunk + a
             first = o_pages + entry * per_adapter
             if per_adapter == 1:
-                copy(meta_ref[first], a * rank_cols, PAGE_ROWS)
-                continue
+                copy(meta_ref[first], dst, PAGE_ROWS)
+                return
             run = meta_ref[o_runs + entry] == 1
 
             @pl.when(run)
             def _():
-                copy(meta_ref[first], a * rank_cols, rank_cols)
+                copy(meta_ref[first], dst, rank_cols)
 
             @pl.when(jnp.logical_not(run))
             def _():
                 for q in range(per_adapter):
-                    copy(meta_ref[first + q], a * rank_cols + q * PAGE_ROWS, PAGE_ROWS)
+                    copy(meta_ref[first + q], dst + q * PAGE_ROWS, PAGE_ROWS)
+
+        if copy_loop:
+            @pl.loop(0, per_chunk)
+            def _(a):
+                adapter(a, pl.multiple_of(a * rank_cols, rank_cols))
+        else:
+            for a in range(per_chunk):
+                adapter(a, a * rank_cols)
 
     n_i = meta_ref[o_n + i]
     active = j < n_i
@@ -250,7 +264,8 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
     block_rows = a_pool_LUD.shape[1] // a_blocks
     kernel = functools.partial(_kernel, nb=nb, pages_per_chunk=w // PAGE_ROWS,
                                a_offs=tuple(k * block_rows for k in a_block_ids), rank_cols=r,
-                               per_chunk=per_chunk, num_tiles=nt, num_chunks=num_chunks)
+                               per_chunk=per_chunk, num_tiles=nt, num_chunks=num_chunks,
+                               copy_loop=os.environ.get(COPY_LOOP_ENV) == "1")
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
