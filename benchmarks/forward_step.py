@@ -291,9 +291,17 @@ def main(argv=None):
         elif mode == "prefill":
             chunks = prefill_chunks(args.prefill_tokens, page_size, k, rng, first_page=1)
             t, x = args.prefill_tokens, args.prefill_pages
-        else:  # decode rows first, then prefill chunks on the pages after theirs
-            chunks = workload_chunks("decode", args.decode_seqs, args.decode_ctx, page_size, k, rng)
-            chunks += prefill_chunks(args.prefill_tokens - args.decode_seqs, page_size, k, rng,
+        else:  # decode rows first, then prefill chunks on the pages after theirs; a step holds at
+            # most max_num_seqs sequences, so decode rows give way to the prompts (as the engine's
+            # scheduler admits prompts only beside fewer running sequences)
+            rows = min(args.decode_seqs, args.max_num_seqs - (args.prefill_tokens - args.decode_seqs) // 48)
+            while rows > 0 and rows + (args.prefill_tokens - rows) // 48 > args.max_num_seqs:
+                rows -= 1
+            if rows != args.decode_seqs:
+                print(f"# mixed: {rows} decode rows (not {args.decode_seqs}) beside "
+                      f"{(args.prefill_tokens - rows) // 48} prompts: at most {args.max_num_seqs} sequences a step")
+            chunks = workload_chunks("decode", rows, args.decode_ctx, page_size, k, rng)
+            chunks += prefill_chunks(args.prefill_tokens - rows, page_size, k, rng,
                                      first_page=1 + sum(c.num_pages for c in chunks))
             t, x = args.prefill_tokens, args.prefill_pages
         need = sum(pages_needed(c, page_size) for c in chunks)

