@@ -43,21 +43,34 @@ def workload_buckets(n_requests: int, max_tokens_step: int = 512):
     return dataclasses.replace(full, tokens=tokens, pages=tuple(x for x in full.pages if x >= 64))
 
 
-def run_multilora(model_dir, adapters, prompts, new_tokens, backend, max_loras, dtype="float32",
-                  fixed_buckets=False, quantization=None, async_scheduling=None, repeats=1):
-    from multilora import Engine, SamplingParams
+def build_engine(model_dir, adapters, backend, max_loras, dtype="float32", fixed_buckets=False, quantization=None,
+                 async_scheduling=None, warmup=True, num_prompts=64):
+    """multilora's Engine over these adapters (named a0, a1, ...); its start-up seconds."""
+    from multilora import Engine
     k = len(adapters)
-    mods = {f"a{i}": str(p) for i, p in enumerate(adapters)}
     t0 = time.time()
-    eng = Engine(str(model_dir), mods, max_loras_per_batch=max(1, min(k, max_loras)) if k else 0,
+    eng = Engine(str(model_dir), {f"a{i}": str(p) for i, p in enumerate(adapters)},
+                 max_loras_per_batch=max(1, min(k, max_loras)) if k else 0,
                  max_lora_rank=16, lora_backend=backend, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=512,
                  max_model_len=MAX_MODEL_LEN, page_size=PAGE_SIZE, dtype=dtype, quantization=quantization,
-                 buckets=workload_buckets(len(prompts)) if fixed_buckets else None,
-                 async_scheduling=async_scheduling)
-    init_s = time.time() - t0
+                 buckets=workload_buckets(num_prompts) if fixed_buckets else None,
+                 async_scheduling=async_scheduling, warmup=warmup)
+    return eng, time.time() - t0
+
+
+def measure(eng, k, prompts, new_tokens, repeats=1, warm_run=False, backend="auto", dtype="float32",
+            quantization=None) -> dict:
+    """Generated tokens / s of the workload with its requests spread over the engine's first k
+    adapters: the median of `repeats` timed runs, after an untimed touch of 4 requests (an engine
+    warmed up at start) or of the whole workload (warm_run: an engine that compiles on first use
+    compiles what the workload uses there, as sglang_jax_driver.py's offline run does)."""
+    from multilora import SamplingParams
     names = [f"a{i % k}" if k else None for i in range(len(prompts))]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    eng.generate(prompts[:4], params, lora=names[:4])  # touch the path once (no compile: warm)
+    n = len(prompts) if warm_run else 4
+    t0 = time.time()
+    eng.generate(prompts[:n], params, lora=names[:n])
+    warm_s = time.time() - t0
     runs = []  # timed runs (their median; a run that compiled again shows as an outlier)
     for _ in range(max(1, repeats)):
         t0 = time.time()
@@ -65,14 +78,44 @@ def run_multilora(model_dir, adapters, prompts, new_tokens, backend, max_loras, 
         runs.append(time.time() - t0)
     secs = statistics.median(runs)
     toks = sum(len(o.token_ids) for o in outs)
-    res = dict(system="multilora", adapters=k, backend=backend, dtype=dtype, quantization=quantization,
-               async_scheduling=eng.async_scheduling,
-               projections=eng.projection_mode, tokens=toks, seconds=secs, run_seconds=runs,
-               tok_per_s=toks / secs, init_s=init_s, steps=dict(eng.stats),
-               compiles_after_warmup=eng.runner.compiles_after_warmup)
+    return dict(system="multilora", adapters=k, slots=eng.lora_cfg.max_loras_per_batch if eng.slots else 0,
+                backend=backend, dtype=dtype, quantization=quantization, async_scheduling=eng.async_scheduling,
+                projections=eng.projection_mode, tokens=toks, seconds=secs, run_seconds=runs,
+                tok_per_s=toks / secs, warm_run_s=warm_s if warm_run else None, steps=dict(eng.stats),
+                compiles_after_warmup=eng.runner.compiles_after_warmup)
+
+
+def run_multilora(model_dir, adapters, prompts, new_tokens, backend, max_loras, dtype="float32",
+                  fixed_buckets=False, quantization=None, async_scheduling=None, repeats=1):
+    """One engine for these adapters, warmed up at start, measured, dropped."""
+    eng, init_s = build_engine(model_dir, adapters, backend, max_loras, dtype, fixed_buckets, quantization,
+                               async_scheduling, num_prompts=len(prompts))
+    res = measure(eng, len(adapters), prompts, new_tokens, repeats, backend=backend, dtype=dtype,
+                  quantization=quantization)
+    res["init_s"] = init_s
     del eng
     gc.collect()
     return res
+
+
+def run_on_first_use(model_dir, adapters, counts, prompts, new_tokens, backend, max_loras, dtype, quantization,
+                     async_scheduling, repeats):
+    """sglang_jax_driver.py's offline method: no compile at start-up; an engine without LoRA for 0
+    adapters, one engine over max(counts) adapters for every other count (rows spread over its
+    first k); before each count's timed runs, one untimed run of the workload compiles its shapes.
+    Yields each count's result as it is measured."""
+    for group in ([0] if 0 in counts else [], [k for k in counts if k]):
+        if not group:
+            continue
+        eng, init_s = build_engine(model_dir, adapters[:max(group)], backend, max_loras, dtype,
+                                   quantization=quantization, async_scheduling=async_scheduling, warmup=False)
+        for k in group:
+            r = measure(eng, k, prompts, new_tokens, repeats, warm_run=True, backend=backend, dtype=dtype,
+                        quantization=quantization)
+            r.update(init_s=init_s, warmup="on first use")
+            yield r
+        del eng
+        gc.collect()
 
 
 def run_peft(model_dir, adapters, prompts, new_tokens, batch, device="cpu"):
@@ -129,6 +172,11 @@ def main(argv=None):
     ap.add_argument("--async-scheduling", nargs="+", default=["auto"], choices=["auto", "on", "off"],
                     help="the engine's async_scheduling (auto: on with an accelerator); several: each in turn")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs of the workload (their median)")
+    ap.add_argument("--warmup", default="all", choices=["all", "on-first-use"],
+                    help="all: each adapter count's own engine compiles every step shape at start (the Engine's "
+                         "default); on-first-use: sglang_jax_driver.py's offline method (no compile at start, one "
+                         "engine over max(--adapters) adapters for every count > 0, an untimed run of the "
+                         "workload before each count's timed runs)")
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/multilora/bench"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -142,7 +190,18 @@ def main(argv=None):
     prompts = fixed_prompts(args.requests, args.prompt_len, 49152)
     results = []
     modes = {"auto": None, "on": True, "off": False}
-    for k in args.adapters:
+    if args.warmup == "on-first-use":
+        for r in run_on_first_use(model_dir, adapters, args.adapters, prompts, args.new_tokens, args.backend,
+                                  args.max_loras_per_batch, args.dtype, args.quantization,
+                                  modes[args.async_scheduling[0]], args.repeats):
+            print(f"multilora  adapters={r['adapters']:3d} ({r['projections']}, {r['slots']} slots, compiled on "
+                  f"first use): {r['tok_per_s']:7.1f} tok/s (median of "
+                  f"{', '.join(f'{x:.2f}' for x in r['run_seconds'])} s; start {r['init_s']:.1f} s, "
+                  f"warm-up run {r['warm_run_s']:.1f} s)", flush=True)
+            results.append(r)
+            if args.json:
+                save_json(args.json, dict(machine=machine_info(), args=vars(args), results=results))
+    for k in (args.adapters if args.warmup == "all" else []):
         for a in args.async_scheduling:
             r = run_multilora(model_dir, adapters[:k], prompts, args.new_tokens, args.backend,
                               args.max_loras_per_batch, args.dtype, args.fixed_buckets, args.quantization,

@@ -109,7 +109,7 @@ for part in $PARTS; do
     offline) PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --only-binary=:all: \
                --index-url file:///opt/pypi/simple --target /tmp/site safetensors tokenizers jinja2 markupsafe \
                && export PYTHONPATH=${PYTHONPATH:-}:/tmp/site
-             timeout -k 5 500 python3 benchmarks/engine_throughput.py --adapters 0 8 64 --dtype bfloat16 \
+             timeout -k 5 500 python3 benchmarks/engine_throughput.py --adapters 0 8 64 --dtype bfloat16 --warmup on-first-use \
                --workdir /tmp/bench --json "$OUT/offline.json" 2>&1 | tee "$OUT/offline.log" ;;
     # greedy tokens against the CPU's float32 record: the GGUF's parts carried in .tpu-carry/ by
     # earlier calls of the same lease (PARTS=stash), the gguf wheel in .whl-tpu/ (not yet tried there)

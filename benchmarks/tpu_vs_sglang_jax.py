@@ -7,7 +7,9 @@ rank-16 adapters on all seven projections:
   offline  64 requests x 64 new tokens (prompts ~48), tokens per second
 
 multilora's side is benchmarks/forward_step.py (--dtypes bfloat16) and engine_throughput.py
-(--dtype bfloat16); sglang-jax's is benchmarks/sglang_jax_driver.py (needs
+(--dtype bfloat16 --warmup on-first-use: each engine's offline figures are taken the same way,
+after an untimed run of the workload that compiles what it uses, 8 and 64 adapters from one
+engine); sglang-jax's is benchmarks/sglang_jax_driver.py (needs
 `source benchmarks/sglang_jax_setup.sh` first). Each engine's work runs in one process per shape,
 one after another (the chip holds one program at a time). Step figures compare multilora's forward
 with sglang-jax's forward (ForwardBatch + model_runner.forward, up to the logits); sglang-jax's
@@ -82,8 +84,10 @@ def multilora_runs(args, model: str, raw_dir: Path) -> dict:
         raw = raw_dir / f"multilora_offline_{model}.json"
         cmd = [py, str(HERE / "engine_throughput.py"), "--model", model, "--adapters", *map(str, args.adapters),
                "--dtype", "bfloat16", "--workdir", str(args.workdir / "multilora"), "--json", str(raw),
-               # compile only the workload's shapes (the measured run is after warm-up either way)
-               "--fixed-buckets", "--repeats", str(min(args.repeats, 3))]
+               # sglang_jax_driver.py's method: shapes compiled on first use in an untimed run of the
+               # workload, one engine for every adapter count > 0 (a start-up that compiles every
+               # bucket with the LoRA kernel took over 300 s on a v5e: log 37)
+               "--warmup", "on-first-use", "--repeats", str(min(args.repeats, 3))]
         if args.quick:
             cmd += ["--requests", "4", "--new-tokens", "8"]
         out["offline"] = run(cmd, raw, args.timeout)
