@@ -180,6 +180,10 @@ def main(argv=None):
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/multilora/bench"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.warmup == "on-first-use":  # what that method does not do, refused rather than dropped
+        if args.fixed_buckets or args.peft or len(args.async_scheduling) > 1:
+            ap.error("--warmup on-first-use takes one --async-scheduling value and neither --fixed-buckets "
+                     "(it compiles only what the workload uses anyway) nor --peft (run those with --warmup all)")
     work = Path(args.workdir)
     small = args.model == "smollm2-135m"  # its folders keep their earlier names
     # the 1B shape's weights in float16: 2.5 GB to write rather than 5 (the engine casts them)
