@@ -3,7 +3,9 @@ models set them: a tied Qwen2.5 (0.5B to 3B tie their embeddings), a tied Llama 
 rope scaling, a Gemma 3 whose global layers scale their RoPE linearly (4B and up: factor 8), a
 Mistral without a window and with its own head_dim (Nemo), a Qwen3 with YaRN, and a Gemma 3
 config that sets soft caps. Through the engine at float32, base and
-adapter rows in one batch: PEFT's greedy tokens exactly.
+adapter rows in one batch: PEFT's greedy tokens exactly. The engines compile the shapes they use
+(warmup=False): a full warm-up's unused buckets were ~3/4 of this file's time; tests/test_engine.py
+checks that the warm-up's plan covers every step.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def test_engine_greedy_tokens_equal_peft(name, tmp_path, peft_greedy_cache):
     loras = [None, "a", "a"]
     eng = Engine(str(model_dir), {"a": str(adapter_dir)}, max_loras_per_batch=2, max_lora_rank=16,
                  max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, page_size=8,
-                 projection_dtype="float32")
+                 projection_dtype="float32", warmup=False)
     outs = eng.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True), loras)
     got = [list(o.token_ids) for o in outs]
     want = peft_greedy_cache.many(model_dir, [(adapter_dir if lora else None, p) for p, lora in zip(prompts, loras)],
@@ -74,7 +76,7 @@ def test_adapter_configs_choosing_layers_and_modules(tmp_path, peft_greedy_cache
     prompts = [rng.integers(3, 256, size=int(n)).tolist() for n in rng.integers(4, 24, size=len(loras))]
     eng = Engine(str(model_dir), {n: str(d) for n, d in adapters.items()}, max_loras_per_batch=4,
                  max_lora_rank=16, max_model_len=64, max_num_seqs=len(loras), max_num_batched_tokens=256,
-                 page_size=8, projection_dtype="float32")
+                 page_size=8, projection_dtype="float32", warmup=False)
     outs = eng.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True), loras)
     got = [list(o.token_ids) for o in outs]
     want = peft_greedy_cache.many(model_dir, [(adapters[lora] if lora else None, p) for p, lora in zip(prompts, loras)],
