@@ -176,3 +176,30 @@ def test_many_steps_asking_at_once_get_one_compile_per_shape(threads):
     assert comp.wait(10) and comp.warm
     assert all(len(ids) == 1 for ids in got.values())
     assert sorted(k for _, k in lower.calls) == list(range(40))
+
+
+def test_compile_threads_follow_the_cores_within_bounds():
+    """A foreground warm-up compiles one shape a core: 2 on a 2-core host (and below), all the
+    cores up to MAX_COMPILE_THREADS on an accelerator's host."""
+    from multilora.engine.warmup import MAX_COMPILE_THREADS, compile_threads
+    assert [compile_threads(c) for c in (1, 2, 3, 6)] == [2, 2, 3, 6]
+    assert compile_threads(224) == MAX_COMPILE_THREADS == 8
+    assert 2 <= compile_threads() <= MAX_COMPILE_THREADS
+
+
+def test_a_foreground_warm_up_compiles_on_several_threads_at_once(monkeypatch):
+    """start() without `threads` runs compile_threads() compiles side by side: two shapes whose
+    compiles wait for each other at a barrier both finish (one thread would wait at the barrier
+    until it times out, and the warm-up would raise)."""
+    from multilora.engine import warmup
+    monkeypatch.setattr(warmup.os, "cpu_count", lambda: 2)
+    barrier = threading.Barrier(2, timeout=10)
+
+    class Lowered:
+        def compile(self):
+            barrier.wait()   # returns once the other shape's compile is here too
+            return lambda: None
+
+    comp = ShapeCompiler()
+    comp.start([("step", k, lambda key: Lowered()) for k in (1, 2)], num_first=0, background=False)
+    assert comp.warm and sorted(comp.table("step")) == [1, 2]

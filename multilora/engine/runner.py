@@ -413,7 +413,7 @@ class ModelRunner:
                 + [("prompt-logprobs", t, self._lower_scorer) for t in b.tokens])
         return jobs, len(first) + 2 * len(first_rows)
 
-    def warmup(self, progress: bool = False, threads: int = 2, background: bool = False) -> float:
+    def warmup(self, progress: bool = False, threads: Optional[int] = None, background: bool = False) -> float:
         """Compile every bucket (and run none): no compile happens after this. background: only
         what a first short request needs before returning, the rest on background threads
         (ShapeCompiler.start; `warmup_status()`, `wait_warm()`). The seconds spent here."""

@@ -44,6 +44,18 @@ def _stop_all() -> None:
         compiler.stop()
 
 
+MAX_COMPILE_THREADS = 8   # each compile in flight holds its module's compiler memory
+
+
+def compile_threads(cpus: Optional[int] = None) -> int:
+    """Threads for a warm-up that compiles before the engine serves: XLA compiles a module on
+    the thread that asks and releases the GIL, so one compile per core keeps the host busy (a
+    TPU step shape with the Pallas LoRA kernel takes ~15-20 s of host time, and an engine plans
+    tens of shapes); at least 2, at most MAX_COMPILE_THREADS."""
+    cpus = (os.cpu_count() or 2) if cpus is None else cpus
+    return max(2, min(MAX_COMPILE_THREADS, cpus))
+
+
 class ShapeCompiler:
     def __init__(self):
         self.tables: dict[str, dict] = {}     # what -> key -> compiled executable
@@ -118,9 +130,9 @@ class ShapeCompiler:
         return fn, True
 
     def start(self, jobs: Sequence[Job], num_first: int, background: bool, progress: bool = False,
-              threads: int = 2, background_threads: Optional[int] = None) -> float:
-        """Compile the plan `jobs`: all of it now on `threads` threads (XLA compiles release the
-        GIL: two keep both cores of a small machine busy), or with background its first
+              threads: Optional[int] = None, background_threads: Optional[int] = None) -> float:
+        """Compile the plan `jobs`: all of it now on `threads` threads (default compile_threads():
+        one a core, 2 to 8), or with background its first
         num_first jobs now and the rest on `background_threads` daemon threads (default: half
         the cores, at least one, so that steps keep a core), returning once the first are done.
         The seconds spent here."""
@@ -130,7 +142,7 @@ class ShapeCompiler:
             self._done = sum(1 for what, key, _ in jobs if key in self.table(what))
             self._started = t0
         now = list(jobs[:num_first] if background else jobs)
-        with ThreadPoolExecutor(max(1, threads)) as pool:
+        with ThreadPoolExecutor(max(1, threads or compile_threads())) as pool:
             for i, _ in enumerate(pool.map(lambda j: self._compile(j[0], j[1], j[2], on_demand=False), now), 1):
                 if progress:
                     _progress("compiling" if not background else "compiling the first shapes", i, len(now), t0)
