@@ -4,7 +4,8 @@
 # projections), 0 / 8 / 64 adapters, multilora's TPU backend beside `dense` (sglang-jax's one-hot
 # product over every slot). Raw output under $OUT. Parts (PARTS="..."): tests atests (the kernels'
 # tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention),
-# trace, optrace, pprobe (the Pallas attention's prefill side), copyloop, families (issue 40's families on the chip), offline (the engine's throughput), stash and
+# trace, optrace, pprobe (the Pallas attention's prefill side), copyloop, families (issue 40's families on the chip), offline (the engine's throughput), startup (an
+# Engine with adapters compiled at start), stash and
 # agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py), cases
 # (each shape x mode x adapter count in its own process, whole outputs kept), variants (other
 # trees' cases side by side). Every limit is `timeout -k 5`: GNU timeout sends its SIGTERM to the
@@ -111,6 +112,14 @@ for part in $PARTS; do
                && export PYTHONPATH=${PYTHONPATH:-}:/tmp/site
              timeout -k 5 500 python3 benchmarks/engine_throughput.py --adapters 0 8 64 --dtype bfloat16 --warmup on-first-use \
                --workdir /tmp/bench --json "$OUT/offline.json" 2>&1 | tee "$OUT/offline.log" ;;
+    # an Engine with 8 adapters warmed up at start (every bucket compiled before it serves, one
+    # compile a host core: warmup.compile_threads): its start-up seconds, then its throughput
+    startup) PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --only-binary=:all: \
+               --index-url file:///opt/pypi/simple --target /tmp/site safetensors tokenizers jinja2 markupsafe \
+               && export PYTHONPATH=${PYTHONPATH:-}:/tmp/site
+             nproc | tee "$OUT/startup_nproc.txt"
+             timeout -k 5 ${CASE_LIMIT:-540} python3 benchmarks/engine_throughput.py --adapters 8 --dtype bfloat16 \
+               --warmup all --workdir /tmp/bench --json "$OUT/startup.json" 2>&1 | tee "$OUT/startup.log" ;;
     # issue 40: every family's tiny checkpoint with a PEFT adapter, greedy tokens against PEFT's on
     # the CPU (.tpu-families/ carried: `python benchmarks/tpu_families.py record --dir .tpu-families`)
     families) PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --only-binary=:all: \
