@@ -63,7 +63,8 @@ def measure(eng, k, prompts, new_tokens, repeats=1, warm_run=False, backend="aut
     """Generated tokens / s of the workload with its requests spread over the engine's first k
     adapters: the median of `repeats` timed runs, after an untimed touch of 4 requests (an engine
     warmed up at start) or of the whole workload (warm_run: an engine that compiles on first use
-    compiles what the workload uses there, as sglang_jax_driver.py's offline run does)."""
+    compiles what the workload uses there, as sglang_jax_driver.py's offline run does), its
+    seconds recorded as warm_run_s (the whole workload) or touch_s (the 4 requests)."""
     from multilora import SamplingParams
     names = [f"a{i % k}" if k else None for i in range(len(prompts))]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -81,7 +82,8 @@ def measure(eng, k, prompts, new_tokens, repeats=1, warm_run=False, backend="aut
     return dict(system="multilora", adapters=k, slots=eng.lora_cfg.max_loras_per_batch if eng.slots else 0,
                 backend=backend, dtype=dtype, quantization=quantization, async_scheduling=eng.async_scheduling,
                 projections=eng.projection_mode, tokens=toks, seconds=secs, run_seconds=runs,
-                tok_per_s=toks / secs, warm_run_s=warm_s if warm_run else None, steps=dict(eng.stats),
+                tok_per_s=toks / secs, warm_run_s=warm_s if warm_run else None,
+                touch_s=None if warm_run else warm_s, steps=dict(eng.stats),
                 compiles_after_warmup=eng.runner.compiles_after_warmup)
 
 
