@@ -146,8 +146,9 @@ def test_lora_delta_matches_the_per_token_definition(case, dtype, copy_loop, tra
     x_np = np.asarray(x.astype(jnp.float32))
     tol = (2e-2 if dtype == "bfloat16" else (2e-3 if ON_TPU else 1e-4))
     run = jax.jit(lora_delta, static_argnames=("a_block", "a_blocks", "interpret", "tile_rows"))
-    # the first layer's first block, and the last layer's last block as one tile and in tiles of 8 rows
-    for layer, block, tiles in ((0, 0, (None,)), (layers - 1, blocks - 1, (None, 8))):
+    # the first layer's first block as one tile, the last layer's last block in tiles of 8 rows
+    # (each call is a compile of the interpreted kernel: ~3 s)
+    for layer, block, tiles in ((0, 0, (None,)), (layers - 1, blocks - 1, (8,))):
         for tile_rows in tiles:
             got = run(x, a_pool, b_pool, jnp.int32(layer), info.step_slots_A, info.local_T, rows,
                       scalings, a_block=block, a_blocks=blocks, interpret=not ON_TPU, tile_rows=tile_rows)
