@@ -100,7 +100,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 _OMP_WAIT = os.environ.get("OMP_WAIT_POLICY")  # benchmarks.serving sets a default on import
 
-from benchmarks.common import machine_info, save_json  # noqa: E402
+from benchmarks.common import machine_info, save_json, scratch  # noqa: E402
 from benchmarks.serving import (CACHE, VLLM_VERSION, _cpu_list, assign_adapters, ensure_adapters,  # noqa: E402
                                 ensure_vllm, model_dir, pct)
 
@@ -570,8 +570,10 @@ def main(argv=None):
     ap.add_argument("--vllm-start-timeout", type=float, default=900.0)
     ap.add_argument("--keep-requests", action="store_true", help="store every request's chunk times in the JSON")
     ap.add_argument("--append", action="store_true", help="keep the other rows of an existing --json file")
-    ap.add_argument("--json", default=str(HERE / "results" / "chat_load.json"))
-    ap.add_argument("--plot", default=str(HERE / "results" / "chat_load.png"))
+    ap.add_argument("--json", default=scratch("chat_load.json"),
+                    help="where to write (default: outside the repository, benchmarks.common.scratch)")
+    ap.add_argument("--plot", default=scratch("chat_load.png"),
+                    help="where to write (default: outside the repository, benchmarks.common.scratch)")
     ap.add_argument("--table-from", default=None, help="print the table and plot from a JSON file, run nothing")
     args = ap.parse_args(argv)
 

@@ -131,4 +131,13 @@ def machine_info() -> dict:
 
 
 def save_json(path, obj) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(obj, indent=2))
+
+
+def scratch(name: str) -> str:
+    """A default output path outside the repository (the user cache's bench/ folder): a try-out
+    never overwrites a recorded file under benchmarks/results, which a log cites; pass --json
+    benchmarks/results/NAME to record a run."""
+    from multilora.default_model import user_cache_dir
+    return str(user_cache_dir() / "bench" / "out" / name)

@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from benchmarks.common import fixed_prompts, machine_info, make_random_adapters, save_json  # noqa: E402
+from benchmarks.common import fixed_prompts, machine_info, make_random_adapters, save_json, scratch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.path.expanduser("~/.cache/multilora/bench"))
@@ -846,8 +846,10 @@ def main(argv=None):
                          "seven are 80 GB of disk, rank 4 on q_proj v_proj 3.6 GB")
     ap.add_argument("--adapter-dir", default=None,
                     help="where the adapters are made (default: ~/.cache/multilora/bench/serving-adapters-r{rank}[-modules])")
-    ap.add_argument("--json", default=str(HERE / "results" / "serving.json"))
-    ap.add_argument("--plot", default=str(HERE / "results" / "serving.png"))
+    ap.add_argument("--json", default=scratch("serving.json"),
+                    help="where to write (default: outside the repository, benchmarks.common.scratch)")
+    ap.add_argument("--plot", default=scratch("serving.png"),
+                    help="where to write (default: outside the repository, benchmarks.common.scratch)")
     ap.add_argument("--table-from", default=None, help="print tables and plot from a JSON file, run nothing")
     args = ap.parse_args(argv)
 
