@@ -178,6 +178,8 @@ def main(argv=None):
     ap.add_argument("--slots", type=int, default=None,
                     help="adapter slots in the pool (default: as many as adapters used); rows use the first K")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=16,
+                    help="tokens a KV page holds (the engine's default; 128 measured slower on a v5e: log 40)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "xla", "native"],
@@ -256,7 +258,7 @@ def main(argv=None):
                         kvs = (",kvhm" if hm else "") + (",pa" if pa else "") + (f",{kw}" if len(args.kv_writes) > 1 else "")
                         layouts[f"{lay}/{short[asked]}{kvs}{suffix}"] = (split_layers(w) if lay == "split" else w,
                                                                           dt, ldt, hm, pa, kw)
-    page_size = 16
+    page_size = args.page_size
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     # heads-major: the cache returned in the format it came in (as the runner), so every step reads it in place
     # as the runner: the batch packed into one buffer, one host -> device copy a step
@@ -367,23 +369,30 @@ def main(argv=None):
                                          pallas_attention=st["pa"], kv_write=st["kw"])
         logits.block_until_ready()
         st["pipelined_s"] = (time.perf_counter() - t0) / PIPELINED_STEPS
+        packs = []  # the host's share alone: the batch packed and on the device, nothing run
+        for _ in range(PIPELINED_STEPS):
+            t0 = time.perf_counter()
+            jax.block_until_ready(st["jit"]._args(st["batch"])[:2])
+            packs.append(time.perf_counter() - t0)
+        st["pack_s"] = statistics.median(packs)
     rows = []
     # "vs 0": against the no-adapter case of the same mode, attention and layer layout
     base = {(m, nat, lay): statistics.median(st["times"])
             for (m, k, be, nat, lay), st in state.items() if be == "-"}
     print(f"{'mode':8} {'T':>5} {'X':>5} {'attention':>9} {'layers':>18} {'adapters':>8} {'backend':>8} "
-          f"{'median ms':>10} {'vs 0':>6} {'compile s':>9} {'back to back ms':>15}")
+          f"{'median ms':>10} {'vs 0':>6} {'compile s':>9} {'back to back ms':>15} {'pack ms':>7}")
     for (mode, k, be, nat, lay), st in state.items():
         med = statistics.median(st["times"])
         key = (mode, nat, lay.split("+")[0])
         rel = med / base[key] if key in base else float("nan")
         att = "native" if nat else ("pallas" if st["pa"] else "xla")
         print(f"{mode:8} {st['tokens']:>5} {st['pages']:>5} {att:>9} {lay:>18} {k:>8} {st['backend']:>8} "
-              f"{1e3 * med:10.2f} {rel:6.2f} {st['compile_s']:9.1f} {1e3 * st['pipelined_s']:15.2f}")
+              f"{1e3 * med:10.2f} {rel:6.2f} {st['compile_s']:9.1f} {1e3 * st['pipelined_s']:15.2f} "
+              f"{1e3 * st['pack_s']:7.2f}")
         rows.append(dict(mode=mode, tokens=st["tokens"], pages=st["pages"], adapters=k, backend=st["backend"],
                          attention=att, layers=lay, kv_layout="heads-major" if st["hm"] else "default", asked=be, median_s=med, times=st["times"], vs_no_adapter=rel,
                          compile_s=st["compile_s"], first_step_s=st["first_step_s"],
-                         back_to_back_s=st["pipelined_s"]))
+                         back_to_back_s=st["pipelined_s"], pack_s=st["pack_s"]))
     if args.trace:
         for (mode, k, be, nat, lay), st, row in zip(state.keys(), state.values(), rows):
             row["op_ms_by_kind"] = trace_case(args.trace / f"{mode}_k{k}_{st['backend']}_{row['attention']}_{lay}",

@@ -30,6 +30,7 @@ RUN = jax.jit(paged_attention, static_argnames=("sliding_window", "interpret", "
     ([63, 0, 31, 7], [], 16, 16, 16, 4, 1, None, None),                 # decode only, padding pages
     ([], [(70, 0), (45, 30)], 16, 128, 16, 9, 3, None, None),           # prefill only, two 64-row blocks
     ([7, 12, 5, 9, 3, 11, 8, 6], [], 4, 64, 32, 4, 2, None, None),       # page size 4: chunks of 32 pages
+    ([100, 130, 5], [(40, 200)], 128, 64, 8, 4, 2, None, None),          # a TPU's default page: 2 a chunk
 ])
 def test_paged_attention_matches_xla_and_the_reference(decode_pos, prefill, page_size, num_tokens, num_pages,
                                                        n, kvh, window, block_rows, dtype):

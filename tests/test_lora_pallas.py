@@ -121,17 +121,16 @@ def make_tokens(rng, pattern, t, s):
 # the copies in a loop where a chunk holds several adapters of one page, or adapters of several pages
 # (page by page where an adapter's pages are not consecutive). Each case is ~10 s in the interpreter.
 SEVERAL = [c for c in CASES if c[0] == 64 or c[4] > 16]
-KERNEL_CASES = ([(c, "float32", False) for c in CASES] + [(c, "bfloat16", False) for c in SEVERAL]
-                + [(c, "float32", True) for c in SEVERAL])
+KERNEL_CASES = ([(c, "float32", True) for c in CASES] + [(c, "bfloat16", True) for c in SEVERAL]
+                + [(c, "float32", False) for c in SEVERAL])
 
 
 @pytest.mark.parametrize("case,dtype,copy_loop", KERNEL_CASES, ids=lambda v: (
     f"T{v[0]}-D{v[1]}-O{v[2]}-S{len(v[3])}-R{v[4]}-{v[6]}" if isinstance(v, tuple) else str(v)))
 def test_lora_delta_matches_the_per_token_definition(case, dtype, copy_loop, trace_time_knob):
-    """Unrolled copies of a chunk's adapters, and (MULTILORA_LORA_COPY_LOOP=1) copies in a loop."""
+    """A chunk's adapter copies in a loop (the default), and unrolled (MULTILORA_LORA_COPY_LOOP=0)."""
     from multilora.kernels.lora_pallas import COPY_LOOP_ENV
-    if copy_loop:
-        trace_time_knob(COPY_LOOP_ENV, "1")
+    trace_time_knob(COPY_LOOP_ENV, "1" if copy_loop else "0")
     t, d, o, ranks, width, max_adapters, pattern = case
     rng = np.random.default_rng(t * 7 + d)
     layers, blocks = 2, 3

@@ -43,9 +43,9 @@ VMEM_BUDGET_BYTES = 40 * 1024 * 1024  # what one call's buffers may take (tm is 
 
 # Adapters per chunk in place of chunk_adapters' pick (a probe's knob: benchmarks/lora_kernel_probe.py)
 CHUNK_ENV = "MULTILORA_LORA_CHUNK_ADAPTERS"
-# "1": a chunk's adapter copies issued in a loop (pl.loop) instead of unrolled, a smaller module
-# for Mosaic to compile (benchmarks/log/37: the kernel's compile is ~14 s of a LoRA step's 17-21
-# s on a v5e). Not yet timed on the chip, so off by default; tpu_steps.sh's part `copyloop`.
+# A chunk's adapter copies are issued in a loop (pl.loop), a smaller module for Mosaic to compile
+# than unrolled copies: on a v5e a LoRA step compiled in 3.4-5.7 s against 12.4-16.1 s unrolled, at
+# the same step times (benchmarks/log/40). "0" unrolls them (tpu_steps.sh's part `copyloop`).
 COPY_LOOP_ENV = "MULTILORA_LORA_COPY_LOOP"
 
 
@@ -265,7 +265,7 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
     kernel = functools.partial(_kernel, nb=nb, pages_per_chunk=w // PAGE_ROWS,
                                a_offs=tuple(k * block_rows for k in a_block_ids), rank_cols=r,
                                per_chunk=per_chunk, num_tiles=nt, num_chunks=num_chunks,
-                               copy_loop=os.environ.get(COPY_LOOP_ENV) == "1")
+                               copy_loop=os.environ.get(COPY_LOOP_ENV) != "0")
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
