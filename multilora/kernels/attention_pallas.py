@@ -117,27 +117,36 @@ def _kernel(layer_ref, pages_ref, blk_start_ref, n_chunks_ref, base_ref,   # sca
         f = f0 + jax.lax.broadcasted_iota(jnp.int32, (1, cp), 1)
         visible = (f >= lo) & (f <= hi)                                   # (g * tq, cp)
         for k in range(num_kv):
-            keys = kbuf[slot, :, k].reshape(cp, h)
-            vals = vbuf[slot, :, k].reshape(cp, h)
-            q = q_ref[k].reshape(g * tq, h)
-            s = jax.lax.dot_general(q, keys.astype(q.dtype), (((1,), (1,)), ((), ())),
-                                    precision=_precision(q), preferred_element_type=jnp.float32) * scale
-            s = jnp.where(visible, s, MASKED)
-            m_prev = m_ref[k]
-            m_cur = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            probs = jnp.where(visible, jnp.exp(s - m_cur), 0.0)
-            alpha = jnp.exp(m_prev - m_cur)
-            l_ref[k] = alpha * l_ref[k] + jnp.sum(probs, axis=1, keepdims=True)
-            acc_ref[k] = alpha * acc_ref[k] + jnp.dot(probs.astype(vals.dtype), vals, precision=_precision(vals),
-                                                      preferred_element_type=jnp.float32)
-            m_ref[k] = m_cur
+            online_softmax_update(q_ref[k].reshape(g * tq, h), kbuf[slot, :, k].reshape(cp, h),
+                                  vbuf[slot, :, k].reshape(cp, h), visible, scale, m_ref.at[k], l_ref.at[k],
+                                  acc_ref.at[k])
         return carry
 
     jax.lax.fori_loop(0, n, body, 0)
     for k in range(num_kv):
-        l_k = l_ref[k]
-        out = acc_ref[k] / jnp.where(l_k == 0.0, 1.0, l_k)
-        o_ref[k] = out.reshape(g, tq, h).astype(o_ref.dtype)
+        o_ref[k] = normalized(acc_ref.at[k], l_ref.at[k]).reshape(g, tq, h).astype(o_ref.dtype)
+
+
+def online_softmax_update(q, keys, vals, visible, scale: float, m_ref, l_ref, acc_ref):
+    """One chunk of keys into a kv head's running max (m), sum (l) and weighted values (acc):
+    q (R, H) against keys and values (C, H), visible (R or 1, C) the keys each row may see."""
+    s = jax.lax.dot_general(q, keys.astype(q.dtype), (((1,), (1,)), ((), ())),
+                            precision=_precision(q), preferred_element_type=jnp.float32) * scale
+    s = jnp.where(visible, s, MASKED)
+    m_prev = m_ref[...]
+    m_cur = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    probs = jnp.where(visible, jnp.exp(s - m_cur), 0.0)
+    alpha = jnp.exp(m_prev - m_cur)
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(probs, axis=1, keepdims=True)
+    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(probs.astype(vals.dtype), vals, precision=_precision(vals),
+                                                  preferred_element_type=jnp.float32)
+    m_ref[...] = m_cur
+
+
+def normalized(acc_ref, l_ref):
+    """The running weighted values over their weights' sum (zeros where no key was visible)."""
+    l_ = l_ref[...]
+    return acc_ref[...] / jnp.where(l_ == 0.0, 1.0, l_)
 
 
 def _precision(operand):
