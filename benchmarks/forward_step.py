@@ -90,18 +90,28 @@ class PackedStep:
 PIPELINED_STEPS = 10
 
 
-def random_weights(cfg, seed=0, dtype=jnp.float32, int8: bool = False):
+def random_weights(cfg, seed=0, dtype=jnp.float32, int8: bool = False, on_host: bool = True):
     """Base weights of the config's shape (their values do not change the step's time), made
-    in `dtype` directly; int8: the projections as random int8 with per-column scales
+    in `dtype`; int8: the projections as random int8 with per-column scales
     (projections.QuantInt8, the engine's quantization='int8'), made without a float copy, so an
-    8B shape fits one 16 GB chip. An untied config gets its own LM head."""
+    8B shape fits one 16 GB chip. An untied config gets its own LM head. on_host: the float
+    matrices drawn by numpy (on a TPU v5e, jax.random.normal compiled for tens of seconds a
+    shape: a 1B process spent over 85 s before its first step, benchmarks/log/40); False: by
+    jax.random (for tracing, e.g. under jax.eval_shape)."""
     from multilora.model.projections import QuantInt8
     keys = iter(jax.random.split(jax.random.PRNGKey(seed), 16))
+    rng = np.random.default_rng(seed)
     L, d, f, q, kv = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim
 
+    def normal(shape):
+        if not on_host:
+            return (0.02 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+        a = rng.standard_normal(shape, dtype=np.float32)
+        a *= 0.02
+        return jnp.asarray(a).astype(dtype)
+
     def w(*shape):
-        return (0.02 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype) if not int8 or len(shape) == 2 \
-            else w8(*shape)
+        return normal(shape) if not int8 or len(shape) == 2 else w8(*shape)
 
     def w8(*shape):
         # a layer at a time: randint's uint32 bits of a whole (L, K, N) stack would not fit a chip at 8B

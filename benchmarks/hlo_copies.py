@@ -94,7 +94,7 @@ def main(argv=None):
 
     cfg = ModelConfig.from_hf_dict(SMOLLM2_135M)
     dt = jnp.dtype(args.dtype)
-    weights = abstract(jax.eval_shape(lambda: jax.tree.map(lambda a: a.astype(dt), random_weights(cfg))))
+    weights = abstract(jax.eval_shape(lambda: jax.tree.map(lambda a: a.astype(dt), random_weights(cfg, on_host=False))))
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     hm = kv_heads_major_on(jax.devices()[0].platform) if args.kv_layout == "auto" else args.kv_layout == "heads-major"
     kv_formats = kv_cache_formats(KVCache(one, one), hm)
