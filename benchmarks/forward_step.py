@@ -114,9 +114,11 @@ def random_weights(cfg, seed=0, dtype=jnp.float32, int8: bool = False, on_host: 
         return normal(shape) if not int8 or len(shape) == 2 else w8(*shape)
 
     def w8(*shape):
-        # a layer at a time: randint's uint32 bits of a whole (L, K, N) stack would not fit a chip at 8B
-        vals = jnp.stack([jax.random.randint(k, shape[1:], -127, 127, jnp.int8)
-                          for k in jax.random.split(next(keys), shape[0])])
+        if on_host:   # the whole (L, K, N) stack in int8 on the host, one copy to the device
+            vals = jnp.asarray(rng.integers(-127, 127, size=shape, dtype=np.int8))
+        else:  # a layer at a time: randint's uint32 bits of a whole stack would not fit a chip at 8B
+            vals = jnp.stack([jax.random.randint(k, shape[1:], -127, 127, jnp.int8)
+                              for k in jax.random.split(next(keys), shape[0])])
         return QuantInt8(vals, jnp.full((shape[0], shape[2]), 0.02 / 73, jnp.float32))
     ones = lambda *shape: jnp.ones(shape, dtype)  # noqa: E731
     layers = LayerWeights(attn_norm_LD=ones(L, d), wq_LDO=w(L, d, q), wk_LDO=w(L, d, kv),
