@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from multilora.kernels.attention_pallas import (MASKED, VMEM_LIMIT_BYTES, _ranges, normalized,
+from multilora.kernels.attention_pallas import (MASKED, VMEM_LIMIT_BYTES, key_ranges, normalized,
                                                 online_softmax_update)
 
 DECODE_ENV = "MULTILORA_PALLAS_DECODE"
@@ -49,7 +49,7 @@ def decode_plan(kv_page_seq_X, seq_idx_T, positions_T, page_size: int, sliding_w
     least one: the double buffer's chain), and its first chunk's count (the buffer's parity)."""
     x = kv_page_seq_X.shape[0]
     c = max(1, min(x, KEYS_PER_CHUNK // page_size))
-    lo_T, hi_T, first_T, end_T = _ranges(kv_page_seq_X, seq_idx_T, positions_T, page_size, sliding_window)
+    lo_T, hi_T, first_T, end_T = key_ranges(kv_page_seq_X, seq_idx_T, positions_T, page_size, sliding_window)
     first_T = jnp.minimum(first_T, x).astype(jnp.int32)
     end_T = end_T.astype(jnp.int32)
     n_chunks = jnp.maximum(-(-(end_T - first_T) // c), 1).astype(jnp.int32)

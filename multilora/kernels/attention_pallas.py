@@ -47,7 +47,7 @@ def query_block(num_tokens: int) -> int:
     return 16 if num_tokens <= 256 else 64
 
 
-def _ranges(kv_page_seq_X, seq_idx_T, positions_T, page_size, sliding_window):
+def key_ranges(kv_page_seq_X, seq_idx_T, positions_T, page_size, sliding_window):
     """Each token's visible flat key indices [lo_T, hi_T] (lo > hi for padding tokens) and the
     first page and end page (exclusive) of X each token needs."""
     x = kv_page_seq_X.shape[0]
@@ -164,7 +164,7 @@ def attention_plan(kv_page_seq_X, seq_idx_T, positions_T, page_size: int, slidin
     nb = -(-t // tq)
     pad = nb * tq - t
     c = max(1, min(x, KEYS_PER_CHUNK // page_size))
-    lo_T, hi_T, first_T, end_T = _ranges(kv_page_seq_X, seq_idx_T, positions_T, page_size, sliding_window)
+    lo_T, hi_T, first_T, end_T = key_ranges(kv_page_seq_X, seq_idx_T, positions_T, page_size, sliding_window)
     lo_T = jnp.pad(lo_T, (0, pad), constant_values=1)
     hi_T = jnp.pad(hi_T, (0, pad), constant_values=0)
     blk_start = jnp.min(jnp.pad(first_T, (0, pad), constant_values=x).reshape(nb, tq), axis=1)
@@ -234,7 +234,7 @@ def paged_attention_reference(q_TNH, k_LPKpH, v_LPKpH, layer, kv_pages_X, kv_pag
     t, n, h = q_TNH.shape
     _, _, num_kv, p, _ = k_LPKpH.shape
     g = n // num_kv
-    lo_T, hi_T, _, _ = _ranges(kv_page_seq_X, seq_idx_T, positions_T, p, sliding_window)
+    lo_T, hi_T, _, _ = key_ranges(kv_page_seq_X, seq_idx_T, positions_T, p, sliding_window)
     k_XKpH = k_LPKpH[layer][kv_pages_X]
     v_XKpH = v_LPKpH[layer][kv_pages_X]
     x = kv_pages_X.shape[0]

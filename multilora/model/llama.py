@@ -17,6 +17,7 @@ E experts, M an expert's ffn dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Optional
 
@@ -459,14 +460,16 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
             v_cache = write_kv(v_cache, idx, batch.slot_mapping_T, v.reshape(t, kvh, h))
         if pallas_attention:
             interpret = jax.default_backend() != "tpu"
-            attn_TNH = paged_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
-                                       batch.seq_idx_T, batch.positions_T, window,
-                                       interpret=interpret, plan=attention_plans[window]) if not decode_plans else \
-                jax.lax.cond(step_is_decode,
-                             lambda *a: paged_decode_attention(*a, plan=decode_plans[window], interpret=interpret),
-                             lambda *a: paged_attention(*a, batch.kv_page_seq_X, batch.seq_idx_T, batch.positions_T,
-                                                        window, interpret=interpret, plan=attention_plans[window]),
-                             q_TNH, k_cache, v_cache, idx, batch.kv_pages_X)
+
+            def blocks(*a, window=window):
+                return paged_attention(*a, batch.kv_page_seq_X, batch.seq_idx_T, batch.positions_T, window,
+                                       interpret=interpret, plan=attention_plans[window])
+            operands = (q_TNH, k_cache, v_cache, idx, batch.kv_pages_X)
+            if decode_plans:
+                per_token = functools.partial(paged_decode_attention, plan=decode_plans[window], interpret=interpret)
+                attn_TNH = jax.lax.cond(step_is_decode, per_token, blocks, *operands)
+            else:
+                attn_TNH = blocks(*operands)
         else:
             dec = decode_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
                                    batch.positions_T, batch.num_decode, window, native_attention,
