@@ -44,11 +44,16 @@ def decode_only(seq_idx_T) -> jax.Array:
     return ~jnp.any(same)
 
 
+def chunk_pages(num_step_pages: int, page_size: int) -> int:
+    """Pages a chunk holds (C): at most KEYS_PER_CHUNK keys, at most the step's pages."""
+    return max(1, min(num_step_pages, KEYS_PER_CHUNK // page_size))
+
+
 def decode_plan(kv_page_seq_X, seq_idx_T, positions_T, page_size: int, sliding_window: int | None = None):
     """Each token's visible flat keys (lo_T, hi_T), its first and end page of X, its chunks (at
     least one: the double buffer's chain), and its first chunk's count (the buffer's parity)."""
     x = kv_page_seq_X.shape[0]
-    c = max(1, min(x, KEYS_PER_CHUNK // page_size))
+    c = chunk_pages(x, page_size)
     lo_T, hi_T, first_T, end_T = key_ranges(kv_page_seq_X, seq_idx_T, positions_T, page_size, sliding_window)
     first_T = jnp.minimum(first_T, x).astype(jnp.int32)
     end_T = end_T.astype(jnp.int32)
@@ -130,7 +135,7 @@ def paged_decode_attention(q_TNH, k_LPKpH, v_LPKpH, layer, kv_pages_X, plan, int
     g = n // num_kv
     gp = -(-g // sublane_rows(q_TNH.dtype)) * sublane_rows(q_TNH.dtype)
     x = kv_pages_X.shape[0]
-    c = max(1, min(x, KEYS_PER_CHUNK // p))
+    c = chunk_pages(x, p)
     q_TKGH = jnp.pad(q_TNH.reshape(t, num_kv, g, h), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     kernel = functools.partial(_kernel, pages_per_chunk=c, num_pages=x, num_tokens=t, scale=h ** -0.5)
     block = pl.BlockSpec((1, num_kv, gp, h), lambda j, *_: (j, 0, 0, 0))
