@@ -94,6 +94,28 @@ def test_gemm_bf16_avx2_is_the_float32_product_on_bf16_rounded_weights(t, k, n):
 
 @needs_packed
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("t,k,n", [(64, 576, 192), (40, 100, 70), (33, 64, 96)])
+def test_gemm_bf16_leaves_the_padding_rows_out(t, k, n, isa):
+    """rows=r (traced): x's rows from r on are a bucket's padding. Rows before r are the same
+    bits as the whole product's (whatever the rows after them hold), rows from r on are zeros
+    (even where x holds NaN there); r past T or below 0 clamps to T or 0."""
+    rng = np.random.default_rng(t + n)
+    packed = kernels.pack_bf16(jnp.asarray(rng.standard_normal((2, k, n)), jnp.float32))
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    run = jax.jit(lambda x, l, r: kernels.gemm_bf16(x, packed, l, n, isa, r))
+    full = np.asarray(kernels.gemm_bf16(x, packed, jnp.int32(1), n, isa))
+    for r in (0, 1, 5, t // 2 + 3, t - 1):
+        x_pad = x.copy()
+        x_pad[r:] = np.nan
+        got = np.asarray(run(x_pad, jnp.int32(1), jnp.int32(r)))
+        np.testing.assert_array_equal(got[:r], full[:r])
+        assert not got[r:].any(), f"rows from {r} on must be zeros"
+    np.testing.assert_array_equal(np.asarray(run(x, jnp.int32(1), jnp.int32(t + 7))), full)
+    assert not np.asarray(run(x, jnp.int32(1), jnp.int32(-3))).any()
+
+
+@needs_packed
+@pytest.mark.parametrize("isa", ISAS)
 def test_gemm_bf16_rejects_mismatched_shapes(isa):
     packed = kernels.pack_bf16(jnp.ones((1, 64, 32), jnp.float32))
     with pytest.raises(Exception, match="operand shapes disagree"):

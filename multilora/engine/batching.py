@@ -67,7 +67,8 @@ def build_batch(chunks: Sequence[SeqChunk], *, num_tokens: int, num_pages: int, 
     slot_T = np.zeros(num_tokens, np.int32)
     kv_pages = np.full(num_pages, TRASH_PAGE, np.int32)
     kv_page_seq = np.full(num_pages, num_tokens, np.int32)
-    last_idx = np.zeros(num_tokens if all_logits else num_logits, np.int32)
+    # logits rows past the chunks' point past the tokens (padding; forward counts the rows before)
+    last_idx = np.full(num_tokens if all_logits else num_logits, num_tokens, np.int32)
     t = x = q = 0
     for b, c in enumerate(chunks):
         n = lens[b]

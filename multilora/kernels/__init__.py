@@ -364,13 +364,18 @@ def pack_bf16(w_LKN) -> jax.Array:
     return w.transpose(0, 4, 1, 2, 5, 3).reshape(l, np_ // 16, kp // 32, 16, 32)
 
 
-def gemm_bf16(x_TK: jax.Array, w_LJIRC: jax.Array, layer: jax.Array, n: int, isa: str | None = None) -> jax.Array:
+def gemm_bf16(x_TK: jax.Array, w_LJIRC: jax.Array, layer: jax.Array, n: int, isa: str | None = None,
+              rows: "jax.Array | int | None" = None) -> jax.Array:
     """y_TN (float32) = x times layer `layer` of the packed weights (pack_bf16 of an (L, K, N)
     stack), accumulated in float32, read in place; on `isa` (one of bf16_gemm_isas(); default
     the best). On "amx" and "avx512-bf16" x is rounded to bfloat16 first (bf16 products); on
-    "avx2" x stays float32 and the weights are widened exactly (a float32 product)."""
+    "avx2" x stays float32 and the weights are widened exactly (a float32 product).
+    rows (an int32 scalar, may be traced; default all T): x's rows from rows on are padding, not
+    multiplied, and y's rows there are zeros; the rows before it are the same bits either way."""
     isa = bf16_gemm_isa() if isa is None else isa
     if isa not in BF16_GEMM_ISAS[1:]:
         raise ValueError(f"gemm_bf16 runs on one of {', '.join(BF16_GEMM_ISAS[1:])}, not {isa!r}")
+    rows = x_TK.shape[0] if rows is None else rows
     return jax.ffi.ffi_call("multilora_gemm_bf16", jax.ShapeDtypeStruct((x_TK.shape[0], n), jnp.float32))(
-        x_TK.astype(jnp.float32), w_LJIRC, jnp.asarray(layer, jnp.int32), isa=np.int64(BF16_GEMM_ISAS.index(isa)))
+        x_TK.astype(jnp.float32), w_LJIRC, jnp.asarray(layer, jnp.int32), jnp.asarray(rows, jnp.int32),
+        isa=np.int64(BF16_GEMM_ISAS.index(isa)))

@@ -368,18 +368,25 @@ std::vector<Block> column_runs(ffi::ThreadPool& pool, int64_t J) {
 
 // isa: what multilora.kernels.BF16_GEMM_ISAS names at that index: 1 AVX2 + FMA, 2 VDPBF16PS,
 // 3 the AMX tiles (multilora.kernels.bf16_gemm_isa says which this build and CPU can run).
+// rows: x's rows from this one on are the step's padding (a bucket's tokens past the step's own,
+// or logits rows past its sequences'): they are not multiplied, and y's rows there are zeros. A
+// row's sums do not depend on the other rows, so the live rows' bits are the same either way.
 ffi::Error GemmBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_TK, ffi::Buffer<ffi::BF16> w_LJIRC,
-                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y_TN, int64_t isa) {
+                    ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y_TN,
+                    int64_t isa) {
   auto xd = x_TK.dimensions();
   auto wd = w_LJIRC.dimensions();
   auto yd = y_TN->dimensions();
   if (xd.size() != 2 || wd.size() != 5 || yd.size() != 2 || yd[0] != xd[0] || wd[3] != 16 || wd[4] != 32 ||
-      wd[1] % 2 != 0 || wd[2] * 32 < xd[1] || wd[1] * 16 < yd[1])
+      wd[1] % 2 != 0 || wd[2] * 32 < xd[1] || wd[1] * 16 < yd[1] || rows.element_count() != 1)
     return ffi::Error::InvalidArgument("multilora gemm bf16: operand shapes disagree");
-  const int64_t T = xd[0], K = xd[1], N = yd[1], L = wd[0], J = wd[1], I = wd[2], Kp = I * 32;
+  const int64_t T = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
+  const int64_t K = xd[1], N = yd[1], L = wd[0], J = wd[1], I = wd[2], Kp = I * 32;
   const uint16_t* w = reinterpret_cast<const uint16_t*>(w_LJIRC.typed_data()) +
                       clamp_layer(layer.typed_data()[0], L) * J * I * 512;
   float* y = y_TN->typed_data();
+  if (T < xd[0]) std::memset(y + T * N, 0, sizeof(float) * (xd[0] - T) * N);
+  if (T == 0) return ffi::Error::Success();
   const std::vector<Block> runs = column_runs(pool, J);
   if (isa == 3) {
 #ifdef MULTILORA_AMX
@@ -443,6 +450,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiloraGemmBf16, GemmBf16,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("isa"));

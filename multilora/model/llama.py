@@ -192,14 +192,15 @@ class Batch:
     page 0 (reserved) and use slot 0.
 
     token_ids_T, positions_T: the tokens and their positions in their sequences.
-    seq_idx_T:       which of the step's sequences a token belongs to (-1 for padding). The
-                     sequences with one token this step come first: row b is sequence b for
-                     b < num_decode.
+    seq_idx_T:       which of the step's sequences a token belongs to (-1 for padding, which
+                     comes after the step's own tokens). The sequences with one token this step
+                     come first: row b is sequence b for b < num_decode.
     slot_mapping_T:  where each token's K/V is written (page * page_size + offset).
     kv_pages_X:      the pages of all the step's sequences, each sequence's run in order.
     kv_page_seq_X:   the sequence each of those pages belongs to (T for padding pages).
     num_decode:      how many sequences have a single token this step (a scalar).
-    logits_idx_Q:    which token rows produce logits (each sequence's last token).
+    logits_idx_Q:    which token rows produce logits (each sequence's last token); rows past the
+                     step's own hold T (padding: a gather clips it to the last token).
     lora:            the adapters' per-token metadata (None when LoRA is disabled).
     """
 
@@ -327,12 +328,13 @@ def make_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, shard
     return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shape), out_shardings=formats)()
 
 
-def _proj(x, w, b=None, layer=None):
+def _proj(x, w, b=None, layer=None, rows=None):
     """x @ w: the product in w's dtype, accumulated in float32, returned in x's dtype (so bfloat16
     weights under float32 activations run XLA's bfloat16 GEMM; all float32 is a plain f32 dot).
-    A PackedBf16 w is the whole stack, read in place at `layer` by multilora's bf16 GEMM."""
+    A PackedBf16 w is the whole stack, read in place at `layer` by multilora's bf16 GEMM, which
+    leaves x's rows from `rows` on (the bucket's padding) out of the product."""
     if isinstance(w, PackedBf16):
-        y = w.matmul(x, layer)
+        y = w.matmul(x, layer, rows)
     elif isinstance(w, QuantInt8):  # one layer's slice, as the scan hands it
         y = w.matmul(x)
     else:
@@ -381,6 +383,9 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     rope_local = rope_global if cfg.local_rope_theta is None else rope_cos_sin(
         batch.positions_T, rope_inv_freq(dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None)))
     x_TD = jnp.take(weights.embed_VD, batch.token_ids_T, axis=0, mode="clip")
+    # the step's own tokens and logits rows (the rest pad a bucket): packed GEMMs skip the rest
+    live_T = jnp.sum(batch.seq_idx_T >= 0, dtype=jnp.int32)
+    live_Q = jnp.sum(batch.logits_idx_Q < t, dtype=jnp.int32)
     if cfg.embed_scale:  # Gemma: the scale rounded to the embedding's dtype, as transformers does
         x_TD = x_TD * jnp.asarray(cfg.hidden_size ** 0.5, x_TD.dtype)
     norm = lambda x, w: rms_norm(x, w, cfg.rms_norm_eps, cfg.gemma_norms)  # noqa: E731
@@ -438,9 +443,9 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         lw, idx = xs
         lw = dataclasses.replace(lw, **packed) if packed else lw
         hid = norm(x_TD, lw.attn_norm_LD)
-        q = _proj(hid, lw.wq_LDO, lw.bq_LO, idx)
-        k = _proj(hid, lw.wk_LDO, lw.bk_LO, idx)
-        v = _proj(hid, lw.wv_LDO, lw.bv_LO, idx)
+        q = _proj(hid, lw.wq_LDO, lw.bq_LO, idx, live_T)
+        k = _proj(hid, lw.wk_LDO, lw.bk_LO, idx, live_T)
+        v = _proj(hid, lw.wv_LDO, lw.bv_LO, idx, live_T)
         if be is not None:
             q, k, v = with_lora(lambda ll, be: be.run_qkv_lora(
                 hid, ll.qkv_a_LUD, (ll.q_b_LUO, ll.k_b_LUO, ll.v_b_LUO), info), idx, q, k, v)
@@ -479,7 +484,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
                                     kv_heads_major, logit_softcap=softcap)
             attn_TNH = jnp.where(is_decode_T[:, None, None], dec, pre)
         attn_TO = attn_TNH.reshape(t, n * h)
-        o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD, idx)
+        o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD, idx, live_T)
         if be is not None:
             (o,) = with_lora(lambda ll, be: (be.run_lora(attn_TO, ll.o_a_LUO, ll.o_b_LUD, info),), idx, o)
         if lw.post_attn_norm_LD is not None:  # Gemma 2: the attention's output normed too
@@ -497,12 +502,12 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
                 lora.experts_down_b_LUZ, idx, info)
             return (x_TD + grouped_experts(hid, weights_TK, experts_TK, lw.w_gate_LEDM, lw.w_up_LEDM,
                                            lw.w_down_LEMD, adapters), k_cache, v_cache), None
-        gate, up = _proj(hid, lw.w_gate_LDF, layer=idx), _proj(hid, lw.w_up_LDF, layer=idx)
+        gate, up = _proj(hid, lw.w_gate_LDF, layer=idx, rows=live_T), _proj(hid, lw.w_up_LDF, layer=idx, rows=live_T)
         if be is not None:
             gate, up = with_lora(lambda ll, be: be.run_gate_up_lora(
                 hid, ll.gate_up_a_LUD, (ll.gate_b_LUF, ll.up_b_LUF), info), idx, gate, up)
         act_TF = swiglu(gate, up) if cfg.hidden_act == "silu" else geglu_tanh(gate, up)
-        down = _proj(act_TF, lw.w_down_LFD, layer=idx)
+        down = _proj(act_TF, lw.w_down_LFD, layer=idx, rows=live_T)
         if be is not None:
             (down,) = with_lora(lambda ll, be: (be.run_lora(act_TF, ll.down_a_LUF, ll.down_b_LUD, info),), idx, down)
         if lw.post_mlp_norm_LD is not None:
@@ -524,7 +529,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         carry = _scan_layers(layer, carry, sliced, specs)
     x_TD, k_cache, v_cache = carry
     k_cache, v_cache = swap(k_cache), swap(v_cache)
-    logits = head_logits(weights, cfg, jnp.take(x_TD, batch.logits_idx_Q, axis=0, mode="clip"))
+    logits = head_logits(weights, cfg, jnp.take(x_TD, batch.logits_idx_Q, axis=0, mode="clip"), live_Q)
     if hidden:  # float32 whatever the weights' dtype: one scorer shape per token bucket
         return logits, KVCache(k_cache, v_cache), x_TD.astype(jnp.float32)
     return logits, KVCache(k_cache, v_cache)
@@ -566,13 +571,14 @@ def split_layers(weights: Weights) -> Weights:
     return dataclasses.replace(weights, layers=tuple(jax.tree.map(lambda a: a[i], weights.layers) for i in range(n)))
 
 
-def head_logits(weights: Weights, cfg: ModelConfig, x_QD) -> jax.Array:
-    """The final norm and the LM head: float32 logits (Q, V) of last hidden states x_QD."""
+def head_logits(weights: Weights, cfg: ModelConfig, x_QD, rows=None) -> jax.Array:
+    """The final norm and the LM head: float32 logits (Q, V) of last hidden states x_QD (a packed
+    head leaves rows from `rows` on out: zeros)."""
     x_QD = rms_norm(x_QD, weights.final_norm_D, cfg.rms_norm_eps, cfg.gemma_norms)
     if weights.lm_head_DV is None:
         logits = jnp.einsum("qd,vd->qv", x_QD, weights.embed_VD, preferred_element_type=jnp.float32)
     else:  # an untied head, or the projections' copy of the tied one (multilora.model.projections)
-        logits = _proj(x_QD.astype(jnp.float32), weights.lm_head_DV, layer=0)
+        logits = _proj(x_QD.astype(jnp.float32), weights.lm_head_DV, layer=0, rows=rows)
     logits = logits.astype(jnp.float32)
     if cfg.final_logit_softcapping is not None:
         logits = softcap_logits(logits, cfg.final_logit_softcapping)

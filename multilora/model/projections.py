@@ -71,9 +71,10 @@ class PackedBf16:
     n: int = dataclasses.field(metadata=dict(static=True))
     isa: str = dataclasses.field(default="", metadata=dict(static=True))
 
-    def matmul(self, x_TK, layer) -> jax.Array:
-        """x_TK @ W[layer] (float32 sums of bfloat16 weights' products), in x's dtype."""
-        return kernels.gemm_bf16(x_TK, self.w_LJIRC, layer, self.n, self.isa or None).astype(x_TK.dtype)
+    def matmul(self, x_TK, layer, rows=None) -> jax.Array:
+        """x_TK @ W[layer] (float32 sums of bfloat16 weights' products), in x's dtype; rows: x's
+        rows from there on are padding, left out (zeros in the product; kernels.gemm_bf16)."""
+        return kernels.gemm_bf16(x_TK, self.w_LJIRC, layer, self.n, self.isa or None, rows).astype(x_TK.dtype)
 
 
 @jax.tree_util.register_dataclass
