@@ -14,6 +14,7 @@
 // routine (attend_block), so a token's output is the same bits in either (see there).
 
 #include <algorithm>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -209,7 +210,10 @@ bool unpack(ffi::Buffer<ffi::F32> q_TNH, ffi::Buffer<ffi::F32> k_LPpKH, ffi::Buf
 // head's rows serve its G query heads one after the other (read from memory once, then from L1):
 // scores eight keys at a time (dot8: eight independent sums, no horizontal add per key), the
 // weighted values summed in registers across the chunk's keys (weighted_sum). The next chunk's
-// rows are prefetched while this one is computed. On an AVX2 host (2 cores of a Zen 3) a 64-row
+// rows are prefetched while this one is computed, a kv head's share at a time; a thread takes
+// blocks in runs of consecutive ones, and a block's last chunk prefetches the next block's first
+// (a decode row's first keys were otherwise read cold; 64 rows x 80 keys on an AVX2 Zen 3:
+// 0.85-0.9x the time, benchmarks/log/42). On an AVX2 host (2 cores of a Zen 3) a 64-row
 // decode step's attention over ~80 keys a row went 24 -> 15 ms for SmolLM2's 30 layers: the
 // arithmetic had cost 17 ms of it (one accumulator per dot, a scalar horizontal sum per key,
 // the output re-read per key), now 8.
@@ -246,7 +250,21 @@ inline void prefetch_keys(const Paged& a, const QueryBlock& it, int64_t j0, int6
   }
 }
 
-void attend_block(const Paged& a, const QueryBlock& it, int64_t sliding_window) {
+// The keys [lo, hi) a block's tokens see between them.
+inline std::pair<int64_t, int64_t> block_keys(const Paged& a, const QueryBlock& it, int64_t sliding_window) {
+  int64_t lo = INT64_MAX, hi = 0;
+  for (int64_t i = 0; i < it.n; ++i) {
+    const int64_t ps = a.pos[it.t0 + i];
+    hi = std::max<int64_t>(hi, std::min<int64_t>(ps + 1, it.keys));
+    lo = std::min<int64_t>(lo, sliding_window > 0 ? std::max<int64_t>(0, ps - sliding_window + 1) : 0);
+  }
+  return {lo, hi};
+}
+
+// next: the block this thread takes after this one (or null): its first chunk is prefetched
+// while this block's last chunk is computed, so that a decode row (two or three chunks at a
+// typical context) does not start on keys still in memory.
+void attend_block(const Paged& a, const QueryBlock& it, int64_t sliding_window, const QueryBlock* next) {
   const int64_t N = a.N, H = a.H, P = a.P, p = a.p, G = a.G, row_stride = a.K * a.H;
   const float *q = a.q, *kc = a.kc, *vc = a.vc;
   const int32_t *pages = a.pages, *pos = a.pos;
@@ -276,13 +294,24 @@ void attend_block(const Paged& a, const QueryBlock& it, int64_t sliding_window) 
       const int64_t page = std::clamp<int64_t>(pages[it.start + j / p], 0, P - 1);
       off[j - c0] = (page * p + j % p) * row_stride;
     }
-    prefetch_keys(a, it, c1, std::min(c1 + kKeyChunk, hi_all));
+    // what to fetch while this chunk is computed, a kv head's share at a time (a burst of the
+    // whole chunk's lines stalls the core, then leaves the memory idle while it computes)
+    const QueryBlock* ahead = nullptr;
+    int64_t a0 = 0, a1 = 0;
+    if (c1 < hi_all) {
+      ahead = &it, a0 = c1, a1 = std::min(c1 + kKeyChunk, hi_all);
+    } else if (next != nullptr) {
+      const auto [nlo, nhi] = block_keys(a, *next, sliding_window);
+      ahead = next, a0 = nlo, a1 = std::min(nlo / kKeyChunk * kKeyChunk + kKeyChunk, nhi);
+    }
     for (int64_t i = 0; i < it.n; ++i) {
       const int64_t lo_i = std::max(c0, lo[i]), hi_i = std::min(c1, hi[i]);
       if (lo_i >= hi_i) continue;
       const int64_t n = hi_i - lo_i, n8 = (n + kW - 1) / kW * kW;
       const float* qi = q + (it.t0 + i) * N * H;
       for (int64_t k = 0; k < a.K; ++k) {
+        if (ahead != nullptr && i == 0)
+          prefetch_keys(a, *ahead, a0 + (a1 - a0) * k / a.K, a0 + (a1 - a0) * (k + 1) / a.K);
         // the chunk's key and value rows of kv head k (keys past n: a row of zeros, scores unused)
         const float* kp[kKeyChunk];
         const float* vp[kKeyChunk];
@@ -329,6 +358,22 @@ void attend_block(const Paged& a, const QueryBlock& it, int64_t sliding_window) 
     }
 }
 
+// The blocks in runs of consecutive ones, a run a work item: a thread takes a run's blocks in
+// order and prefetches each next block's first keys (attend_block's `next`). Four runs a thread
+// at least, for balance.
+void attend_runs(ffi::ThreadPool& pool, const Paged& a, const std::vector<QueryBlock>& blocks,
+                 int64_t sliding_window) {
+  const int64_t n = static_cast<int64_t>(blocks.size());
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads() + 1);
+  const int64_t per = std::max<int64_t>(1, n / (4 * workers));
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (int64_t b = 0; b < n; b += per) runs.push_back({b, std::min(n, b + per)});
+  parallel_items(pool, runs, [&](const std::pair<int64_t, int64_t>& r) {
+    for (int64_t b = r.first; b < r.second; ++b)
+      attend_block(a, blocks[b], sliding_window, b + 1 < r.second ? &blocks[b + 1] : nullptr);
+  });
+}
+
 // ---- decode: rows b < num_decode, one token each, a block of one ------------------------------
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_TNH, ffi::Buffer<ffi::F32> k_LPpKH,
@@ -348,7 +393,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_TNH, ff
   items.reserve(B);
   for (int64_t b = 0; b < B; ++b)
     if (start[b] >= 0 && a.pos[b] >= 0) items.push_back(QueryBlock{b, 1, start[b], count[b] * a.p});
-  parallel_items(pool, items, [&](const QueryBlock& it) { attend_block(a, it, sliding_window); });
+  attend_runs(pool, a, items, sliding_window);
   return ffi::Error::Success();
 }
 
@@ -380,7 +425,7 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_TNH, f
     items.push_back(QueryBlock{t, n, start[s], count[s] * a.p});
     t += n;
   }
-  parallel_items(pool, items, [&](const QueryBlock& it) { attend_block(a, it, sliding_window); });
+  attend_runs(pool, a, items, sliding_window);
   return ffi::Error::Success();
 }
 
