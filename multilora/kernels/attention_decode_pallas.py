@@ -27,6 +27,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from multilora.kernels.attention_pallas import (MASKED, VMEM_LIMIT_BYTES, key_ranges, normalized,
                                                 online_softmax_update)
+from multilora.kernels.attention_pallas import chunk_pages as block_chunk_pages
 
 DECODE_ENV = "MULTILORA_PALLAS_DECODE"
 KEYS_PER_CHUNK = 128   # keys a chunk scores at most (C = this // p pages); a token's own pages only are read
@@ -45,8 +46,8 @@ def decode_only(seq_idx_T) -> jax.Array:
 
 
 def chunk_pages(num_step_pages: int, page_size: int) -> int:
-    """Pages a chunk holds (C): at most KEYS_PER_CHUNK keys, at most the step's pages."""
-    return max(1, min(num_step_pages, KEYS_PER_CHUNK // page_size))
+    """Pages a chunk holds (C): at most this kernel's KEYS_PER_CHUNK keys, at most the step's pages."""
+    return block_chunk_pages(num_step_pages, page_size, KEYS_PER_CHUNK)
 
 
 def decode_plan(kv_page_seq_X, seq_idx_T, positions_T, page_size: int, sliding_window: int | None = None):

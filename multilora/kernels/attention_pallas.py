@@ -47,6 +47,11 @@ def query_block(num_tokens: int) -> int:
     return 16 if num_tokens <= 256 else 64
 
 
+def chunk_pages(num_step_pages: int, page_size: int, keys: int = KEYS_PER_CHUNK) -> int:
+    """Pages a chunk holds (C): at most `keys` keys, at most the step's pages."""
+    return max(1, min(num_step_pages, keys // page_size))
+
+
 def key_ranges(kv_page_seq_X, seq_idx_T, positions_T, page_size, sliding_window):
     """Each token's visible flat key indices [lo_T, hi_T] (lo > hi for padding tokens) and the
     first page and end page (exclusive) of X each token needs."""
@@ -163,7 +168,7 @@ def attention_plan(kv_page_seq_X, seq_idx_T, positions_T, page_size: int, slidin
     tq = block_rows or query_block(t)
     nb = -(-t // tq)
     pad = nb * tq - t
-    c = max(1, min(x, KEYS_PER_CHUNK // page_size))
+    c = chunk_pages(x, page_size)
     lo_T, hi_T, first_T, end_T = key_ranges(kv_page_seq_X, seq_idx_T, positions_T, page_size, sliding_window)
     lo_T = jnp.pad(lo_T, (0, pad), constant_values=1)
     hi_T = jnp.pad(hi_T, (0, pad), constant_values=0)
@@ -190,7 +195,7 @@ def paged_attention(q_TNH, k_LPKpH, v_LPKpH, layer, kv_pages_X, kv_page_seq_X, s
     tq = block_rows or query_block(t)
     nb = -(-t // tq)
     pad = nb * tq - t
-    c = max(1, min(x, KEYS_PER_CHUNK // p))
+    c = chunk_pages(x, p)
     if plan is None:
         plan = attention_plan(kv_page_seq_X, seq_idx_T, positions_T, p, sliding_window, block_rows)
     lo_T, hi_T, blk_start, n_chunks, base = plan
