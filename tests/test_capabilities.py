@@ -109,12 +109,13 @@ def test_an_avx2_only_build_runs_the_avx2_paths(tmp_path):
     x = rng.standard_normal((t, k)).astype(np.float32)
     w_bf16 = np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
     got = jax.ffi.ffi_call("avx2_only_gemm_bf16", jax.ShapeDtypeStruct((t, n), jnp.float32))(
-        x, kernels.pack_bf16(w), jnp.int32(1), isa=np.int64(kernels.BF16_GEMM_ISAS.index("avx2")))
+        x, kernels.pack_bf16(w), jnp.int32(1), jnp.int32(t), isa=np.int64(kernels.BF16_GEMM_ISAS.index("avx2")))
     want = x.astype(np.float64) @ w_bf16[1]
     assert (np.abs(np.asarray(got) - want) <= 2.0 ** -20 * (np.abs(x) @ np.abs(w_bf16[1]))).all()
     with pytest.raises(Exception, match="multilora gemm bf16: built without AVX512-BF16"):
         jax.block_until_ready(jax.ffi.ffi_call("avx2_only_gemm_bf16", jax.ShapeDtypeStruct((t, n), jnp.float32))(
-            x, kernels.pack_bf16(w), jnp.int32(1), isa=np.int64(kernels.BF16_GEMM_ISAS.index("avx512-bf16"))))
+            x, kernels.pack_bf16(w), jnp.int32(1), jnp.int32(t),
+            isa=np.int64(kernels.BF16_GEMM_ISAS.index("avx512-bf16"))))
     # the group call, float32 and bf16 pools: slot 1 (rank 3, 6 tokens: items of 4 and 2) and slot
     # 2 (rank 1) over a pool of 5 rows, base rows between; D and O past whole vectors and blocks
     d, o = 72, 40
