@@ -14,10 +14,10 @@
 // routine (attend_block), so a token's output is the same bits in either (see there).
 
 #include <algorithm>
-#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX__)
