@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -251,12 +252,17 @@ inline void prefetch_keys(const Paged& a, const QueryBlock& it, int64_t j0, int6
 }
 
 // The keys [lo, hi) a block's tokens see between them.
+// The keys [lo, hi) token i of a block sees: up to its own position, within the window if any.
+inline std::pair<int64_t, int64_t> token_keys(const Paged& a, const QueryBlock& it, int64_t i, int64_t sliding_window) {
+  const int64_t ps = a.pos[it.t0 + i];
+  return {sliding_window > 0 ? std::max<int64_t>(0, ps - sliding_window + 1) : 0, std::min<int64_t>(ps + 1, it.keys)};
+}
+
 inline std::pair<int64_t, int64_t> block_keys(const Paged& a, const QueryBlock& it, int64_t sliding_window) {
   int64_t lo = INT64_MAX, hi = 0;
   for (int64_t i = 0; i < it.n; ++i) {
-    const int64_t ps = a.pos[it.t0 + i];
-    hi = std::max<int64_t>(hi, std::min<int64_t>(ps + 1, it.keys));
-    lo = std::min<int64_t>(lo, sliding_window > 0 ? std::max<int64_t>(0, ps - sliding_window + 1) : 0);
+    const auto [lo_i, hi_i] = token_keys(a, it, i, sliding_window);
+    lo = std::min(lo, lo_i), hi = std::max(hi, hi_i);
   }
   return {lo, hi};
 }
@@ -267,7 +273,7 @@ inline std::pair<int64_t, int64_t> block_keys(const Paged& a, const QueryBlock& 
 void attend_block(const Paged& a, const QueryBlock& it, int64_t sliding_window, const QueryBlock* next) {
   const int64_t N = a.N, H = a.H, P = a.P, p = a.p, G = a.G, row_stride = a.K * a.H;
   const float *q = a.q, *kc = a.kc, *vc = a.vc;
-  const int32_t *pages = a.pages, *pos = a.pos;
+  const int32_t* pages = a.pages;
   const float scale = 1.f / std::sqrt(static_cast<float>(H));
   // per token i of the block and query head h: running max m, sum l, output acc (H floats)
   thread_local std::vector<float> m, l, acc, s, zeros;
@@ -279,14 +285,8 @@ void attend_block(const Paged& a, const QueryBlock& it, int64_t sliding_window, 
   zeros.assign(H, 0.f);
   lo.resize(it.n);
   hi.resize(it.n);
-  int64_t lo_all = INT64_MAX, hi_all = 0;  // the block's keys [lo_all, hi_all)
-  for (int64_t i = 0; i < it.n; ++i) {
-    const int64_t ps = pos[it.t0 + i];
-    hi[i] = std::min<int64_t>(ps + 1, it.keys);
-    lo[i] = sliding_window > 0 ? std::max<int64_t>(0, ps - sliding_window + 1) : 0;
-    lo_all = std::min(lo_all, lo[i]);
-    hi_all = std::max(hi_all, hi[i]);
-  }
+  for (int64_t i = 0; i < it.n; ++i) std::tie(lo[i], hi[i]) = token_keys(a, it, i, sliding_window);
+  const auto [lo_all, hi_all] = block_keys(a, it, sliding_window);  // the block's keys
   int64_t off[kKeyChunk];
   for (int64_t c0 = lo_all / kKeyChunk * kKeyChunk; c0 < hi_all; c0 += kKeyChunk) {
     const int64_t c1 = std::min(c0 + kKeyChunk, hi_all), f0 = std::max(c0, lo_all);
