@@ -128,18 +128,24 @@ def random_weights(cfg, seed=0, dtype=jnp.float32, int8: bool = False, on_host: 
     return Weights(embed_VD=w(cfg.vocab_size, d), layers=layers, final_norm_D=ones(d), lm_head_DV=head)
 
 
-def random_lora(cfg, num_slots, rank, seed=1):
-    """Random adapters in slots 1..S-1, each at `rank`, as a pool read through slot_major_rows."""
+def random_lora(cfg, num_slots, rank, seed=1, dtype=jnp.float32):
+    """Random adapters in slots 1..S-1, each at `rank`, as pools in `dtype` read through
+    slot_major_rows. One layer's pool is drawn, laid out and cast on the host, then repeated over
+    the layers on the device (their values do not change a step's time): the chip holds each pool
+    once, in its own dtype, and the host draws 1/L of it (a Llama-3.1-8B shape's 64 adapters are
+    5.4 GB at bf16: their float32 stacks did not fit on the chip beside its int8 weights, and
+    drawing all of them on the host took over two minutes)."""
     rng = np.random.default_rng(seed)
     out = {}
     for field, width in lora_feature_dims(cfg).items():
         b = blocks_of(field)
         # drawn on the host: on a TPU v5e, jax.random.normal at these shapes took 30-60 s a pool to
         # compile (benchmarks/log/35), longer than the step's own compile
-        w = rng.standard_normal((cfg.num_layers, num_slots, b * rank, width), np.float32)
+        w = rng.standard_normal((num_slots, b * rank, width), np.float32)
         w *= 0.02
-        w[:, 0] = 0.0  # slot 0 stays zero
-        out[field] = jax.vmap(lambda w, b=b: slot_major_pool(w, b))(jnp.asarray(w))
+        w[0] = 0.0  # slot 0 stays zero
+        layer = jnp.asarray(slot_major_pool(w, b).astype(jnp.dtype(dtype)))
+        out[field] = jax.jit(lambda a: jnp.broadcast_to(a, (cfg.num_layers, *a.shape)))(layer)
     return LoRAWeights(**out)
 
 
@@ -330,8 +336,7 @@ def main(argv=None):
         if be != "-":
             if (s, lora_dtype) not in pools:  # one pool per size and dtype, shared by the cases
                 # rows-major, as the engine keeps its pools (multilora.lora.pool.POOL_LAYOUT)
-                pools[(s, lora_dtype)] = rows_major(jax.tree.map(lambda a: a.astype(lora_dtype),
-                                                                 random_lora(cfg, s, args.rank)))
+                pools[(s, lora_dtype)] = rows_major(random_lora(cfg, s, args.rank, dtype=lora_dtype))
             lora = pools[(s, lora_dtype)]
             # As the runner: a step of at most max_num_seqs tokens counts as a decode shape.
             backend = choose_backend(be, t, t <= args.max_num_seqs, s,

@@ -105,7 +105,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     for slots in args.slots:
         s = slots + 1
-        pools = jax.eval_shape(lambda s=s: jax.tree.map(lambda a: a.astype(dt), random_lora(cfg, s, args.rank)))
+        pools = jax.eval_shape(lambda s=s: random_lora(cfg, s, args.rank, dtype=dt))
         lora = abstract(pools, pool_sharding)
         for mode in args.modes:
             if mode == "decode":

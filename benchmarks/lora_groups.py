@@ -74,7 +74,7 @@ def main(argv=None):
         slot_T = (1 + rng.integers(k, size=args.tokens)) if k else np.zeros(args.tokens)
         meta = (jnp.asarray(slot_T, jnp.int32), jnp.full((s,), 2.0, jnp.float32),
                 jnp.full((s,), args.rank, jnp.int32), jnp.asarray(slot_major_rows(s, args.rank)))
-        p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), random_lora(cfg, s, args.rank))
+        p = random_lora(cfg, s, args.rank, dtype=jnp.bfloat16)
         step(p, x, *meta).block_until_ready()
         cases[k] = (p, meta, [])
     for _ in range(args.repeats):
