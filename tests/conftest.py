@@ -64,7 +64,7 @@ def peft_greedy_cache():
 #   server  the HTTP server (and Ray Serve's) in this process, through an OpenAI client
 #   e2e     real processes: `multilora serve`, several engine processes, the default model
 TIERS = {
-    "unit": ["test_arrays", "test_packing", "test_attention", "test_batch_invariance", "test_attention_pallas", "test_attention_decode_pallas", "test_backends", "test_capabilities", "test_docs",
+    "unit": ["test_arrays", "test_packing", "test_attention", "test_batch_invariance", "test_attention_pallas", "test_backends", "test_capabilities", "test_docs",
              "test_imports", "test_cli", "test_kv_pages", "test_kv_write", "test_lora_pallas", "test_loader", "test_logits_process", "test_lora_slots",
              "test_pacing", "test_projections", "test_registry", "test_safetensors_views", "test_step_budget",
              "test_sampler", "test_scheduler", "test_adapter_errors", "test_warmup", "test_tool_parsers"],

@@ -784,11 +784,8 @@ def test_a_prepared_layout_counts_in_the_host_tier_until_its_write_takes_it(tiny
 
 # qwen3: q/k norms, a window on one layer; kv_write: how the heads-major cache takes the new rows
 # (the other ways, "pages" and "pallas-rows", are checked against the row scatter in tests/test_kv_write.py)
-# decode_kernel: the decode step (the second) through the per-token Pallas kernel (MULTILORA_PALLAS_DECODE=1)
-@pytest.mark.parametrize("kind,kv_write,decode_kernel", [("llama", "rows", False), ("qwen3", "rows", False),
-                                                         ("qwen3", "pallas-pages", False),
-                                                         ("qwen3", "pallas-pages", True)])
-def test_heads_major_cache_steps_match_the_default_layout(tiny_models, kind, kv_write, decode_kernel, monkeypatch):
+@pytest.mark.parametrize("kind,kv_write", [("llama", "rows"), ("qwen3", "rows"), ("qwen3", "pallas-pages")])
+def test_heads_major_cache_steps_match_the_default_layout(tiny_models, kind, kv_write):
     """A cache made heads-major (llama.KV_HEADS_MAJOR, a TPU's; the CPU can hold that layout too)
     and a step compiled with its formats in and out: the layout survives the step, and logits and
     cache equal the default layout's over a mixed step and the decode step after it (to 1e-5 at
@@ -796,9 +793,6 @@ def test_heads_major_cache_steps_match_the_default_layout(tiny_models, kind, kv_
     v5e, bf16, the two were bit-equal: benchmarks/log/25-2026-12-05-tpu-v5e-kv-heads-major.md).
     Each way of writing the step's K/V rows into the heads-major cache (llama.KV_WRITES) gives the
     same."""
-    if decode_kernel:   # read when the step is traced: no trace of the other setting may serve it
-        monkeypatch.setenv("MULTILORA_PALLAS_DECODE", "1")
-        jax.clear_caches()
     cfg, weights = load_weights(tiny_models[kind], mesh=MESH)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     lengths = [n for n, _ in MIXED]
@@ -829,9 +823,6 @@ def test_heads_major_cache_steps_match_the_default_layout(tiny_models, kind, kv_
         for got, want in zip(jax.tree.leaves(outs[key]), jax.tree.leaves(outs[False, False])):
             np.testing.assert_allclose(got, want, atol=tol, rtol=0, err_msg=str(key))
     assert np.abs(outs[False, False][1]).max() > 0  # the steps wrote the cache
-    if decode_kernel:
-        monkeypatch.delenv("MULTILORA_PALLAS_DECODE")
-        jax.clear_caches()
     # heads-major pages are counted at H padded to a TPU's 128 lanes
     assert kv_page_bytes(cfg, 16, jnp.bfloat16, True) == -(-cfg.head_dim // 128) * 128 // cfg.head_dim * \
         kv_page_bytes(cfg, 16, jnp.bfloat16, False)

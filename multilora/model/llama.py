@@ -17,7 +17,6 @@ E experts, M an expert's ffn dim.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Optional
 
@@ -26,7 +25,6 @@ import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 
 from multilora.config import ModelConfig
-from multilora.kernels.attention_decode_pallas import decode_kernel_on, decode_only, decode_plan, paged_decode_attention
 from multilora.kernels.attention_pallas import attention_plan, paged_attention
 from multilora.kernels.kv_write_pallas import write_pages, write_rows
 from multilora.lora.backend import get_backends
@@ -401,10 +399,6 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     write_hm = _kv_writer(kv_write, batch, kv.page_size) if kv_heads_major else None
     attention_plans = {w: attention_plan(batch.kv_page_seq_X, batch.seq_idx_T, batch.positions_T, kv.page_size, w)
                        for w in set(cfg.layer_windows)} if pallas_attention else {}
-    # decode-only steps through the per-token kernel where it is asked for (a branch taken at run time)
-    decode_plans = ({w: decode_plan(batch.kv_page_seq_X, batch.seq_idx_T, batch.positions_T, kv.page_size, w)
-                     for w in set(cfg.layer_windows)} if pallas_attention and decode_kernel_on() else None)
-    step_is_decode = decode_only(batch.seq_idx_T) if decode_plans else None
     prefill_seq_T = jnp.where(is_decode_T, -1, batch.seq_idx_T)
     # A step in which no row has an adapter runs no LoRA op at all, and a shape compiled with a
     # (grouped, per-token) pair of backends runs the one the step's mode names: branches taken
@@ -464,17 +458,9 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
             k_cache = write_kv(k_cache, idx, batch.slot_mapping_T, k_TKH)
             v_cache = write_kv(v_cache, idx, batch.slot_mapping_T, v.reshape(t, kvh, h))
         if pallas_attention:
-            interpret = jax.default_backend() != "tpu"
-
-            def blocks(*a, window=window):
-                return paged_attention(*a, batch.kv_page_seq_X, batch.seq_idx_T, batch.positions_T, window,
-                                       interpret=interpret, plan=attention_plans[window])
-            operands = (q_TNH, k_cache, v_cache, idx, batch.kv_pages_X)
-            if decode_plans:
-                per_token = functools.partial(paged_decode_attention, plan=decode_plans[window], interpret=interpret)
-                attn_TNH = jax.lax.cond(step_is_decode, per_token, blocks, *operands)
-            else:
-                attn_TNH = blocks(*operands)
+            attn_TNH = paged_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
+                                       batch.seq_idx_T, batch.positions_T, window,
+                                       interpret=jax.default_backend() != "tpu", plan=attention_plans[window])
         else:
             dec = decode_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
                                    batch.positions_T, batch.num_decode, window, native_attention,
