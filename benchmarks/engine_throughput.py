@@ -72,16 +72,18 @@ def measure(eng, k, prompts, new_tokens, repeats=1, warm_run=False, backend="aut
     t0 = time.time()
     eng.generate(prompts[:n], params, lora=names[:n])
     warm_s = time.time() - t0
-    runs = []  # timed runs (their median; a run that compiled again shows as an outlier)
+    runs, compiled = [], []  # timed runs (their median) and the shapes each compiled: an engine
+    # that compiles on first use may meet a step shape the warm-up run did not (batches follow timing)
     for _ in range(max(1, repeats)):
-        t0 = time.time()
+        c0, t0 = eng.runner.compiles, time.time()
         outs = eng.generate(prompts, params, lora=names)
         runs.append(time.time() - t0)
+        compiled.append(eng.runner.compiles - c0)
     secs = statistics.median(runs)
     toks = sum(len(o.token_ids) for o in outs)
     return dict(system="multilora", adapters=k, slots=eng.lora_cfg.max_loras_per_batch if eng.slots else 0,
                 backend=backend, dtype=dtype, quantization=quantization, async_scheduling=eng.async_scheduling,
-                projections=eng.projection_mode, tokens=toks, seconds=secs, run_seconds=runs,
+                projections=eng.projection_mode, tokens=toks, seconds=secs, run_seconds=runs, run_compiles=compiled,
                 tok_per_s=toks / secs, warm_run_s=warm_s if warm_run else None,
                 touch_s=None if warm_run else warm_s, steps=dict(eng.stats),
                 compiles_after_warmup=eng.runner.compiles_after_warmup)
@@ -202,8 +204,8 @@ def main(argv=None):
                                   modes[args.async_scheduling[0]], args.repeats):
             print(f"multilora  adapters={r['adapters']:3d} ({r['projections']}, {r['slots']} slots, compiled on "
                   f"first use): {r['tok_per_s']:7.1f} tok/s (median of "
-                  f"{', '.join(f'{x:.2f}' for x in r['run_seconds'])} s; start {r['init_s']:.1f} s, "
-                  f"warm-up run {r['warm_run_s']:.1f} s)", flush=True)
+                  f"{', '.join(f'{x:.2f}' for x in r['run_seconds'])} s, shapes compiled in each "
+                  f"{r['run_compiles']}; start {r['init_s']:.1f} s, warm-up run {r['warm_run_s']:.1f} s)", flush=True)
             results.append(r)
             if args.json:
                 save_json(args.json, dict(machine=machine_info(), args=vars(args), results=results))

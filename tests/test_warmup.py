@@ -62,6 +62,7 @@ def test_a_full_warmup_compiles_each_shape_once_and_counts_only_missing_buckets(
     assert comp.get("step", 2, lower) is exe and len(lower.calls) == 4
     comp.get("step", 7, lower)                                # a shape outside the plan
     assert comp.compiles_after_warmup == 1
+    assert comp.compiles == len(lower.calls) == 5             # every compile, warm-up or not, once
 
 
 def test_background_warmup_returns_after_the_first_shapes():

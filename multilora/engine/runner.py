@@ -386,6 +386,11 @@ class ModelRunner:
         return self.compiler.warm
 
     @property
+    def compiles(self) -> int:
+        """Shapes compiled so far (warm-up, on first use and after the warm-up alike)."""
+        return self.compiler.compiles
+
+    @property
     def compiles_after_warmup(self) -> int:
         """Compiles of shapes outside the warm-up's plan since it began (missing buckets)."""
         return self.compiler.compiles_after_warmup

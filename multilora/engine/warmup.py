@@ -60,6 +60,7 @@ class ShapeCompiler:
     def __init__(self):
         self.tables: dict[str, dict] = {}     # what -> key -> compiled executable
         self.compiles_after_warmup = 0
+        self.compiles = 0                     # every shape compiled, warm-up or not
         self._lock = threading.Lock()
         self._inflight: dict[tuple, Future] = {}
         self._planned: set[tuple] = set()
@@ -118,6 +119,7 @@ class ShapeCompiler:
             raise
         with self._lock:
             table[key] = fn
+            self.compiles += 1
             del self._inflight[ident]
             if ident in self._planned:
                 self._done += 1
