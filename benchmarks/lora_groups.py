@@ -61,6 +61,8 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=41)
     ap.add_argument("--twice", action="store_true")
+    ap.add_argument("--pool-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the adapters' pool (an AVX2 host's default is float32: multilora.model.projections.lora_pool_dtype)")
     args = ap.parse_args(argv)
     if not kernels.available():
         raise SystemExit(f"multilora's CPU kernels are not available: {kernels.unavailable_reason()}")
@@ -74,7 +76,7 @@ def main(argv=None):
         slot_T = (1 + rng.integers(k, size=args.tokens)) if k else np.zeros(args.tokens)
         meta = (jnp.asarray(slot_T, jnp.int32), jnp.full((s,), 2.0, jnp.float32),
                 jnp.full((s,), args.rank, jnp.int32), jnp.asarray(slot_major_rows(s, args.rank)))
-        p = random_lora(cfg, s, args.rank, dtype=jnp.bfloat16)
+        p = random_lora(cfg, s, args.rank, dtype=jnp.dtype(args.pool_dtype))
         step(p, x, *meta).block_until_ready()
         cases[k] = (p, meta, [])
     for _ in range(args.repeats):
@@ -82,10 +84,17 @@ def main(argv=None):
             t0 = time.perf_counter()
             step(p, x, *meta).block_until_ready()
             times.append(time.perf_counter() - t0)
-    print(f"{'adapters':>8} {'distinct':>8} {'median ms':>10} {'min ms':>8}")
+    # the rank-r products of the rows with an adapter: 2 r (inputs + outputs) multiply-adds a projection
+    widths = sum(d + o for d, o in ((cfg.hidden_size, cfg.q_dim), (cfg.hidden_size, cfg.kv_dim),
+                                    (cfg.hidden_size, cfg.kv_dim), (cfg.q_dim, cfg.hidden_size),
+                                    (cfg.hidden_size, cfg.intermediate_size), (cfg.hidden_size, cfg.intermediate_size),
+                                    (cfg.intermediate_size, cfg.hidden_size)))
+    print(f"{'adapters':>8} {'distinct':>8} {'median ms':>10} {'min ms':>8} {'GFLOP/s':>8}")
     for k, (_, meta, times) in cases.items():
         distinct = len(set(np.asarray(meta[0]).tolist()) - {0})
-        print(f"{k:>8} {distinct:>8} {1e3 * statistics.median(times):10.2f} {1e3 * min(times):8.2f}")
+        flops = 2 * args.rank * widths * cfg.num_layers * int((np.asarray(meta[0]) > 0).sum())
+        med = statistics.median(times)
+        print(f"{k:>8} {distinct:>8} {1e3 * med:10.2f} {1e3 * min(times):8.2f} {flops / med / 1e9:8.1f}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 # issue's shapes (SmolLM2-135M, Llama-3.2-1B; random bf16 weights, rank-16 adapters on all seven
 # projections), 0 / 8 / 64 adapters, multilora's TPU backend beside `dense` (sglang-jax's one-hot
 # product over every slot). Raw output under $OUT. Parts (PARTS="..."): tests atests (the kernels'
-# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention),
+# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys),
 # trace, optrace, pprobe (the Pallas attention's prefill side), copyloop, families (issue 40's families on the chip), offline (the engine's throughput), startup (an
 # Engine with adapters compiled at start), stash and
 # agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py), cases
@@ -92,6 +92,15 @@ for part in $PARTS; do
     # compile seconds and step times with adapters, a process each
     copyloop) for v in 0 1; do MULTILORA_LORA_COPY_LOOP=$v timeout -k 5 ${CASE_LIMIT:-200} $FS --modes decode prefill \
                 --adapters ${ADAPTERS:-8 64} --json "$OUT/copyloop_$v.json" 2>&1 | tee "$OUT/copyloop_$v.log"; done ;;
+    # the block kernel's cost model at the 1B decode step: rows a query block (MULTILORA_PALLAS_QUERY_BLOCK)
+    # x keys a chunk (MULTILORA_PALLAS_CHUNK_KEYS), a process each: time that follows the rows says
+    # the MXU's streamed rows bound it, time that follows the chunk count says each product's fixed cost
+    asweep) for qb in ${QBS:-8 16 32}; do for ck in ${CKS:-128 256 512}; do
+              MULTILORA_PALLAS_QUERY_BLOCK=$qb MULTILORA_PALLAS_CHUNK_KEYS=$ck timeout -k 5 ${CASE_LIMIT:-90} $FS \
+                --model llama-3.2-1b --decode-ctx 256 --modes decode --adapters 0 --json "$OUT/asweep_q${qb}_k${ck}.json" \
+                > "$OUT/asweep_q${qb}_k${ck}.log" 2>&1
+              echo "qb $qb keys $ck: $(grep -E '^decode ' "$OUT/asweep_q${qb}_k${ck}.log")" | tee -a "$OUT/asweep.txt"
+            done; done ;;
     # every (shape, mode, adapters) case in its own process, its whole output kept
     # ($OUT/case_<shape>_<mode>_<k>.log): a case that crashes or hangs costs only its own
     # CASE_LIMIT seconds and says which it was (forward_step prints compile and first step apart)

@@ -47,8 +47,11 @@ def query_block(num_tokens: int) -> int:
     return 16 if num_tokens <= 256 else 64
 
 
-def chunk_pages(num_step_pages: int, page_size: int, keys: int = KEYS_PER_CHUNK) -> int:
-    """Pages a chunk holds (C): at most `keys` keys, at most the step's pages."""
+def chunk_pages(num_step_pages: int, page_size: int, keys: int | None = None) -> int:
+    """Pages a chunk holds (C): at most `keys` keys (KEYS_PER_CHUNK when None), at most the step's pages."""
+    if keys is None:
+        forced = os.environ.get("MULTILORA_PALLAS_CHUNK_KEYS")  # a measurement knob (benchmarks/tpu_steps.sh)
+        keys = int(forced) if forced else KEYS_PER_CHUNK
     return max(1, min(num_step_pages, keys // page_size))
 
 
