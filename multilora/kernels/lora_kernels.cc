@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "parallel.h"
-#if defined(__AVX512BF16__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 #include "xla/ffi/api/ffi.h"
@@ -51,7 +51,8 @@ using multilora::parallel_items;
 #if defined(__AVX512F__)
 constexpr int64_t kRows = 8;   // tokens of one slot handled together: each weight row is read once
 #else
-constexpr int64_t kRows = 4;   // 16 vector registers: fewer tokens' accumulators fit
+constexpr int64_t kRows = 6;   // 16 vector registers: a shrink's 6 x 2 accumulators and its row,
+                               // an expand's 6 x 2 and its B row and h, fit (12 of 16)
 #endif
 constexpr int64_t kStackRows = 256;
 constexpr int64_t kAhead = 256;      // elements of a weight row fetched ahead of their use  // B row pointers kept on the stack up to this rank
@@ -140,9 +141,16 @@ static_assert(sizeof(f16v) == 64, "16 floats in order");
 inline f16v load16(const float* p) { return {loaded<f8v>(p), loaded<f8v>(p + 8)}; }
 inline f16v load16(const bf16* p) { return {widened<f8v, u16x8, u32x8>(p), widened<f8v, u16x8, u32x8>(p + 8)}; }
 
-inline void store16(float* p, const f16v& v) {  // a half at a time: a whole copy went through the stack
+// A half at a time, each straight from its register: a memcpy of the halves (or of the whole)
+// went through the stack, the expand's accumulators stored there and copied out 16 bytes at a time.
+inline void store16(float* p, const f16v& v) {
+#if defined(__AVX__)
+  _mm256_storeu_ps(p, (__m256)v.lo);
+  _mm256_storeu_ps(p + 8, (__m256)v.hi);
+#else
   std::memcpy(p, &v.lo, sizeof v.lo);
   std::memcpy(p + 8, &v.hi, sizeof v.hi);
+#endif
 }
 
 inline f8v low8(const f16v& v) { return v.lo; }
