@@ -272,7 +272,7 @@ void shrink_row(const Item& it, const float* __restrict x, int64_t D, const W* _
 #if defined(__AVX512F__)
 constexpr int kExpandVecs = 2;  // outputs a block: 32, 2 zmm accumulators a token
 #else
-constexpr int kExpandVecs = 1;  // 16: 2 ymm a token (32 outputs for 4 tokens took all 16 registers)
+constexpr int kExpandVecs = 1;  // 16: 2 ymm a token (32 outputs for 4 tokens took all 16 registers; 6 tokens fit at 16)
 #endif
 
 template <int N, typename W>
