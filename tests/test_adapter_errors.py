@@ -151,6 +151,15 @@ CASES = {
     "dora": (_json_case(use_dora=True), MAX_RANK, ["use_dora", "DoRA"]),
     "modules_to_save": (_json_case(modules_to_save=["lm_head"]), MAX_RANK, ["modules_to_save", "lm_head"]),
     "lora_bias": (_json_case(lora_bias=True), MAX_RANK, ["lora_bias=true", "not supported"]),
+    # PEFT options whose A and B are not a plain delta on this base (its layers copied, embedding
+    # rows trained, the base rewritten by the initialization): refused by the option's name
+    "layer_replication": (_json_case(layer_replication=[[0, 2], [1, 2]]), MAX_RANK,
+                          ["layer_replication=", "copies of the base model's layers", "not supported"]),
+    "trainable_tokens": (_json_case(trainable_token_indices=[5, 7]), MAX_RANK,
+                         ["trainable_token_indices=", "not supported"]),
+    "pissa_init": (_json_case(init_lora_weights="pissa_niter_4"), MAX_RANK,
+                   ["init_lora_weights='pissa_niter_4'", "rewrites the base", "path_initial_model_for_weight_conversion"]),
+    "olora_init": (_json_case(init_lora_weights="olora"), MAX_RANK, ["init_lora_weights='olora'", "not supported"]),
     "target_embed_tokens": (_json_case(target_modules=["embed_tokens"]), MAX_RANK,
                             ["embed_tokens", "outside the supported set", "q_proj"]),
     "target_lm_head": (_json_case(target_modules=["q_proj", "lm_head"]), MAX_RANK,

@@ -11,6 +11,18 @@ from multilora.adapters.errors import AdapterError
 from multilora.config import LORA_MODULES, ROUTER_LORA_MODULE
 
 _ALL_LINEAR = "all-linear"
+# PEFT settings under which the saved A and B no longer give the delta scaling * B A x on this base
+# model's projections: each is refused by name (PEFT would serve something else than what we load)
+_NOT_PLAIN_LORA = {
+    "layer_replication": "it stacks copies of the base model's layers into a deeper model",
+    "trainable_token_indices": "it trains rows of the embedding (trainable tokens)",
+    "use_bdlora": "its A or B is block diagonal (BD-LoRA)",
+    "kasa_config": "KaSA truncates the base weights and scales the rank by a trained diagonal",
+    "arrow_config": "Arrow routes each token among several LoRAs",
+}
+# init_lora_weights that subtract the initial B A from the base weights (PiSSA, CorDA, OLoRA,
+# LoRA-GA) or quantize them (LoftQ): the saved adapter fits that residual base, not the original
+_BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
 
 
 def pattern_value(patterns: dict, key: str, default):
@@ -53,6 +65,16 @@ def check_config(name: str, cfg: dict) -> None:
                                  "LoRA without biases (lora_bias=false) is")
     if cfg.get("alora_invocation_tokens"):
         raise AdapterError(name, "activated LoRA (alora_invocation_tokens) is not supported")
+    for key, why in _NOT_PLAIN_LORA.items():
+        if cfg.get(key):
+            raise AdapterError(name, f"{key}={cfg[key]!r} is not supported: {why}; only plain LoRA deltas on "
+                                     f"{', '.join(LORA_MODULES)} are")
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        raise AdapterError(name, f"init_lora_weights={init!r} is not supported: that initialization rewrites the "
+                                 "base model's weights, so the adapter fits the rewritten base, not this one; save it "
+                                 "with PEFT's save_pretrained(path_initial_model_for_weight_conversion=...) to convert "
+                                 "it to a plain LoRA (init_lora_weights true), which is supported")
     targets = cfg.get("target_modules")
     if targets is not None and not isinstance(targets, (list, str)):
         raise AdapterError(name, f"target_modules must be a list of names or a regex string, got {targets!r}")
