@@ -261,8 +261,8 @@ def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[in
     (6); Qwen3-MoE's on every layer with use_sliding_window; Llama's nowhere (transformers' Llama
     has no sliding window)."""
     window = cfg.get("sliding_window")
-    if arch == "MistralForCausalLM":
-        return (int(window) if cfg.get("use_sliding_window", True) and window else None), ()
+    if arch == "MistralForCausalLM":  # transformers' Mistral has no use_sliding_window: a config's is ignored
+        return (int(window) if window else None), ()
     if arch == "Qwen3MoeForCausalLM":  # transformers' Qwen3-MoE: the window on every layer, or none
         return (int(window) if cfg.get("use_sliding_window", False) and window else None), ()
     if arch == "Gemma2ForCausalLM":

@@ -582,6 +582,8 @@ def test_qwen_sliding_window_follows_layer_types(kind):
                    sliding_window=8)
     mistral.pop("rope_scaling")
     assert ModelConfig.from_hf_dict(mistral).layer_windows == (8, 8)
+    # a use_sliding_window in a Mistral config (Qwen2's field) changes nothing in transformers' Mistral
+    assert ModelConfig.from_hf_dict(dict(mistral, use_sliding_window=False)).layer_windows == (8, 8)
     llama = dict(mistral, architectures=["LlamaForCausalLM"], model_type="llama", use_sliding_window=True,
                  max_window_layers=0)
     assert ModelConfig.from_hf_dict(llama).sliding_window is None  # transformers' Llama has none
