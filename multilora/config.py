@@ -158,8 +158,8 @@ class ModelConfig:
             raise UnsupportedModelError(f"unsupported hidden_act {act!r} for {arch}; supported: {', '.join(acts)}")
         if cfg.get("use_bidirectional_attention"):
             raise UnsupportedModelError("use_bidirectional_attention=true is not supported (causal LMs only)")
-        if cfg.get("mlp_bias"):
-            raise UnsupportedModelError("mlp_bias=true is not supported (Llama-family MLPs have no bias)")
+        if cfg.get("mlp_bias") and arch == "LlamaForCausalLM":  # the other families' MLPs never read it
+            raise UnsupportedModelError("mlp_bias=true is not supported (MLPs without biases only: mlp_bias=false)")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         # Qwen3's and Gemma's config classes default head_dim to 128 and 256, not hidden / heads

@@ -658,6 +658,15 @@ def test_dynamic_rope_scaling_is_refused(key, type_key):
         ModelConfig.from_hf_dict(hf)
 
 
+def test_mlp_bias_is_refused_where_transformers_reads_it():
+    """Llama's MLP takes biases with mlp_bias (refused, naming it); Qwen2's, Qwen3's, Mistral's and
+    Gemma's never do, whatever their config says (transformers loads them without): served."""
+    with pytest.raises(UnsupportedModelError, match="mlp_bias=true is not supported"):
+        ModelConfig.from_hf_dict(dict(reference.TINY_CONFIGS["llama"], mlp_bias=True))
+    for kind in ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "qwen3_moe"):
+        assert ModelConfig.from_hf_dict(dict(reference.TINY_CONFIGS[kind], mlp_bias=True)).num_layers > 0
+
+
 
 # bfloat16-packed-avx2: the packed GEMM and the LoRA group call held to their AVX2 paths
 # ($MULTILORA_KERNEL_ISA), what a CPU without AVX512-BF16 runs
