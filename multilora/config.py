@@ -151,8 +151,8 @@ class ModelConfig:
         arch = arch or _ARCH_OF_TYPE[model_type]
         gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
         gemma3 = arch == "Gemma3ForCausalLM"
-        act = (cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh") if gemma else \
-            cfg.get("hidden_act", "silu")
+        # Gemma 2/3's MLP reads hidden_activation alone (a hidden_act beside it is never used)
+        act = (cfg.get("hidden_activation") or "gelu_pytorch_tanh") if gemma else cfg.get("hidden_act", "silu")
         acts = ("gelu_pytorch_tanh", "gelu_tanh") if gemma else ("silu", "swish")
         if act not in acts:
             raise UnsupportedModelError(f"unsupported hidden_act {act!r} for {arch}; supported: {', '.join(acts)}")

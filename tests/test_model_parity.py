@@ -560,6 +560,8 @@ def test_gemma2_config():
     assert uncapped.attn_logit_softcapping is None and uncapped.final_logit_softcapping is None
     with pytest.raises(UnsupportedModelError, match="hidden_act 'silu' for Gemma2ForCausalLM"):
         ModelConfig.from_hf_dict(dict(bare, hidden_activation="silu"))
+    # transformers' Gemma 2 never reads hidden_act: a "gelu" there leaves its GELU (tanh)
+    assert ModelConfig.from_hf_dict(dict(bare, hidden_act="gelu")).hidden_act == "gelu_tanh"
     with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
         ModelConfig.from_hf_dict(dict(bare, use_bidirectional_attention=True))
 
