@@ -1,8 +1,7 @@
 """Configs of the supported families that the parity tests' tinies do not have, as the released
 models set them: a tied Qwen2.5 (0.5B to 3B tie their embeddings), a tied Llama 3.2 with `llama3`
 rope scaling, a Gemma 3 whose global layers scale their RoPE linearly (4B and up: factor 8), a
-Mistral without a window and with its own head_dim (Nemo), a Mistral whose config says
-use_sliding_window false (transformers' Mistral keeps its window), a Qwen3 with YaRN, and a Gemma 3
+Mistral without a window and with its own head_dim (Nemo), a Qwen3 with YaRN, and a Gemma 3
 config that sets soft caps. Through the engine at float32, base and
 adapter rows in one batch: PEFT's greedy tokens exactly. The engines compile the shapes they use
 (warmup=False): a full warm-up's unused buckets were ~3/4 of this file's time; tests/test_engine.py
@@ -26,8 +25,6 @@ VARIANTS = {
         sliding_attention=dict(rope_type="default", rope_theta=10000.0),
         full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1000000.0))),
     "mistral_nemo_like": dict(T["mistral"], sliding_window=None, head_dim=32),
-    # Qwen2's use_sliding_window in a Mistral config: transformers' Mistral ignores it and windows
-    "mistral_use_sliding_window_false": dict(T["mistral"], use_sliding_window=False),
     # YaRN as Qwen3's card extends its context (here an original context of 16: the prompts and
     # their tokens run past it)
     "qwen3_yarn": dict(T["qwen3"], rope_scaling=dict(rope_type="yarn", factor=4.0,
