@@ -43,7 +43,11 @@ def _forget_engines():
 
 
 def make_engine(model_dir, adapters, **overrides) -> Engine:
-    eng = Engine(str(model_dir), {k: str(v) for k, v in adapters.items()}, **{**KW, **overrides})
+    """An engine of KW's shapes that compiles the step shapes it meets (warmup=False): a full
+    warm-up is ~40 shapes, ~30 s a new configuration on two cores. The engines whose warm-up plan
+    is under test ask for it (warmup=True: the module's engine and the mixed batch's other
+    backends, whose every step must be planned, and test_no_compile_after_warmup's)."""
+    eng = Engine(str(model_dir), {k: str(v) for k, v in adapters.items()}, **{"warmup": False, **KW, **overrides})
     _ENGINES.append(eng)
     return eng
 
@@ -55,7 +59,8 @@ def prompts_of(seed: int, lengths) -> list[list[int]]:
 
 
 def assert_clean(eng: Engine) -> None:
-    """After a run: every page back, no adapter reference left, nothing compiled."""
+    """After a run: every page back, no adapter reference left, nothing compiled outside a warm-up's
+    plan (where the engine warmed up)."""
     assert eng.pages.num_free == eng.pages.capacity, "KV pages leaked"
     assert eng.num_waiting == 0 and eng.num_running == 0
     assert all(e["active_requests"] == 0 for e in eng.list_lora_adapters())
@@ -106,7 +111,7 @@ def extra_dirs(model_dir, tmp_path_factory):
 def engine(model_dir, spec_dirs):
     """The shared engine: bgmv, adapters a, b, c of ADAPTER_SPECS under short names."""
     return make_engine(model_dir, {"a": spec_dirs[SPEC[0]], "b": spec_dirs[SPEC[1]], "c": spec_dirs[SPEC[2]]},
-                       lora_backend="bgmv")
+                       lora_backend="bgmv", warmup=True)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +130,7 @@ def test_mixed_batch_equals_peft(backend, engine, model_dir, spec_dirs, short_di
     step, chunked prefills, page boundaries) give PEFT's greedy tokens row by row."""
     eng = engine if backend == "bgmv" else make_engine(
         model_dir, {"a": spec_dirs[SPEC[0]], "b": spec_dirs[SPEC[1]], "c": spec_dirs[SPEC[2]]},
-        lora_backend=backend)
+        lora_backend=backend, warmup=True)
     prompts = prompts_of(1, MIXED_LENGTHS)
     loras = [[None, "a", "b", "c"][i % 4] for i in range(len(prompts))]
     outs = gen(eng, prompts, GREEDY, loras)
@@ -619,7 +624,7 @@ def test_background_warmup_gives_the_same_tokens_before_and_after_it_finishes(en
     background finishes, and nothing counts as compiled after warm-up."""
     import threading
 
-    eng = make_engine(model_dir, {"a": short_dirs["a"], "b": short_dirs["b"]}, lora_backend="bgmv", warmup=False)
+    eng = make_engine(model_dir, {"a": short_dirs["a"], "b": short_dirs["b"]}, lora_backend="bgmv")
     runner = eng.runner
     jobs, num_first = runner.warmup_jobs()
     held = jobs[num_first][:2]
@@ -675,7 +680,8 @@ def test_no_compile_after_warmup(engine, model_dir, short_dirs):
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(duration)
 
-    eng = make_engine(model_dir, {"a": short_dirs["a"], "b": short_dirs["b"]}, lora_backend="auto")
+    eng = make_engine(model_dir, {"a": short_dirs["a"], "b": short_dirs["b"]}, lora_backend="auto", warmup=True)
+    assert eng.runner.warm
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         prompts = prompts_of(77, [1, 5, 17, 40, 63, 9, 30, 2])
@@ -695,8 +701,8 @@ def test_no_compile_after_warmup(engine, model_dir, short_dirs):
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [], f"{len(compiles)} XLA compiles after warm-up"
-    for e in _ENGINES:   # and the runner's counter, for every engine this module built
-        assert e.runner.warm and e.runner.compiles_after_warmup == 0
+    for e in _ENGINES:   # and the runner's counter, for every engine this module warmed up
+        assert e.runner.compiles_after_warmup == 0
 
 
 def test_a_slow_adapter_read_delays_only_its_own_requests(engine, model_dir, short_dirs, peft_greedy_cache):

@@ -32,7 +32,7 @@ def dirs(tiny_adapters):
 
 @pytest.fixture(scope="module")
 def engine(model_dir, dirs):
-    return Engine(str(model_dir), {"a": str(dirs["a"]), "b": str(dirs["b"])}, **KW)
+    return Engine(str(model_dir), {"a": str(dirs["a"]), "b": str(dirs["b"])}, **KW, warmup=False)
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -141,7 +141,7 @@ def test_cached_pages_are_evicted_before_anything_is_preempted(engine):
 
 
 def test_prefix_caching_off(model_dir, dirs, peft_greedy_cache):
-    eng = Engine(str(model_dir), {"a": str(dirs["a"])}, **KW, enable_prefix_caching=False)
+    eng = Engine(str(model_dir), {"a": str(dirs["a"])}, **KW, enable_prefix_caching=False, warmup=False)
     prompt = tokens(5, 4 * PAGE_SIZE + 2)
     outs = [run(eng, [prompt], "a")[0] for _ in range(2)]
     assert [o.num_cached_tokens for o in outs] == [0, 0] and eng.pages.num_cached == 0

@@ -35,7 +35,7 @@ def engine(tiny_models, tiny_adapters, tmp_path_factory):
     shutil.copytree(tiny_models["llama"], model_dir)
     assert reference.make_tiny_tokenizer(model_dir) == reference.TINY_CONFIGS["llama"]["vocab_size"]
     adapters = {name: str(tiny_adapters[("llama", name)]) for name in ("a_all_r8", "c_mlp_r16")}
-    return Engine(str(model_dir), adapters, **KW)
+    return Engine(str(model_dir), adapters, **KW, warmup=False)  # shapes compiled as met
 
 
 @pytest.mark.parametrize("vocab", [256, 100, 33])
