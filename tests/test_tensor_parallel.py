@@ -3,7 +3,7 @@
 The pytest process has already started JAX with one CPU device, so every engine here runs in a
 subprocess: this file is also that subprocess's script (`python -m tests.test_tensor_parallel
 tp|multihost SPEC.json`). One subprocess with 4 CPU devices builds every single-process engine
-(tp 1, 2, 4 on both LoRA backends; a model with one KV head; a Qwen3, a Gemma 2 and a Qwen3-MoE on tp=2; tp=3
+(tp 1, 2, 4 on bgmv, 2 and 4 on sgmv; a model with one KV head; a Qwen3, a Gemma 2 and a Qwen3-MoE on tp=2; tp=3
 for 4 heads) and prints JSON; then two processes joined by jax.distributed (gloo collectives on
 127.0.0.1), 2 CPU devices each, run one tp=4 engine in lockstep. The tests assert on those results:
 same greedy tokens as one device for a mixed batch (base rows and three adapters), weights, adapter
@@ -40,8 +40,9 @@ MAX_NEW = 8
 ADAPTERS = {"a": "a_all_r8", "b": "b_attn_r4_rslora", "c": "c_mlp_r16"}
 LORAS = [None, "a", "b", "c", None, "c", "a", "b"]
 LENGTHS = [5, 13, 9, 20, 3, 17, 30, 11]   # 108 tokens: chunked prefills over several steps
-LLAMA_RUNS = [dict(model="llama", tp=tp, backend=be) for be in ("bgmv", "sgmv") for tp in (1, 2, 4)]
-QWEN_RUNS = [dict(model="qwen2", tp=tp, backend="sgmv") for tp in (1, 2, 4)]
+# one device once (bgmv); every other run is held to PEFT's tokens, which that one gives
+LLAMA_RUNS = [dict(model="llama", tp=tp, backend=be) for be, tps in (("bgmv", (1, 2, 4)), ("sgmv", (2, 4))) for tp in tps]
+QWEN_RUNS = [dict(model="qwen2", tp=tp, backend="sgmv") for tp in (2, 4)]
 NEW_KINDS = ("qwen3", "gemma2", "gemma3", "mistral")
 NEW_RUNS = [dict(model=m, tp=2, backend="bgmv") for m in NEW_KINDS]  # against PEFT: no tp=1 run
 # Qwen3-MoE: adapter c's experts' gate_up at twice its rank (PEFT fuses gate and up): rank 32
@@ -217,16 +218,16 @@ def tp_runs(tiny_models, tiny_adapters, tmp_path_factory):
 
 @pytest.mark.parametrize("backend", ["bgmv", "sgmv"])
 def test_tp_tokens_equal_one_device(backend, tp_runs, tiny_models, tiny_adapters, peft_greedy_cache):
-    """tp 2 and 4 give the 1-device greedy tokens for a mixed batch; those equal PEFT's."""
-    base = tp_runs[("llama", 1, backend)]
+    """tp 2 and 4 give the 1-device greedy tokens for a mixed batch, PEFT's (bgmv on one device
+    gives them)."""
     want = peft_greedy_cache.many(tiny_models["llama"],
                                   [(None if l is None else tiny_adapters[("llama", ADAPTERS[l])], p)
                                    for l, p in zip(LORAS, prompts())], MAX_NEW)
-    assert base["tokens"] == want
+    assert tp_runs[("llama", 1, "bgmv")]["tokens"] == want
     for tp in (2, 4):
         r = tp_runs[("llama", tp, backend)]
         assert r["mesh"]["tp_kv"] * r["mesh"]["tp_rep"] == tp
-        assert r["tokens"] == base["tokens"], f"tp={tp} differs from one device"
+        assert r["tokens"] == want, f"tp={tp} differs from one device"
         assert r["compiles_after_warmup"] == 0
 
 
@@ -274,13 +275,15 @@ def test_weights_slots_and_cache_are_sharded(tp, tp_runs):
     assert r["all_reduces"] >= 3   # embedding, and per layer after o and down (with LoRA h)
 
 
-def test_fewer_kv_heads_than_devices_replicates_the_cache(tp_runs):
+def test_fewer_kv_heads_than_devices_replicates_the_cache(tp_runs, tiny_models, tiny_adapters, peft_greedy_cache):
     """Qwen2 tiny has one KV head: on 2 and 4 devices every device holds the whole KV cache and
-    computes all of k/v (documented), q/FFN still split; tokens equal one device's."""
-    base = tp_runs[("qwen2", 1, "sgmv")]
+    computes all of k/v (documented), q/FFN still split; tokens equal PEFT's (one device's)."""
+    want = peft_greedy_cache.many(tiny_models["qwen2"],
+                                  [(None if l is None else tiny_adapters[("qwen2", ADAPTERS[l])], p)
+                                   for l, p in zip(LORAS, prompts())], MAX_NEW)
     for tp in (2, 4):
         r = tp_runs[("qwen2", tp, "sgmv")]
-        assert r["tokens"] == base["tokens"], f"qwen2 tp={tp} differs from one device"
+        assert r["tokens"] == want, f"qwen2 tp={tp} differs from PEFT's (one device's) tokens"
         assert r["mesh"] == {"tp_kv": 1, "tp_rep": tp}
         assert r["kv"]["piece"] == r["kv"]["shape"]                      # replicated cache
         assert r["weights"]["wk_LDO"]["piece"] == r["weights"]["wk_LDO"]["shape"]
