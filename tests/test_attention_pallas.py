@@ -65,3 +65,27 @@ def test_paged_attention_matches_xla_and_the_reference(decode_pos, prefill, page
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, atol=tol, rtol=tol)
     np.testing.assert_allclose(got, xla, atol=tol, rtol=tol)
+
+
+def test_block_size_knobs_take_positive_integers_and_name_a_bad_value(monkeypatch):
+    """The Pallas kernels' measurement knobs: unset, empty or 0 leave the kernel's own choice; a
+    positive integer forces it; anything else is refused naming the variable and what is allowed."""
+    from multilora.kernels.attention_pallas import KEYS_PER_CHUNK, chunk_pages, query_block
+    from multilora.kernels.lora_pallas import CHUNK_ENV, chunk_adapters
+    for value in (None, "", "0"):
+        for name in ("MULTILORA_PALLAS_QUERY_BLOCK", "MULTILORA_PALLAS_CHUNK_KEYS", CHUNK_ENV):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        assert query_block(64) == 16 and query_block(512) == 64
+        assert chunk_pages(1000, 16) == KEYS_PER_CHUNK // 16
+        assert chunk_adapters(32) == 4
+    monkeypatch.setenv("MULTILORA_PALLAS_QUERY_BLOCK", "8")
+    monkeypatch.setenv("MULTILORA_PALLAS_CHUNK_KEYS", "512")
+    monkeypatch.setenv(CHUNK_ENV, "2")
+    assert query_block(64) == 8 and chunk_pages(1000, 16) == 32 and chunk_adapters(32) == 2
+    for bad in ("-4", "1.5", "sixteen"):
+        monkeypatch.setenv("MULTILORA_PALLAS_CHUNK_KEYS", bad)
+        with pytest.raises(ValueError, match=r"\$MULTILORA_PALLAS_CHUNK_KEYS=.*positive integer"):
+            chunk_pages(1000, 16)

@@ -25,12 +25,13 @@ p page size, X the step's pages, J query blocks, C pages per chunk.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from multilora.kernels.knobs import positive_int_knob
 
 MASKED = -1e30
 KEYS_PER_CHUNK = 256   # keys a chunk scores (C = this // p pages)
@@ -41,17 +42,16 @@ def query_block(num_tokens: int) -> int:
     """Rows per query block: 16 for decode-sized steps (a block's rows are 16 sequences, whose
     pages it reads once; measured at 64 rows), 64 for longer steps (a prefill chunk's keys are
     then read once per 64 of its tokens; the runner keeps such steps on XLA's path for now)."""
-    forced = os.environ.get("MULTILORA_PALLAS_QUERY_BLOCK")  # a measurement knob (benchmarks/tpu_steps.sh)
+    forced = positive_int_knob("MULTILORA_PALLAS_QUERY_BLOCK")  # a measurement knob (benchmarks/tpu_steps.sh)
     if forced:
-        return int(forced)
+        return forced
     return 16 if num_tokens <= 256 else 64
 
 
 def chunk_pages(num_step_pages: int, page_size: int, keys: int | None = None) -> int:
     """Pages a chunk holds (C): at most `keys` keys (KEYS_PER_CHUNK when None), at most the step's pages."""
     if keys is None:
-        forced = os.environ.get("MULTILORA_PALLAS_CHUNK_KEYS")  # a measurement knob (benchmarks/tpu_steps.sh)
-        keys = int(forced) if forced else KEYS_PER_CHUNK
+        keys = positive_int_knob("MULTILORA_PALLAS_CHUNK_KEYS") or KEYS_PER_CHUNK  # a measurement knob
     return max(1, min(num_step_pages, keys // page_size))
 
 

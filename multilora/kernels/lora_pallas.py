@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from multilora.config import NO_ADAPTER, PAGE_ROWS
+from multilora.kernels.knobs import positive_int_knob
 
 LANES = 128
 VMEM_LIMIT_BYTES = 64 * 1024 * 1024   # a v5e core has 128 MiB of VMEM; the default scope is 16 MiB
@@ -53,7 +54,7 @@ def chunk_adapters(table_width: int) -> int:
     """Adapters per chunk: enough that a chunk's rank columns fill the MXU's lanes (or
     $MULTILORA_LORA_CHUNK_ADAPTERS), and an even number where the width is an odd number of
     pages, so that a chunk's rows are whole (16, 128) tiles of a bfloat16 buffer."""
-    n = int(os.environ.get(CHUNK_ENV) or 0) or max(1, LANES // table_width)
+    n = positive_int_knob(CHUNK_ENV) or max(1, LANES // table_width)
     if (table_width // PAGE_ROWS) % 2 and n % 2:
         n = n - 1 if n > 1 else 2
     return n
