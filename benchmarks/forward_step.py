@@ -42,6 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import SHAPES, machine_info, save_json  # noqa: E402
+from benchmarks.serving import measure_peak_flops, step_flops  # noqa: E402
 from multilora.config import ModelConfig  # noqa: E402
 from multilora.engine.batching import SeqChunk, build_batch, pages_needed  # noqa: E402
 from multilora.adapters.pool import (blocks_of, lora_feature_dims, rows_major, slot_major_pool,  # noqa: E402
@@ -200,6 +201,10 @@ def main(argv=None):
                     help="tokens a KV page holds (the engine's default; 128 measured slower on a v5e: log 40)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--roofline", action="store_true",
+                    help="XLA's float32 matmul peak measured before each round of repeats; each decode case's "
+                         "FLOPs at that round's peak over its step time (serving.py's %% of the roofline, for the "
+                         "step alone; medians of the rounds' ratios)")
     ap.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "xla", "native"],
                     help="decode attention: XLA's gathers or multilora's CPU kernel (auto: the kernel "
                          "where it is built, as the runner does)")
@@ -367,7 +372,10 @@ def main(argv=None):
         state[(mode, k, be, nat, lay)] = dict(weights=weights, batch=batch, lora=lora, kv=kv, backend=backend,
                                               native=nat, hm=hm, pa=pa, kw=kw, fwd=run, jit=fwd, times=[],
                                               tokens=t, pages=x, compile_s=compile_s, first_step_s=first_s)
+    peaks = []  # --roofline: the matmul peak measured just before each round
     for _ in range(args.repeats):
+        if args.roofline:
+            peaks.append(measure_peak_flops("float32", seconds=0.5))
         for key, st in state.items():
             t0 = time.perf_counter()
             logits, st["kv"] = st["fwd"](st["weights"], st["lora"], st["kv"], st["batch"], cfg=cfg,
@@ -406,10 +414,16 @@ def main(argv=None):
         print(f"{mode:8} {st['tokens']:>5} {st['pages']:>5} {att:>9} {lay:>18} {k:>8} {st['backend']:>8} "
               f"{1e3 * med:10.2f} {rel:6.2f} {st['compile_s']:9.1f} {1e3 * st['pipelined_s']:15.2f} "
               f"{1e3 * st['pack_s']:7.2f}")
+        if peaks and mode == "decode":
+            flops = step_flops(SHAPES[args.model], st["tokens"], args.decode_ctx, st["tokens"] if k else 0)
+            st["pct_of_roofline"] = 100 * statistics.median(flops / p / t for p, t in zip(peaks, st["times"]))
+            print(f"{'':8} {flops / 1e9:.1f} GFLOP a step at a matmul peak of {statistics.median(peaks) / 1e9:.0f} "
+                  f"GFLOP/s (median of {len(peaks)}): {st['pct_of_roofline']:.0f} % of the roofline")
         rows.append(dict(mode=mode, tokens=st["tokens"], pages=st["pages"], adapters=k, backend=st["backend"],
                          attention=att, layers=lay, kv_layout="heads-major" if st["hm"] else "default", asked=be, median_s=med, times=st["times"], vs_no_adapter=rel,
                          compile_s=st["compile_s"], first_step_s=st["first_step_s"],
-                         back_to_back_s=st["pipelined_s"], pack_s=st["pack_s"]))
+                         back_to_back_s=st["pipelined_s"], pack_s=st["pack_s"],
+                         **({"pct_of_roofline": st["pct_of_roofline"]} if "pct_of_roofline" in st else {})))
     if args.trace:
         for (mode, k, be, nat, lay), st, row in zip(state.keys(), state.values(), rows):
             row["op_ms_by_kind"] = trace_case(args.trace / f"{mode}_k{k}_{st['backend']}_{row['attention']}_{lay}",
@@ -422,7 +436,7 @@ def main(argv=None):
                 print(f"  {ms:8.1f} ms {100 * ms / total:5.1f} %  {kind}")
     if args.json:
         save_json(args.json, dict(machine=machine_info(), args={k: str(v) for k, v in vars(args).items()},
-                                  rows=rows))
+                                  rows=rows, **({"matmul_peaks_GFLOPs": [p / 1e9 for p in peaks]} if peaks else {})))
 
 
 def trace_case(folder: Path, fwd, weights, st, cfg, steps: int = 3) -> dict[str, float]:
