@@ -75,16 +75,23 @@ TIERS = {
     "e2e": ["test_serve_processes", "test_tensor_parallel"],
 }
 TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
+# The slowest files first (CI's --durations): CI's two workers take whole files in collection order
+# (--dist loadfile), and the longest one taken late leaves one worker running alone at the end.
+SLOWEST_FIRST = ("test_model_parity", "test_engine", "test_serve_processes", "test_ray_serve",
+                 "test_tensor_parallel", "test_backends", "test_server", "test_lora_pallas",
+                 "test_model_variants", "test_attention_pallas", "test_server_tools")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark every test with its file's tier; a test file in no tier is an error, so that each
-    new file says which tier it belongs to."""
+    """Mark every test with its file's tier (a test file in no tier is an error, so that each
+    new file says which tier it belongs to), and put the slowest files first."""
     for item in items:
         module = item.path.stem
         if module not in TIER_OF:
             raise pytest.UsageError(f"tests/{module}.py is in no tier: add it to TIERS in tests/conftest.py")
         item.add_marker(getattr(pytest.mark, TIER_OF[module]))
+    rank = {module: i for i, module in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a file's tests keep their order
 
 
 @pytest.fixture(autouse=True, scope="module")
