@@ -702,7 +702,7 @@ def test_no_compile_after_warmup(engine, model_dir, short_dirs):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [], f"{len(compiles)} XLA compiles after warm-up"
     for e in _ENGINES:   # and the runner's counter, for every engine this module warmed up
-        assert e.runner.compiles_after_warmup == 0
+        assert not e.runner.warm or e.runner.compiles_after_warmup == 0
 
 
 def test_a_slow_adapter_read_delays_only_its_own_requests(engine, model_dir, short_dirs, peft_greedy_cache):

@@ -208,6 +208,13 @@ def _finish(proc: subprocess.Popen, timeout: float) -> dict:
 
 
 
+def _peft_tokens(peft_greedy_cache, tiny_models, tiny_adapters, model: str) -> list[list[int]]:
+    """transformers + PEFT's greedy tokens for the mixed batch (LORAS over prompts()) on a tiny."""
+    return peft_greedy_cache.many(tiny_models[model],
+                                  [(None if l is None else tiny_adapters[(model, ADAPTERS[l])], p)
+                                   for l, p in zip(LORAS, prompts())], MAX_NEW)
+
+
 @pytest.fixture(scope="module")
 def tp_runs(tiny_models, tiny_adapters, tmp_path_factory):
     spec = _spec(tiny_models, tiny_adapters, devices=4, runs=LLAMA_RUNS + QWEN_RUNS + NEW_RUNS + MOE_RUNS + ERROR_RUNS)
@@ -220,14 +227,12 @@ def tp_runs(tiny_models, tiny_adapters, tmp_path_factory):
 def test_tp_tokens_equal_one_device(backend, tp_runs, tiny_models, tiny_adapters, peft_greedy_cache):
     """tp 2 and 4 give the 1-device greedy tokens for a mixed batch, PEFT's (bgmv on one device
     gives them)."""
-    want = peft_greedy_cache.many(tiny_models["llama"],
-                                  [(None if l is None else tiny_adapters[("llama", ADAPTERS[l])], p)
-                                   for l, p in zip(LORAS, prompts())], MAX_NEW)
+    want = _peft_tokens(peft_greedy_cache, tiny_models, tiny_adapters, "llama")
     assert tp_runs[("llama", 1, "bgmv")]["tokens"] == want
     for tp in (2, 4):
         r = tp_runs[("llama", tp, backend)]
         assert r["mesh"]["tp_kv"] * r["mesh"]["tp_rep"] == tp
-        assert r["tokens"] == want, f"tp={tp} differs from one device"
+        assert r["tokens"] == want, f"{backend} tp={tp} differs from PEFT's (one device's) tokens"
         assert r["compiles_after_warmup"] == 0
 
 
@@ -278,9 +283,7 @@ def test_weights_slots_and_cache_are_sharded(tp, tp_runs):
 def test_fewer_kv_heads_than_devices_replicates_the_cache(tp_runs, tiny_models, tiny_adapters, peft_greedy_cache):
     """Qwen2 tiny has one KV head: on 2 and 4 devices every device holds the whole KV cache and
     computes all of k/v (documented), q/FFN still split; tokens equal PEFT's (one device's)."""
-    want = peft_greedy_cache.many(tiny_models["qwen2"],
-                                  [(None if l is None else tiny_adapters[("qwen2", ADAPTERS[l])], p)
-                                   for l, p in zip(LORAS, prompts())], MAX_NEW)
+    want = _peft_tokens(peft_greedy_cache, tiny_models, tiny_adapters, "qwen2")
     for tp in (2, 4):
         r = tp_runs[("qwen2", tp, "sgmv")]
         assert r["tokens"] == want, f"qwen2 tp={tp} differs from PEFT's (one device's) tokens"
@@ -299,9 +302,7 @@ def test_newer_architectures_on_two_devices_give_peft_tokens(model, tp_runs, tin
     PEFT's greedy tokens for the mixed batch, the projections split as Llama's, their own norm
     weights replicated."""
     r = tp_runs[(model, 2, "bgmv")]
-    want = peft_greedy_cache.many(tiny_models[model],
-                                  [(None if l is None else tiny_adapters[(model, ADAPTERS[l])], p)
-                                   for l, p in zip(LORAS, prompts())], MAX_NEW)
+    want = _peft_tokens(peft_greedy_cache, tiny_models, tiny_adapters, model)
     assert r["tokens"] == want
     w = r["weights"]
     assert r["mesh"] == {"tp_kv": 2, "tp_rep": 1}
@@ -322,9 +323,7 @@ def test_qwen3_moe_on_two_devices_gives_peft_tokens(tp_runs, tiny_models, tiny_a
     experts' LoRA beside base rows: PEFT's greedy tokens; each expert split over its width (gate
     and up by output, down by input), the router replicated."""
     r = tp_runs[("qwen3_moe", 2, "bgmv")]
-    want = peft_greedy_cache.many(tiny_models["qwen3_moe"],
-                                  [(None if l is None else tiny_adapters[("qwen3_moe", ADAPTERS[l])], p)
-                                   for l, p in zip(LORAS, prompts())], MAX_NEW)
+    want = _peft_tokens(peft_greedy_cache, tiny_models, tiny_adapters, "qwen3_moe")
     assert r["tokens"] == want
     w = r["weights"]
     assert w["w_gate_LEDM"]["piece"] == [2, 4, 64, 32 // 2] == w["w_up_LEDM"]["piece"]
