@@ -18,7 +18,7 @@ from multilora.model.attention import decode_attention, prefill_attention
 from tests.test_attention import _decode_case
 
 ON_TPU = jax.default_backend() == "tpu"
-RUN = jax.jit(paged_attention, static_argnames=("sliding_window", "interpret", "block_rows"))
+RUN = jax.jit(paged_attention, static_argnames=("sliding_window", "interpret", "block_rows", "chunk_keys"))
 
 
 # decode_pos: each decode sequence's position; prefill: (length, start) chunks.
@@ -47,8 +47,10 @@ def test_paged_attention_matches_xla_and_the_reference(decode_pos, prefill, page
     q, k, v = (a.astype(dtype) for a in (q, k, v))
     k_hm, v_hm = jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)   # (L, P, K, p, H): heads-major's order
     layer = 1
+    # float32 in chunks of 256 keys (several a block: the double buffer's turns), bfloat16 at the default
     got = RUN(q, k_hm, v_hm, jnp.int32(layer), b.kv_pages_X, b.kv_page_seq_X, b.seq_idx_T, b.positions_T,
-              sliding_window=window, interpret=not ON_TPU, block_rows=block_rows)
+              sliding_window=window, interpret=not ON_TPU, block_rows=block_rows,
+              chunk_keys=256 if dtype == "float32" else None)
     got = np.asarray(got.astype(jnp.float32))
     ref = np.asarray(paged_attention_reference(q, k_hm, v_hm, layer, b.kv_pages_X, b.kv_page_seq_X, b.seq_idx_T,
                                                b.positions_T, window).astype(jnp.float32))
@@ -89,3 +91,17 @@ def test_block_size_knobs_take_positive_integers_and_name_a_bad_value(monkeypatc
         monkeypatch.setenv("MULTILORA_PALLAS_CHUNK_KEYS", bad)
         with pytest.raises(ValueError, match=r"\$MULTILORA_PALLAS_CHUNK_KEYS=.*positive integer"):
             chunk_pages(1000, 16)
+
+
+def test_chunk_pages_fit_the_vmem_budget_and_the_step():
+    """A chunk holds KEYS_PER_CHUNK keys unless both buffers of its K and V pages would pass
+    CHUNK_BUFFER_BYTES (a page's H padded to 128 lanes), never more pages than the step has, never none."""
+    from multilora.kernels.attention_pallas import CHUNK_BUFFER_BYTES, KEYS_PER_CHUNK, chunk_pages, page_vmem_bytes
+    assert page_vmem_bytes(8, 16, 64, jnp.bfloat16) == 8 * 16 * 128 * 2      # H = 64 takes 128 lanes
+    assert page_vmem_bytes(8, 16, 128, jnp.float32) == 8 * 16 * 128 * 4
+    small = page_vmem_bytes(8, 16, 64, jnp.bfloat16)
+    assert chunk_pages(1000, 16, small) == KEYS_PER_CHUNK // 16
+    wide = page_vmem_bytes(32, 16, 128, jnp.bfloat16)                        # 32 kv heads of 128
+    c = chunk_pages(1000, 16, wide)
+    assert c < KEYS_PER_CHUNK // 16 and 4 * c * wide <= CHUNK_BUFFER_BYTES < 4 * (c + 1) * wide
+    assert chunk_pages(5, 16, small) == 5 and chunk_pages(1000, 16, 10 * CHUNK_BUFFER_BYTES) == 1

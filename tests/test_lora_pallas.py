@@ -211,6 +211,8 @@ def test_chunks_fill_the_lanes():
     assert chunk_adapters(256) == 1
     assert chunk_adapters(24) == 4 and chunk_adapters(40) == 2 and chunk_adapters(72) == 2  # whole (16, 128) tiles
     assert all(chunk_adapters(w) * w % 16 == 0 for w in range(8, 512, 8))
+    # no more than the step's adapters (still whole tiles)
+    assert chunk_adapters(16, 3) == 3 and chunk_adapters(16, 64) == 8 and chunk_adapters(24, 3) == 2
 
 
 def test_pallas_backend_refuses_more_adapters_than_compiled_for():

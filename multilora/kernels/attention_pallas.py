@@ -34,7 +34,11 @@ from jax.experimental.pallas import tpu as pltpu
 from multilora.kernels.knobs import positive_int_knob
 
 MASKED = -1e30
-KEYS_PER_CHUNK = 256   # keys a chunk scores (C = this // p pages)
+# Keys a chunk scores (C = this // p pages). A chunk's fixed costs (its loop step, each kv head's
+# two products and their softmax between) dominate the decode step: on a v5e the 1B shape's
+# decode step took 8.22 / 7.86 / 7.42 ms at 256 / 512 / 1024 keys a chunk (benchmarks/log/46).
+KEYS_PER_CHUNK = 1024
+CHUNK_BUFFER_BYTES = 16 * 1024 * 1024   # VMEM for a chunk's K and V pages, both buffers (C is capped to fit)
 VMEM_LIMIT_BYTES = 64 * 1024 * 1024
 
 
@@ -48,11 +52,22 @@ def query_block(num_tokens: int) -> int:
     return 16 if num_tokens <= 256 else 64
 
 
-def chunk_pages(num_step_pages: int, page_size: int, keys: int | None = None) -> int:
-    """Pages a chunk holds (C): at most `keys` keys (KEYS_PER_CHUNK when None), at most the step's pages."""
+def page_vmem_bytes(num_kv: int, page_size: int, head_dim: int, dtype) -> int:
+    """VMEM bytes of one cache page of one layer's K (or V), all kv heads: (p, H) tiles whose H is
+    padded to 128 lanes."""
+    return num_kv * page_size * (-(-head_dim // 128) * 128) * jnp.dtype(dtype).itemsize
+
+
+def chunk_pages(num_step_pages: int, page_size: int, page_bytes: int = 0, keys: int | None = None) -> int:
+    """Pages a chunk holds (C): at most `keys` keys (KEYS_PER_CHUNK when None), at most the step's
+    pages, and (page_bytes: page_vmem_bytes's) few enough that both buffers of K and V fit
+    CHUNK_BUFFER_BYTES."""
     if keys is None:
         keys = positive_int_knob("MULTILORA_PALLAS_CHUNK_KEYS") or KEYS_PER_CHUNK  # a measurement knob
-    return max(1, min(num_step_pages, keys // page_size))
+    c = keys // page_size
+    if page_bytes:
+        c = min(c, CHUNK_BUFFER_BYTES // (4 * page_bytes))
+    return max(1, min(num_step_pages, c))
 
 
 def key_ranges(kv_page_seq_X, seq_idx_T, positions_T, page_size, sliding_window):
@@ -162,16 +177,17 @@ def _precision(operand):
 
 
 def attention_plan(kv_page_seq_X, seq_idx_T, positions_T, page_size: int, sliding_window: int | None = None,
-                   block_rows: int | None = None):
+                   block_rows: int | None = None, page_bytes: int = 0, chunk_keys: int | None = None):
     """What paged_attention needs to know of the step besides q and the cache, the same at every
     layer of one window: each token's visible keys (lo_T, hi_T, padded to whole query blocks),
-    and each block's first page, chunks, and first chunk's count (for the double buffer). Made
-    once per step (forward), since each small op of it costs a TPU a few microseconds per layer."""
+    each block's first page, chunks, and first chunk's count (for the double buffer), and the
+    pages a chunk holds (chunk_pages's, from page_bytes and chunk_keys). Made once per step
+    (forward), since each small op of it costs a TPU a few microseconds per layer."""
     t, x = seq_idx_T.shape[0], kv_page_seq_X.shape[0]
     tq = block_rows or query_block(t)
     nb = -(-t // tq)
     pad = nb * tq - t
-    c = chunk_pages(x, page_size)
+    c = chunk_pages(x, page_size, page_bytes, chunk_keys)
     lo_T, hi_T, first_T, end_T = key_ranges(kv_page_seq_X, seq_idx_T, positions_T, page_size, sliding_window)
     lo_T = jnp.pad(lo_T, (0, pad), constant_values=1)
     hi_T = jnp.pad(hi_T, (0, pad), constant_values=0)
@@ -180,17 +196,18 @@ def attention_plan(kv_page_seq_X, seq_idx_T, positions_T, page_size: int, slidin
     blk_start = jnp.where(blk_start >= x, 0, blk_start).astype(jnp.int32)
     n_chunks = jnp.maximum(-(-(blk_end - blk_start) // c), 1).astype(jnp.int32)   # >= 1: every block is written
     base = (jnp.cumsum(n_chunks) - n_chunks).astype(jnp.int32)
-    return lo_T[:, None], hi_T[:, None], blk_start, n_chunks, base
+    return lo_T[:, None], hi_T[:, None], blk_start, n_chunks, base, c
 
 
 def paged_attention(q_TNH, k_LPKpH, v_LPKpH, layer, kv_pages_X, kv_page_seq_X, seq_idx_T, positions_T,
                     sliding_window: int | None = None, interpret: bool = False, block_rows: int | None = None,
-                    plan=None):
+                    plan=None, chunk_keys: int | None = None):
     """Attention (T, N, H) of every token of the step (decode rows and prefill chunks) against
     its own sequence's keys at positions <= its own, read from the heads-major caches
     (L, P, K, p, H) at `layer` through the step's flat page list. Padding tokens (seq_idx -1)
     get zeros. interpret: Pallas's TPU interpreter (any platform; the tests' path). plan:
-    attention_plan's for the same step, window and block_rows (made here where not given)."""
+    attention_plan's for the same step, window, block_rows and cache (made here where not given,
+    with at most chunk_keys keys a chunk)."""
     t, n, h = q_TNH.shape
     _, _, num_kv, p, _ = k_LPKpH.shape
     g = n // num_kv
@@ -198,10 +215,10 @@ def paged_attention(q_TNH, k_LPKpH, v_LPKpH, layer, kv_pages_X, kv_page_seq_X, s
     tq = block_rows or query_block(t)
     nb = -(-t // tq)
     pad = nb * tq - t
-    c = chunk_pages(x, p)
     if plan is None:
-        plan = attention_plan(kv_page_seq_X, seq_idx_T, positions_T, p, sliding_window, block_rows)
-    lo_T, hi_T, blk_start, n_chunks, base = plan
+        plan = attention_plan(kv_page_seq_X, seq_idx_T, positions_T, p, sliding_window, block_rows,
+                              page_vmem_bytes(num_kv, p, h, k_LPKpH.dtype), chunk_keys)
+    lo_T, hi_T, blk_start, n_chunks, base, c = plan
     q_KGTH = jnp.pad(q_TNH, ((0, pad), (0, 0), (0, 0))).reshape(nb * tq, num_kv, g, h).transpose(1, 2, 0, 3)
     kernel = functools.partial(_kernel, pages_per_chunk=c, num_pages=x, num_blocks=nb, scale=h ** -0.5)
     grid_spec = pltpu.PrefetchScalarGridSpec(

@@ -50,11 +50,14 @@ CHUNK_ENV = "MULTILORA_LORA_CHUNK_ADAPTERS"
 COPY_LOOP_ENV = "MULTILORA_LORA_COPY_LOOP"
 
 
-def chunk_adapters(table_width: int) -> int:
+def chunk_adapters(table_width: int, num_adapters: int = 0) -> int:
     """Adapters per chunk: enough that a chunk's rank columns fill the MXU's lanes (or
-    $MULTILORA_LORA_CHUNK_ADAPTERS), and an even number where the width is an odd number of
-    pages, so that a chunk's rows are whole (16, 128) tiles of a bfloat16 buffer."""
+    $MULTILORA_LORA_CHUNK_ADAPTERS), no more than the step's num_adapters where given (a padding
+    entry still costs its copies), and an even number where the width is an odd number of pages,
+    so that a chunk's rows are whole (16, 128) tiles of a bfloat16 buffer."""
     n = positive_int_knob(CHUNK_ENV) or max(1, LANES // table_width)
+    if num_adapters:
+        n = min(n, num_adapters)
     if (table_width // PAGE_ROWS) % 2 and n % 2:
         n = n - 1 if n > 1 else 2
     return n
@@ -194,8 +197,8 @@ def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles) -> dict:
     r = rows_SR.shape[1]
     if r % PAGE_ROWS:
         raise ValueError(f"the row table's width {r} is not whole pages of {PAGE_ROWS}")
-    per_chunk = chunk_adapters(r)
     a_cnt = step_slots_A.shape[0]
+    per_chunk = chunk_adapters(r, a_cnt)
     num_chunks = -(-a_cnt // per_chunk)
     slots = jnp.pad(step_slots_A.astype(jnp.int32), (0, num_chunks * per_chunk - a_cnt))
     rows_AR = jnp.take(rows_SR, slots, axis=0, mode="clip")
@@ -255,7 +258,7 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
     tm = tile_rows or token_tile(t, d, sum(outs), jnp.dtype(x_TD.dtype).itemsize)
     if plan is None or tm not in plan["tiles"]:
         plan = lora_plan(step_slots_A, local_T, rows_SR, scalings_S, (tm,))
-    per_chunk = chunk_adapters(r)
+    per_chunk = chunk_adapters(r, step_slots_A.shape[0])
     num_chunks = -(-step_slots_A.shape[0] // per_chunk)
     w = per_chunk * r
     nt = -(-t // tm)

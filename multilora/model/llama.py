@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 
 from multilora.config import ModelConfig
-from multilora.kernels.attention_pallas import attention_plan, paged_attention
+from multilora.kernels.attention_pallas import attention_plan, page_vmem_bytes, paged_attention
 from multilora.kernels.kv_write_pallas import write_pages, write_rows
 from multilora.lora.backend import get_backends
 from multilora.lora.backend.base import PoolLayer
@@ -397,8 +397,9 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     # Rows with one token this step take the decode path; the prefill kernel sees them as padding.
     is_decode_T = (batch.seq_idx_T >= 0) & (batch.seq_idx_T < batch.num_decode)
     write_hm = _kv_writer(kv_write, batch, kv.page_size) if kv_heads_major else None
-    attention_plans = {w: attention_plan(batch.kv_page_seq_X, batch.seq_idx_T, batch.positions_T, kv.page_size, w)
-                       for w in set(cfg.layer_windows)} if pallas_attention else {}
+    page_bytes = page_vmem_bytes(kvh, kv.page_size, h, kv.k_LPpKH.dtype)
+    attention_plans = {w: attention_plan(batch.kv_page_seq_X, batch.seq_idx_T, batch.positions_T, kv.page_size, w,
+                                         page_bytes=page_bytes) for w in set(cfg.layer_windows)} if pallas_attention else {}
     prefill_seq_T = jnp.where(is_decode_T, -1, batch.seq_idx_T)
     # A step in which no row has an adapter runs no LoRA op at all, and a shape compiled with a
     # (grouped, per-token) pair of backends runs the one the step's mode names: branches taken
