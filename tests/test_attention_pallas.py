@@ -72,7 +72,7 @@ def test_paged_attention_matches_xla_and_the_reference(decode_pos, prefill, page
 def test_block_size_knobs_take_positive_integers_and_name_a_bad_value(monkeypatch):
     """The Pallas kernels' measurement knobs: unset, empty or 0 leave the kernel's own choice; a
     positive integer forces it; anything else is refused naming the variable and what is allowed."""
-    from multilora.kernels.attention_pallas import KEYS_PER_CHUNK, chunk_pages, query_block
+    from multilora.kernels.attention_pallas import KEYS_PER_CHUNK, keys_per_chunk, query_block
     from multilora.kernels.lora_pallas import CHUNK_ENV, chunk_adapters
     for value in (None, "", "0"):
         for name in ("MULTILORA_PALLAS_QUERY_BLOCK", "MULTILORA_PALLAS_CHUNK_KEYS", CHUNK_ENV):
@@ -81,16 +81,16 @@ def test_block_size_knobs_take_positive_integers_and_name_a_bad_value(monkeypatc
             else:
                 monkeypatch.setenv(name, value)
         assert query_block(64) == 16 and query_block(512) == 64
-        assert chunk_pages(1000, 16) == KEYS_PER_CHUNK // 16
+        assert keys_per_chunk(64) == KEYS_PER_CHUNK
         assert chunk_adapters(32) == 4
     monkeypatch.setenv("MULTILORA_PALLAS_QUERY_BLOCK", "8")
     monkeypatch.setenv("MULTILORA_PALLAS_CHUNK_KEYS", "512")
     monkeypatch.setenv(CHUNK_ENV, "2")
-    assert query_block(64) == 8 and chunk_pages(1000, 16) == 32 and chunk_adapters(32) == 2
+    assert query_block(64) == 8 and keys_per_chunk(64) == 512 and chunk_adapters(32) == 2
     for bad in ("-4", "1.5", "sixteen"):
         monkeypatch.setenv("MULTILORA_PALLAS_CHUNK_KEYS", bad)
         with pytest.raises(ValueError, match=r"\$MULTILORA_PALLAS_CHUNK_KEYS=.*positive integer"):
-            chunk_pages(1000, 16)
+            keys_per_chunk(64)
 
 
 def test_chunk_pages_fit_the_vmem_budget_and_the_step():
@@ -105,3 +105,16 @@ def test_chunk_pages_fit_the_vmem_budget_and_the_step():
     c = chunk_pages(1000, 16, wide)
     assert c < KEYS_PER_CHUNK // 16 and 4 * c * wide <= CHUNK_BUFFER_BYTES < 4 * (c + 1) * wide
     assert chunk_pages(5, 16, small) == 5 and chunk_pages(1000, 16, 10 * CHUNK_BUFFER_BYTES) == 1
+
+
+def test_keys_per_chunk_keep_a_kv_heads_score_tile_bounded(monkeypatch):
+    """Decode blocks (G x 16 rows) score KEYS_PER_CHUNK keys a chunk, prefill's 64-row blocks
+    fewer: halved while rows x keys passes SCORE_TILE, never below 128."""
+    from multilora.kernels.attention_pallas import KEYS_PER_CHUNK, SCORE_TILE, keys_per_chunk
+    monkeypatch.delenv("MULTILORA_PALLAS_CHUNK_KEYS", raising=False)
+    assert keys_per_chunk(4 * 16) == KEYS_PER_CHUNK == 1024 and keys_per_chunk(3 * 16) == 1024
+    assert keys_per_chunk(4 * 64) == 256 and keys_per_chunk(3 * 64) == 256 and keys_per_chunk(10 ** 6) == 128
+    for rows in range(1, 2000, 7):
+        keys = keys_per_chunk(rows)
+        assert keys * rows <= SCORE_TILE or keys == 128
+        assert keys == KEYS_PER_CHUNK or 2 * keys * rows > SCORE_TILE

@@ -37,7 +37,10 @@ MASKED = -1e30
 # Keys a chunk scores (C = this // p pages). A chunk's fixed costs (its loop step, each kv head's
 # two products and their softmax between) dominate the decode step: on a v5e the 1B shape's
 # decode step took 8.22 / 7.86 / 7.42 ms at 256 / 512 / 1024 keys a chunk (benchmarks/log/46).
+# Prefill's blocks of 64 rows were slower with 1024 than with 256: a chunk's keys are halved
+# while a kv head's score tile (G x tq rows x keys) passes SCORE_TILE.
 KEYS_PER_CHUNK = 1024
+SCORE_TILE = 64 * 1024
 CHUNK_BUFFER_BYTES = 16 * 1024 * 1024   # VMEM for a chunk's K and V pages, both buffers (C is capped to fit)
 VMEM_LIMIT_BYTES = 64 * 1024 * 1024
 
@@ -58,12 +61,21 @@ def page_vmem_bytes(num_kv: int, page_size: int, head_dim: int, dtype) -> int:
     return num_kv * page_size * (-(-head_dim // 128) * 128) * jnp.dtype(dtype).itemsize
 
 
-def chunk_pages(num_step_pages: int, page_size: int, page_bytes: int = 0, keys: int | None = None) -> int:
-    """Pages a chunk holds (C): at most `keys` keys (KEYS_PER_CHUNK when None), at most the step's
-    pages, and (page_bytes: page_vmem_bytes's) few enough that both buffers of K and V fit
-    CHUNK_BUFFER_BYTES."""
-    if keys is None:
-        keys = positive_int_knob("MULTILORA_PALLAS_CHUNK_KEYS") or KEYS_PER_CHUNK  # a measurement knob
+def keys_per_chunk(score_rows: int) -> int:
+    """Keys a chunk scores for a kv head's score_rows (G x tq) query rows: KEYS_PER_CHUNK, halved
+    (to 128 at least) while the score tile passes SCORE_TILE; $MULTILORA_PALLAS_CHUNK_KEYS forces it."""
+    forced = positive_int_knob("MULTILORA_PALLAS_CHUNK_KEYS")  # a measurement knob (benchmarks/tpu_steps.sh)
+    if forced:
+        return forced
+    keys = KEYS_PER_CHUNK
+    while keys > 128 and keys * score_rows > SCORE_TILE:
+        keys //= 2
+    return keys
+
+
+def chunk_pages(num_step_pages: int, page_size: int, page_bytes: int = 0, keys: int = KEYS_PER_CHUNK) -> int:
+    """Pages a chunk holds (C): at most `keys` keys, at most the step's pages, and (page_bytes:
+    page_vmem_bytes's) few enough that both buffers of K and V fit CHUNK_BUFFER_BYTES."""
     c = keys // page_size
     if page_bytes:
         c = min(c, CHUNK_BUFFER_BYTES // (4 * page_bytes))
@@ -177,17 +189,19 @@ def _precision(operand):
 
 
 def attention_plan(kv_page_seq_X, seq_idx_T, positions_T, page_size: int, sliding_window: int | None = None,
-                   block_rows: int | None = None, page_bytes: int = 0, chunk_keys: int | None = None):
+                   block_rows: int | None = None, page_bytes: int = 0, chunk_keys: int | None = None,
+                   group: int = 1):
     """What paged_attention needs to know of the step besides q and the cache, the same at every
     layer of one window: each token's visible keys (lo_T, hi_T, padded to whole query blocks),
     each block's first page, chunks, and first chunk's count (for the double buffer), and the
-    pages a chunk holds (chunk_pages's, from page_bytes and chunk_keys). Made once per step
+    pages a chunk holds (chunk_pages's, from page_bytes, and chunk_keys or keys_per_chunk's for
+    `group` query heads a kv head). Made once per step
     (forward), since each small op of it costs a TPU a few microseconds per layer."""
     t, x = seq_idx_T.shape[0], kv_page_seq_X.shape[0]
     tq = block_rows or query_block(t)
     nb = -(-t // tq)
     pad = nb * tq - t
-    c = chunk_pages(x, page_size, page_bytes, chunk_keys)
+    c = chunk_pages(x, page_size, page_bytes, chunk_keys or keys_per_chunk(group * tq))
     lo_T, hi_T, first_T, end_T = key_ranges(kv_page_seq_X, seq_idx_T, positions_T, page_size, sliding_window)
     lo_T = jnp.pad(lo_T, (0, pad), constant_values=1)
     hi_T = jnp.pad(hi_T, (0, pad), constant_values=0)
@@ -217,7 +231,7 @@ def paged_attention(q_TNH, k_LPKpH, v_LPKpH, layer, kv_pages_X, kv_page_seq_X, s
     pad = nb * tq - t
     if plan is None:
         plan = attention_plan(kv_page_seq_X, seq_idx_T, positions_T, p, sliding_window, block_rows,
-                              page_vmem_bytes(num_kv, p, h, k_LPKpH.dtype), chunk_keys)
+                              page_vmem_bytes(num_kv, p, h, k_LPKpH.dtype), chunk_keys, g)
     lo_T, hi_T, blk_start, n_chunks, base, c = plan
     q_KGTH = jnp.pad(q_TNH, ((0, pad), (0, 0), (0, 0))).reshape(nb * tq, num_kv, g, h).transpose(1, 2, 0, 3)
     kernel = functools.partial(_kernel, pages_per_chunk=c, num_pages=x, num_blocks=nb, scale=h ** -0.5)

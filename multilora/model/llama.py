@@ -399,7 +399,8 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     write_hm = _kv_writer(kv_write, batch, kv.page_size) if kv_heads_major else None
     page_bytes = page_vmem_bytes(kvh, kv.page_size, h, kv.k_LPpKH.dtype)
     attention_plans = {w: attention_plan(batch.kv_page_seq_X, batch.seq_idx_T, batch.positions_T, kv.page_size, w,
-                                         page_bytes=page_bytes) for w in set(cfg.layer_windows)} if pallas_attention else {}
+                                         page_bytes=page_bytes, group=n // kvh)
+                       for w in set(cfg.layer_windows)} if pallas_attention else {}
     prefill_seq_T = jnp.where(is_decode_T, -1, batch.seq_idx_T)
     # A step in which no row has an adapter runs no LoRA op at all, and a shape compiled with a
     # (grouped, per-token) pair of backends runs the one the step's mode names: branches taken
