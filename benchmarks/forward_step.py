@@ -50,6 +50,7 @@ from multilora.adapters.pool import (blocks_of, lora_feature_dims, rows_major, s
 from multilora.model.llama import (KV_WRITES, KVCache, LayerWeights, LoRAWeights, Weights, forward_packed,  # noqa: E402
                                    embedding_rows_major, init_kv_cache, kv_cache_formats, kv_heads_major_on, kv_write_mode, make_kv_cache,
                                    split_layers)
+from multilora.model import kv_lanes  # noqa: E402
 from multilora.model.packing import pack  # noqa: E402
 
 
@@ -279,6 +280,8 @@ def main(argv=None):
                                         for a in args.pallas_attention) if hm else {False: None}
                     for pa, kw in itertools.product(pas, args.kv_writes if hm else ["rows"]):
                         kvs = (",kvhm" if hm else "") + (",pa" if pa else "") + (f",{kw}" if len(args.kv_writes) > 1 else "")
+                        lanes = kv_lanes.lane_pack_on(cfg.head_dim, platform) if pa else 1
+                        kvs += f",{lanes}heads/row" if lanes > 1 else ""
                         layouts[f"{lay}/{short[asked]}{kvs}{suffix}"] = (split_layers(w) if lay == "split" else w,
                                                                           dt, ldt, hm, pa, kw)
     page_size = args.page_size
@@ -354,7 +357,10 @@ def main(argv=None):
         batch = build_batch(chunks, num_tokens=t, num_pages=x, num_logits=min(t, args.max_num_seqs),
                             page_size=page_size, prepare_lora=prepare)
         num_cache_pages = max(1 + max(max(c.block_table) for c in chunks), args.cache_pages or 0)
-        kv = (make_kv_cache(cfg, num_cache_pages, page_size, dtype, one, True) if hm
+        # kv heads a cache row as an engine would make them ($MULTILORA_KV_LANE_PACK, Pallas attention only)
+        lanes = kv_lanes.lane_pack_on(cfg.head_dim, jax.devices()[0].platform) \
+            if pa and cfg.attn_logit_softcapping is None else 1
+        kv = (make_kv_cache(cfg, num_cache_pages, page_size, dtype, one, True, lane_pack=lanes) if hm
               else init_kv_cache(cfg, num_cache_pages, page_size, dtype))
         fwd = fwds[hm]
         what = f"{mode} {k} adapters {backend} {'pallas' if pa else 'xla'} attention {lay}"

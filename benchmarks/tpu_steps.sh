@@ -3,7 +3,7 @@
 # issue's shapes (SmolLM2-135M, Llama-3.2-1B; random bf16 weights, rank-16 adapters on all seven
 # projections), 0 / 8 / 64 adapters, multilora's TPU backend beside `dense` (sglang-jax's one-hot
 # product over every slot). Raw output under $OUT. Parts (PARTS="..."): tests atests (the kernels'
-# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys),
+# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys), lanepack (kv heads two to a cache row, against one),
 # trace, optrace, pprobe (the Pallas attention's prefill side), copyloop, families (issue 40's families on the chip), offline (the engine's throughput), startup (an
 # Engine with adapters compiled at start), stash and
 # agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py), cases
@@ -101,6 +101,19 @@ for part in $PARTS; do
                 > "$OUT/asweep_q${qb}_k${ck}.log" 2>&1
               echo "qb $qb keys $ck: $(grep -E '^decode ' "$OUT/asweep_q${qb}_k${ck}.log")" | tee -a "$OUT/asweep.txt"
             done; done ;;
+    # kv heads of 64 two to a 128-lane cache row (MULTILORA_KV_LANE_PACK=1, multilora.model.kv_lanes)
+    # against one a row (0, the default): both shapes, a process each; decides the default. "1k":
+    # packed, with 1024 keys a chunk (the score-tile rule gives a packed decode block 512: twice the rows)
+    lanepack) for shape in ${SHAPES_:-llama-3.2-1b smollm2-135m}; do
+                ctx=$([ "$shape" = smollm2-135m ] && echo 80 || echo 256)
+                for lp in ${LPS:-0 1 1k}; do
+                  ck=$([ "$lp" = 1k ] && echo 1024 || echo 0)
+                  MULTILORA_KV_LANE_PACK=${lp%k} MULTILORA_PALLAS_CHUNK_KEYS=$ck timeout -k 5 ${CASE_LIMIT:-100} $FS \
+                    --model "$shape" --decode-ctx "$ctx" --modes decode prefill --adapters ${ADAPTERS:-0 64} \
+                    --json "$OUT/lanepack_${shape}_$lp.json" > "$OUT/lanepack_${shape}_$lp.log" 2>&1
+                  echo "$shape pack $lp: exit $?" | tee -a "$OUT/lanepack.txt"; grep -E "^(decode |prefill )" "$OUT/lanepack_${shape}_$lp.log" | tee -a "$OUT/lanepack.txt"
+                done
+              done ;;
     # every (shape, mode, adapters) case in its own process, its whole output kept
     # ($OUT/case_<shape>_<mode>_<k>.log): a case that crashes or hangs costs only its own
     # CASE_LIMIT seconds and says which it was (forward_step prints compile and first step apart)

@@ -18,7 +18,7 @@ from multilora.model.attention import decode_attention, prefill_attention
 from tests.test_attention import _decode_case
 
 ON_TPU = jax.default_backend() == "tpu"
-RUN = jax.jit(paged_attention, static_argnames=("sliding_window", "interpret", "block_rows", "chunk_keys"))
+RUN = jax.jit(paged_attention, static_argnames=("sliding_window", "interpret", "block_rows", "chunk_keys", "scale"))
 
 
 # decode_pos: each decode sequence's position; prefill: (length, start) chunks.
@@ -67,6 +67,66 @@ def test_paged_attention_matches_xla_and_the_reference(decode_pos, prefill, page
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, atol=tol, rtol=tol)
     np.testing.assert_allclose(got, xla, atol=tol, rtol=tol)
+
+
+# (case, head dim, dtype): kv heads packed f = 128 // H a row (multilora.model.kv_lanes): 2 heads
+# of 64 in one group; 3 heads of 64 in two groups (one zero head); 2 heads of 32 in a group of 4
+PACKED_CASES = [(0, 64, "float32"), (4, 64, "float32"), (2, 32, "bfloat16")]
+
+
+@pytest.mark.parametrize("case,h,dtype", PACKED_CASES)
+def test_paged_attention_over_lane_packed_pages_matches_the_reference(case, h, dtype):
+    """The same kernel over a cache whose rows hold f kv heads side by side: packed queries in,
+    each head's output unpacked, against the reference over the unpacked cache."""
+    from multilora.model import kv_lanes
+    decode_pos, prefill, page_size, num_tokens, num_pages, n, kvh, window, block_rows = ATTENTION_CASES[case]
+    rng = np.random.default_rng(len(decode_pos) * 31 + num_tokens)   # as the unpacked test: the same step
+    q, k, v, b, _ = _decode_case(rng, decode_pos, prefill, page_size, num_tokens, num_pages, n, kvh, h)
+    q, k, v = (a.astype(dtype) for a in (q, k, v))
+    f = kv_lanes.lane_pack(h)
+    packed = []
+    for c in (k, v):   # (L, P, p, K, H) -> (L, P, Kg, p, f * H), heads-major's order
+        rows = kv_lanes.pack_rows(c.reshape(-1, kvh, h), f)
+        packed.append(jnp.swapaxes(rows.reshape(c.shape[:3] + rows.shape[1:]), 2, 3))
+    assert packed[0].shape[-1] == 128 and packed[0].shape[2] == -(-kvh // f)
+    layer = 1
+    out = RUN(kv_lanes.pack_queries(q, kvh, f), *packed, jnp.int32(layer), b.kv_pages_X, b.kv_page_seq_X,
+              b.seq_idx_T, b.positions_T, sliding_window=window, interpret=not ON_TPU, block_rows=block_rows,
+              scale=h ** -0.5)
+    got = np.asarray(kv_lanes.unpack_outputs(out, kvh, n, f).astype(jnp.float32))
+    k_hm, v_hm = jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
+    ref = np.asarray(paged_attention_reference(q, k_hm, v_hm, layer, b.kv_pages_X, b.kv_page_seq_X, b.seq_idx_T,
+                                               b.positions_T, window).astype(jnp.float32))
+    tol = 3e-2 if dtype == "bfloat16" else (2e-3 if ON_TPU else 2e-5)
+    assert got.shape == ref.shape and np.isfinite(got).all()
+    assert np.all(got[np.asarray(b.seq_idx_T) < 0] == 0.0), "padding tokens got attention"
+    np.testing.assert_allclose(got, ref, atol=tol, rtol=tol)
+
+
+def test_lane_packing_round_trips_and_is_refused_where_it_cannot_be_read(monkeypatch):
+    """pack_queries / unpack_outputs invert each other (exactly: products with 0 and 1); the
+    engine's pack factor is 1 off a TPU, without the Pallas attention, or with the knob off, and a
+    bad knob value is refused naming it."""
+    from multilora.model import kv_lanes
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((5, 9, 64)), jnp.bfloat16)
+    for f in (1, 2):
+        assert np.array_equal(np.asarray(kv_lanes.unpack_outputs(kv_lanes.pack_queries(q, 3, f), 3, 9, f)),
+                              np.asarray(q))
+    assert kv_lanes.pack_queries(q, 3, 2).shape == (5, 2 * 2 * 3, 128)
+    assert kv_lanes.lane_pack(64) == 2 and kv_lanes.lane_pack(32) == 4 and kv_lanes.lane_pack(128) == 1
+    assert kv_lanes.lane_pack(96) == 1 and kv_lanes.lane_pack(256) == 1
+    monkeypatch.setenv(kv_lanes.ENV, "1")
+    monkeypatch.delenv("MULTILORA_PALLAS_ATTENTION", raising=False)
+    assert kv_lanes.lane_pack_on(64, "tpu") == 2 and kv_lanes.lane_pack_on(64, "cpu") == 1
+    assert kv_lanes.lane_pack_on(64, "tpu", tensor_parallel=2) == 1
+    monkeypatch.setenv("MULTILORA_PALLAS_ATTENTION", "0")
+    assert kv_lanes.lane_pack_on(64, "tpu") == 1
+    monkeypatch.setenv(kv_lanes.ENV, "0")
+    monkeypatch.delenv("MULTILORA_PALLAS_ATTENTION")
+    assert kv_lanes.lane_pack_on(64, "tpu") == 1
+    monkeypatch.setenv(kv_lanes.ENV, "yes")
+    with pytest.raises(ValueError, match=r"MULTILORA_KV_LANE_PACK='yes': expected 0 or 1"):
+        kv_lanes.lane_pack_on(64, "tpu")
 
 
 def test_block_size_knobs_take_positive_integers_and_name_a_bad_value(monkeypatch):

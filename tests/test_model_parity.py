@@ -32,6 +32,7 @@ from multilora import kernels  # `native` needs a C++ compiler (built on first u
 from multilora.lora.backend import get_backend
 from multilora.lora.batch import NO_ADAPTER
 from multilora.adapters.pool import LoRASlots, page_rows
+from multilora.model import kv_lanes
 from multilora.model.llama import (KVCache, forward, init_kv_cache, is_heads_major, kv_cache_formats, kv_page_bytes,
                                    make_kv_cache, split_layers)
 from multilora.model import projections
@@ -826,9 +827,12 @@ def test_heads_major_cache_steps_match_the_default_layout(tiny_models, kind, kv_
     # compiled there), so that step is compiled without the cache's formats. Interpreted, it costs
     # ~30 s on two cores: run beside the Pallas K/V writes only (the kernel itself is checked
     # against its definition in tests/test_attention_pallas.py)
-    layouts = ((False, False), (True, False)) + (((True, True),) if kv_write.startswith("pallas") else ())
-    for hm, pa in layouts:
-        kv = make_kv_cache(cfg, NUM_PAGES, PAGE_SIZE, jnp.float32, one, hm)
+    # (True, True, f): the same with f kv heads a 128-lane row (multilora.model.kv_lanes)
+    pack = kv_lanes.lane_pack(cfg.head_dim)
+    layouts = ((False, False, 1), (True, False, 1)) + (
+        ((True, True, 1), (True, True, pack)) if kv_write.startswith("pallas") else ())
+    for hm, pa, f in layouts:
+        kv = make_kv_cache(cfg, NUM_PAGES, PAGE_SIZE, jnp.float32, one, hm, lane_pack=f)
         assert is_heads_major(kv.k_LPpKH) == hm
         interpreted = pa or (hm and kv_write.startswith("pallas"))  # likewise the Pallas K/V writes
         formats = {} if interpreted else dict(out_shardings=(one, kv_cache_formats(KVCache(one, one), hm)))
@@ -839,12 +843,18 @@ def test_heads_major_cache_steps_match_the_default_layout(tiny_models, kind, kv_
             lg, kv = fwd(weights, None, kv, batch, cfg=cfg, kv_heads_major=hm, pallas_attention=pa, kv_write=kv_write)
             assert is_heads_major(kv.k_LPpKH) == hm or interpreted
             logits.append(np.asarray(lg))
-        outs[hm, pa] = logits, np.asarray(kv.k_LPpKH), np.asarray(kv.v_LPpKH)
+        # a packed cache's rows unpacked to (L, P, p, K, H), its padding heads zeros
+        k, v = (np.asarray(c).reshape(c.shape[:3] + (-1, cfg.head_dim)) for c in (kv.k_LPpKH, kv.v_LPpKH))
+        assert not np.any(k[:, :, :, cfg.num_kv_heads:]) and not np.any(v[:, :, :, cfg.num_kv_heads:])
+        outs[hm, pa, f] = logits, k[:, :, :, :cfg.num_kv_heads], v[:, :, :, :cfg.num_kv_heads]
     for key in layouts[1:]:  # each against the default layout; the Pallas attention's sums in another order
         tol = 1e-4 if key[1] else 1e-5
-        for got, want in zip(jax.tree.leaves(outs[key]), jax.tree.leaves(outs[False, False])):
+        for got, want in zip(jax.tree.leaves(outs[key]), jax.tree.leaves(outs[False, False, 1])):
             np.testing.assert_allclose(got, want, atol=tol, rtol=0, err_msg=str(key))
-    assert np.abs(outs[False, False][1]).max() > 0  # the steps wrote the cache
+    assert np.abs(outs[False, False, 1][1]).max() > 0  # the steps wrote the cache
     # heads-major pages are counted at H padded to a TPU's 128 lanes
     assert kv_page_bytes(cfg, 16, jnp.bfloat16, True) == -(-cfg.head_dim // 128) * 128 // cfg.head_dim * \
         kv_page_bytes(cfg, 16, jnp.bfloat16, False)
+    # ... and packed, at the groups' rows of 128 lanes (qwen3: 2 kv heads of 32 in one group of 4)
+    assert kv_page_bytes(cfg, 16, jnp.bfloat16, True, pack) == 2 * cfg.num_layers * 16 * 128 * 2 * \
+        kv_lanes.groups(cfg.num_kv_heads, pack)

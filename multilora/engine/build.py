@@ -20,15 +20,28 @@ from multilora.config import EngineConfig, LoRAConfig, ModelConfig, lora_pool_si
 log = logging.getLogger("multilora.engine")
 
 
-def kv_cache_pages(cfg: ModelConfig, c: EngineConfig, max_model_len: int, dtype, heads_major: bool) -> int:
-    """c.num_pages, else as many pages as c.kv_cache_memory_gb holds, no more than max_num_seqs
-    sequences of max_model_len need; at least one such sequence (and the reserved page)."""
+def kv_layout(cfg: ModelConfig, c: EngineConfig, platform: str) -> tuple[bool, int]:
+    """The cache's layout: heads-major on a TPU (llama.KV_HEADS_MAJOR, the layout its step reads
+    in place), and how many kv heads share a 128-lane row (model.kv_lanes: opt-in, where H < 128;
+    read by the Pallas attention only, which soft-capped models do not take)."""
+    from multilora.model import kv_lanes
+    from multilora.model.llama import kv_heads_major_on
+    heads_major = kv_heads_major_on(platform)
+    packable = heads_major and cfg.attn_logit_softcapping is None
+    return heads_major, kv_lanes.lane_pack_on(cfg.head_dim, platform, c.tensor_parallel_size) if packable else 1
+
+
+def kv_cache_pages(cfg: ModelConfig, c: EngineConfig, max_model_len: int, dtype, heads_major: bool,
+                   lane_pack: int = 1) -> int:
+    """c.num_pages, else as many pages as c.kv_cache_memory_gb holds (pages of lane_pack kv heads
+    a row: llama.kv_page_bytes), no more than max_num_seqs sequences of max_model_len need; at
+    least one such sequence (and the reserved page)."""
     from multilora.model.llama import kv_page_bytes
     page_size = c.page_size
     max_pages_seq = -(-max_model_len // page_size)
     num_pages = c.num_pages
     if num_pages is None:
-        bytes_per_page = kv_page_bytes(cfg, page_size, dtype, heads_major)
+        bytes_per_page = kv_page_bytes(cfg, page_size, dtype, heads_major, lane_pack)
         by_memory = int(c.kv_cache_memory_gb * 2**30 // bytes_per_page)
         num_pages = max(min(by_memory, c.max_num_seqs * max_pages_seq + 1), max_pages_seq + 1)
     if num_pages < max_pages_seq + 1:

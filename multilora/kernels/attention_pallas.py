@@ -215,13 +215,14 @@ def attention_plan(kv_page_seq_X, seq_idx_T, positions_T, page_size: int, slidin
 
 def paged_attention(q_TNH, k_LPKpH, v_LPKpH, layer, kv_pages_X, kv_page_seq_X, seq_idx_T, positions_T,
                     sliding_window: int | None = None, interpret: bool = False, block_rows: int | None = None,
-                    plan=None, chunk_keys: int | None = None):
+                    plan=None, chunk_keys: int | None = None, scale: float | None = None):
     """Attention (T, N, H) of every token of the step (decode rows and prefill chunks) against
     its own sequence's keys at positions <= its own, read from the heads-major caches
     (L, P, K, p, H) at `layer` through the step's flat page list. Padding tokens (seq_idx -1)
     get zeros. interpret: Pallas's TPU interpreter (any platform; the tests' path). plan:
     attention_plan's for the same step, window, block_rows and cache (made here where not given,
-    with at most chunk_keys keys a chunk)."""
+    with at most chunk_keys keys a chunk). scale: the scores' (default H ** -0.5; a packed cache's
+    heads keep their own, multilora.model.kv_lanes)."""
     t, n, h = q_TNH.shape
     _, _, num_kv, p, _ = k_LPKpH.shape
     g = n // num_kv
@@ -234,7 +235,8 @@ def paged_attention(q_TNH, k_LPKpH, v_LPKpH, layer, kv_pages_X, kv_page_seq_X, s
                               page_vmem_bytes(num_kv, p, h, k_LPKpH.dtype), chunk_keys, g)
     lo_T, hi_T, blk_start, n_chunks, base, c = plan
     q_KGTH = jnp.pad(q_TNH, ((0, pad), (0, 0), (0, 0))).reshape(nb * tq, num_kv, g, h).transpose(1, 2, 0, 3)
-    kernel = functools.partial(_kernel, pages_per_chunk=c, num_pages=x, num_blocks=nb, scale=h ** -0.5)
+    kernel = functools.partial(_kernel, pages_per_chunk=c, num_pages=x, num_blocks=nb,
+                               scale=h ** -0.5 if scale is None else scale)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(nb,),

@@ -30,6 +30,7 @@ from multilora.kernels.kv_write_pallas import write_pages, write_rows
 from multilora.lora.backend import get_backends
 from multilora.lora.backend.base import PoolLayer
 from multilora.lora.batch import NO_LORA, PER_TOKEN, LoRABatchInfo
+from multilora.model import kv_lanes
 from multilora.model.arrays import lora_pool, weight
 from multilora.model.attention import (decode_attention, kv_page_writes, max_pages_written, prefill_attention,
                                        softcap_logits, write_kv, write_kv_pages)
@@ -213,8 +214,9 @@ class Batch:
     lora: Optional[LoRABatchInfo]
 
 
-def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
-    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, lane_pack: int = 1) -> KVCache:
+    """Zeros (L, P, p, K, H); lane_pack f > 1: (L, P, p, Kg, f * H), f kv heads a row (kv_lanes)."""
+    shape = (cfg.num_layers, num_pages, page_size, kv_lanes.groups(cfg.num_kv_heads, lane_pack), lane_pack * cfg.head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
@@ -310,18 +312,20 @@ def embedding_rows_major(weights: Weights) -> Weights:
     return dataclasses.replace(weights, embed_VD=jax.device_put(e, Format(EMBED_LAYOUT, e.sharding)))
 
 
-def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype, heads_major: bool) -> int:
+def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype, heads_major: bool, lane_pack: int = 1) -> int:
     """Device bytes of one page of K and V over all layers: heads-major, a (p, H) tile is padded
-    to 128 lanes of H (a TPU's tiles), which doubles the page where H = 64."""
-    head_dim = -(-cfg.head_dim // 128) * 128 if heads_major else cfg.head_dim
-    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+    to 128 lanes of H (a TPU's tiles), which doubles the page where H = 64 unless lane_pack
+    kv heads share a row (multilora.model.kv_lanes)."""
+    kvh, head_dim = kv_lanes.groups(cfg.num_kv_heads, lane_pack), lane_pack * cfg.head_dim
+    head_dim = -(-head_dim // 128) * 128 if heads_major else head_dim
+    return 2 * cfg.num_layers * page_size * kvh * head_dim * jnp.dtype(dtype).itemsize
 
 
 def make_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding,
-                  heads_major: bool) -> KVCache:
+                  heads_major: bool, lane_pack: int = 1) -> KVCache:
     """Zeros made in place on the devices of `sharding`, KV_HEADS_MAJOR where asked (by a jitted
     zeros with that output format: no second cache, no host copy)."""
-    shape = jax.eval_shape(lambda: init_kv_cache(cfg, num_pages, page_size, dtype))
+    shape = jax.eval_shape(lambda: init_kv_cache(cfg, num_pages, page_size, dtype, lane_pack))
     formats = kv_cache_formats(KVCache(sharding, sharding), heads_major)
     return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shape), out_shardings=formats)()
 
@@ -397,9 +401,12 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     # Rows with one token this step take the decode path; the prefill kernel sees them as padding.
     is_decode_T = (batch.seq_idx_T >= 0) & (batch.seq_idx_T < batch.num_decode)
     write_hm = _kv_writer(kv_write, batch, kv.page_size) if kv_heads_major else None
-    page_bytes = page_vmem_bytes(kvh, kv.page_size, h, kv.k_LPpKH.dtype)
+    pack = kv.k_LPpKH.shape[-1] // h   # kv heads a row of the cache (multilora.model.kv_lanes)
+    if pack > 1 and not pallas_attention:
+        raise ValueError(f"a cache of {pack} kv heads a row is read by the Pallas attention only")
+    page_bytes = page_vmem_bytes(kv.k_LPpKH.shape[3], kv.page_size, pack * h, kv.k_LPpKH.dtype)
     attention_plans = {w: attention_plan(batch.kv_page_seq_X, batch.seq_idx_T, batch.positions_T, kv.page_size, w,
-                                         page_bytes=page_bytes, group=n // kvh)
+                                         page_bytes=page_bytes, group=pack * (n // kvh))
                        for w in set(cfg.layer_windows)} if pallas_attention else {}
     prefill_seq_T = jnp.where(is_decode_T, -1, batch.seq_idx_T)
     # A step in which no row has an adapter runs no LoRA op at all, and a shape compiled with a
@@ -455,14 +462,17 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         if cfg.query_pre_attn_scalar is not None:  # scores scaled by it ** -0.5, not by h ** -0.5
             q_TNH = q_TNH * jnp.asarray((h / cfg.query_pre_attn_scalar) ** 0.5, q_TNH.dtype)
         if kv_heads_major:
-            k_cache, v_cache = write_hm(k_cache, v_cache, idx, k_TKH, v.reshape(t, kvh, h))
+            k_cache, v_cache = write_hm(k_cache, v_cache, idx, kv_lanes.pack_rows(k_TKH, pack),
+                                        kv_lanes.pack_rows(v.reshape(t, kvh, h), pack))
         else:
             k_cache = write_kv(k_cache, idx, batch.slot_mapping_T, k_TKH)
             v_cache = write_kv(v_cache, idx, batch.slot_mapping_T, v.reshape(t, kvh, h))
         if pallas_attention:
-            attn_TNH = paged_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
-                                       batch.seq_idx_T, batch.positions_T, window,
-                                       interpret=jax.default_backend() != "tpu", plan=attention_plans[window])
+            attn_TNH = paged_attention(kv_lanes.pack_queries(q_TNH, kvh, pack), k_cache, v_cache, idx,
+                                       batch.kv_pages_X, batch.kv_page_seq_X, batch.seq_idx_T, batch.positions_T,
+                                       window, interpret=jax.default_backend() != "tpu", plan=attention_plans[window],
+                                       scale=h ** -0.5)
+            attn_TNH = kv_lanes.unpack_outputs(attn_TNH, kvh, n, pack) if pack > 1 else attn_TNH
         else:
             dec = decode_attention(q_TNH, k_cache, v_cache, idx, batch.kv_pages_X, batch.kv_page_seq_X,
                                    batch.positions_T, batch.num_decode, window, native_attention,
