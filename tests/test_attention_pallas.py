@@ -129,6 +129,24 @@ def test_lane_packing_round_trips_and_is_refused_where_it_cannot_be_read(monkeyp
         kv_lanes.lane_pack_on(64, "tpu")
 
 
+def test_an_engine_packs_its_cache_only_where_the_pallas_attention_reads_it(monkeypatch):
+    """build.kv_layout: heads-major on a TPU, lane-packed there where asked, H < 128 and the
+    model is not soft-capped (its steps take XLA's attention); its pages then count at true size."""
+    from multilora.config import EngineConfig, ModelConfig
+    from multilora.engine.build import kv_cache_pages, kv_layout
+    from tests import reference
+    cfg = ModelConfig.from_hf_dict(reference.TINY_CONFIGS["qwen3"])          # 2 kv heads of 32
+    capped = ModelConfig.from_hf_dict(reference.TINY_CONFIGS["gemma2"])
+    c = EngineConfig(kv_cache_memory_gb=1 / 1024, max_num_seqs=1000)   # 1 MiB: 32 pages unpacked
+    monkeypatch.setenv("MULTILORA_KV_LANE_PACK", "1")
+    monkeypatch.delenv("MULTILORA_PALLAS_ATTENTION", raising=False)
+    assert kv_layout(cfg, c, "tpu") == (True, 4) and kv_layout(cfg, c, "cpu") == (False, 1)
+    assert kv_layout(capped, c, "tpu") == (True, 1)
+    assert kv_cache_pages(cfg, c, 256, jnp.bfloat16, True, 4) == 2 * kv_cache_pages(cfg, c, 256, jnp.bfloat16, True)
+    monkeypatch.setenv("MULTILORA_KV_LANE_PACK", "0")
+    assert kv_layout(cfg, c, "tpu") == (True, 1)
+
+
 def test_block_size_knobs_take_positive_integers_and_name_a_bad_value(monkeypatch):
     """The Pallas kernels' measurement knobs: unset, empty or 0 leave the kernel's own choice; a
     positive integer forces it; anything else is refused naming the variable and what is allowed."""
