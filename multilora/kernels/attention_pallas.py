@@ -195,8 +195,8 @@ def attention_plan(kv_page_seq_X, seq_idx_T, positions_T, page_size: int, slidin
     layer of one window: each token's visible keys (lo_T, hi_T, padded to whole query blocks),
     each block's first page, chunks, and first chunk's count (for the double buffer), and the
     pages a chunk holds (chunk_pages's, from page_bytes, and chunk_keys or keys_per_chunk's for
-    `group` query heads a kv head). Made once per step
-    (forward), since each small op of it costs a TPU a few microseconds per layer."""
+    `group` query heads a kv head). Made once per step (forward), since each small op of it costs
+    a TPU a few microseconds per layer."""
     t, x = seq_idx_T.shape[0], kv_page_seq_X.shape[0]
     tq = block_rows or query_block(t)
     nb = -(-t // tq)
