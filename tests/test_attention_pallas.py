@@ -129,7 +129,7 @@ def test_lane_packing_round_trips_and_is_refused_where_it_cannot_be_read(monkeyp
         kv_lanes.lane_pack_on(64, "tpu")
 
 
-def test_an_engine_packs_its_cache_only_where_the_pallas_attention_reads_it(monkeypatch):
+def test_an_engine_packs_its_cache_only_where_the_pallas_attention_reads_it(monkeypatch, caplog):
     """build.kv_layout: heads-major on a TPU, lane-packed there where asked, H < 128 and the
     model is not soft-capped (its steps take XLA's attention); its pages then count at true size."""
     from multilora.config import EngineConfig, ModelConfig
@@ -142,7 +142,10 @@ def test_an_engine_packs_its_cache_only_where_the_pallas_attention_reads_it(monk
     monkeypatch.delenv("MULTILORA_PALLAS_ATTENTION", raising=False)
     assert kv_layout(cfg, c, "tpu") == (True, 4) and kv_layout(cfg, c, "cpu") == (False, 1)
     assert kv_layout(capped, c, "tpu") == (True, 1)
-    assert kv_cache_pages(cfg, c, 256, jnp.bfloat16, True, 4) == 2 * kv_cache_pages(cfg, c, 256, jnp.bfloat16, True)
+    with caplog.at_level("INFO", logger="multilora.engine"):
+        assert kv_cache_pages(cfg, c, 256, jnp.bfloat16, True, 4) == 2 * kv_cache_pages(cfg, c, 256, jnp.bfloat16, True)
+    assert "KV cache: 64 pages of 16 tokens (1008 tokens besides the reserved page, 1.0 MB; heads-major, " \
+        "4 kv heads a row)" in caplog.text   # what a user sees at start
     monkeypatch.setenv("MULTILORA_KV_LANE_PACK", "0")
     assert kv_layout(cfg, c, "tpu") == (True, 1)
 

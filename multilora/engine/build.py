@@ -40,13 +40,16 @@ def kv_cache_pages(cfg: ModelConfig, c: EngineConfig, max_model_len: int, dtype,
     page_size = c.page_size
     max_pages_seq = -(-max_model_len // page_size)
     num_pages = c.num_pages
+    bytes_per_page = kv_page_bytes(cfg, page_size, dtype, heads_major, lane_pack)
     if num_pages is None:
-        bytes_per_page = kv_page_bytes(cfg, page_size, dtype, heads_major, lane_pack)
         by_memory = int(c.kv_cache_memory_gb * 2**30 // bytes_per_page)
         num_pages = max(min(by_memory, c.max_num_seqs * max_pages_seq + 1), max_pages_seq + 1)
     if num_pages < max_pages_seq + 1:
         raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_model_len="
                          f"{max_model_len} ({max_pages_seq} pages of {page_size} + 1 reserved)")
+    layout = ("heads-major" + (f", {lane_pack} kv heads a row" if lane_pack > 1 else "")) if heads_major else "default layout"
+    log.info("KV cache: %d pages of %d tokens (%d tokens besides the reserved page, %.1f MB; %s)", num_pages,
+             page_size, (num_pages - 1) * page_size, num_pages * bytes_per_page / 2**20, layout)
     return num_pages
 
 
