@@ -56,8 +56,8 @@ def query_block(num_tokens: int) -> int:
 
 
 def page_vmem_bytes(num_kv: int, page_size: int, head_dim: int, dtype) -> int:
-    """VMEM bytes of one cache page of one layer's K (or V), all kv heads: (p, H) tiles whose H is
-    padded to 128 lanes."""
+    """Bytes of one heads-major cache page of one layer's K (or V), all kv heads, in VMEM or a
+    TPU's HBM alike: (p, H) tiles whose H is padded to 128 lanes."""
     return num_kv * page_size * (-(-head_dim // 128) * 128) * jnp.dtype(dtype).itemsize
 
 

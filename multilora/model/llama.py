@@ -317,7 +317,8 @@ def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype, heads_major: bool, la
     to 128 lanes of H (a TPU's tiles), which doubles the page where H = 64 unless lane_pack
     kv heads share a row (multilora.model.kv_lanes)."""
     kvh, head_dim = kv_lanes.groups(cfg.num_kv_heads, lane_pack), lane_pack * cfg.head_dim
-    head_dim = -(-head_dim // 128) * 128 if heads_major else head_dim
+    if heads_major:
+        return 2 * cfg.num_layers * page_vmem_bytes(kvh, page_size, head_dim, dtype)
     return 2 * cfg.num_layers * page_size * kvh * head_dim * jnp.dtype(dtype).itemsize
 
 
