@@ -121,9 +121,10 @@ def test_lane_packing_round_trips_and_is_refused_where_it_cannot_be_read(monkeyp
     assert kv_lanes.lane_pack_on(64, "tpu", tensor_parallel=2) == 1
     monkeypatch.setenv("MULTILORA_PALLAS_ATTENTION", "0")
     assert kv_lanes.lane_pack_on(64, "tpu") == 1
-    monkeypatch.setenv(kv_lanes.ENV, "0")
     monkeypatch.delenv("MULTILORA_PALLAS_ATTENTION")
-    assert kv_lanes.lane_pack_on(64, "tpu") == 1
+    for off in ("0", ""):
+        monkeypatch.setenv(kv_lanes.ENV, off)
+        assert kv_lanes.lane_pack_on(64, "tpu") == 1
     monkeypatch.setenv(kv_lanes.ENV, "yes")
     with pytest.raises(ValueError, match=r"MULTILORA_KV_LANE_PACK='yes': expected 0 or 1"):
         kv_lanes.lane_pack_on(64, "tpu")

@@ -36,7 +36,7 @@ def lane_pack_on(head_dim: int, platform: str, tensor_parallel: int = 1) -> int:
     """The pack factor an engine's heads-major cache is made with: lane_pack(H) on one TPU chip
     where $MULTILORA_KV_LANE_PACK is 1 and the Pallas attention is on (the only attention that
     reads packed pages), else 1."""
-    value = os.environ.get(ENV, "0")
+    value = os.environ.get(ENV) or "0"   # unset or empty: the default
     if value not in ("0", "1"):
         raise ValueError(f"${ENV}={value!r}: expected 0 or 1")
     if value == "0" or platform != "tpu" or tensor_parallel != 1:
