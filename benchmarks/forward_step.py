@@ -280,7 +280,7 @@ def main(argv=None):
                                         for a in args.pallas_attention) if hm else {False: None}
                     for pa, kw in itertools.product(pas, args.kv_writes if hm else ["rows"]):
                         kvs = (",kvhm" if hm else "") + (",pa" if pa else "") + (f",{kw}" if len(args.kv_writes) > 1 else "")
-                        lanes = kv_lanes.lane_pack_on(cfg.head_dim, platform) if pa else 1
+                        lanes = kv_lanes.lane_pack_for(cfg, platform) if pa else 1
                         kvs += f",{lanes}heads/row" if lanes > 1 else ""
                         layouts[f"{lay}/{short[asked]}{kvs}{suffix}"] = (split_layers(w) if lay == "split" else w,
                                                                           dt, ldt, hm, pa, kw)
@@ -358,8 +358,7 @@ def main(argv=None):
                             page_size=page_size, prepare_lora=prepare)
         num_cache_pages = max(1 + max(max(c.block_table) for c in chunks), args.cache_pages or 0)
         # kv heads a cache row as an engine would make them ($MULTILORA_KV_LANE_PACK, Pallas attention only)
-        lanes = kv_lanes.lane_pack_on(cfg.head_dim, jax.devices()[0].platform) \
-            if pa and cfg.attn_logit_softcapping is None else 1
+        lanes = kv_lanes.lane_pack_for(cfg, jax.devices()[0].platform) if pa else 1
         kv = (make_kv_cache(cfg, num_cache_pages, page_size, dtype, one, True, lane_pack=lanes) if hm
               else init_kv_cache(cfg, num_cache_pages, page_size, dtype))
         fwd = fwds[hm]

@@ -27,8 +27,7 @@ def kv_layout(cfg: ModelConfig, c: EngineConfig, platform: str) -> tuple[bool, i
     from multilora.model import kv_lanes
     from multilora.model.llama import kv_heads_major_on
     heads_major = kv_heads_major_on(platform)
-    packable = heads_major and cfg.attn_logit_softcapping is None
-    return heads_major, kv_lanes.lane_pack_on(cfg.head_dim, platform, c.tensor_parallel_size) if packable else 1
+    return heads_major, kv_lanes.lane_pack_for(cfg, platform, c.tensor_parallel_size) if heads_major else 1
 
 
 def kv_cache_pages(cfg: ModelConfig, c: EngineConfig, max_model_len: int, dtype, heads_major: bool,

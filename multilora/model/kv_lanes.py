@@ -46,6 +46,14 @@ def lane_pack_on(head_dim: int, platform: str, tensor_parallel: int = 1) -> int:
     return lane_pack(head_dim)
 
 
+def lane_pack_for(cfg, platform: str, tensor_parallel: int = 1) -> int:
+    """lane_pack_on for a model (ModelConfig) whose heads-major cache the Pallas attention reads:
+    1 for soft-capped models, whose steps take XLA's attention."""
+    if cfg.attn_logit_softcapping is not None:
+        return 1
+    return lane_pack_on(cfg.head_dim, platform, tensor_parallel)
+
+
 def groups(num_kv: int, pack: int) -> int:
     """Groups of `pack` kv heads (the last padded with zero heads)."""
     return -(-num_kv // pack)
