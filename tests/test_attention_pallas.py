@@ -105,8 +105,8 @@ def test_paged_attention_over_lane_packed_pages_matches_the_reference(case, h, d
 
 def test_lane_packing_round_trips_and_is_refused_where_it_cannot_be_read(monkeypatch):
     """pack_queries / unpack_outputs invert each other (exactly: products with 0 and 1); the
-    engine's pack factor is 1 off a TPU, without the Pallas attention, or with the knob off, and a
-    bad knob value is refused naming it."""
+    engine's pack factor (on by default, knob unset or empty) is 1 off a TPU, without the Pallas
+    attention, or with the knob at 0, and a bad knob value is refused naming it."""
     from multilora.model import kv_lanes
     q = jnp.asarray(np.random.default_rng(0).standard_normal((5, 9, 64)), jnp.bfloat16)
     for f in (1, 2):
@@ -115,31 +115,34 @@ def test_lane_packing_round_trips_and_is_refused_where_it_cannot_be_read(monkeyp
     assert kv_lanes.pack_queries(q, 3, 2).shape == (5, 2 * 2 * 3, 128)
     assert kv_lanes.lane_pack(64) == 2 and kv_lanes.lane_pack(32) == 4 and kv_lanes.lane_pack(128) == 1
     assert kv_lanes.lane_pack(96) == 1 and kv_lanes.lane_pack(256) == 1
-    monkeypatch.setenv(kv_lanes.ENV, "1")
     monkeypatch.delenv("MULTILORA_PALLAS_ATTENTION", raising=False)
-    assert kv_lanes.lane_pack_on(64, "tpu") == 2 and kv_lanes.lane_pack_on(64, "cpu") == 1
-    assert kv_lanes.lane_pack_on(64, "tpu", tensor_parallel=2) == 1
-    monkeypatch.setenv("MULTILORA_PALLAS_ATTENTION", "0")
-    assert kv_lanes.lane_pack_on(64, "tpu") == 1
-    monkeypatch.delenv("MULTILORA_PALLAS_ATTENTION")
-    for off in ("0", ""):
-        monkeypatch.setenv(kv_lanes.ENV, off)
+    for on in (None, "", "1"):
+        if on is None:
+            monkeypatch.delenv(kv_lanes.ENV, raising=False)
+        else:
+            monkeypatch.setenv(kv_lanes.ENV, on)
+        assert kv_lanes.lane_pack_on(64, "tpu") == 2 and kv_lanes.lane_pack_on(64, "cpu") == 1
+        assert kv_lanes.lane_pack_on(64, "tpu", tensor_parallel=2) == 1 and kv_lanes.lane_pack_on(128, "tpu") == 1
+        monkeypatch.setenv("MULTILORA_PALLAS_ATTENTION", "0")
         assert kv_lanes.lane_pack_on(64, "tpu") == 1
+        monkeypatch.delenv("MULTILORA_PALLAS_ATTENTION")
+    monkeypatch.setenv(kv_lanes.ENV, "0")
+    assert kv_lanes.lane_pack_on(64, "tpu") == 1
     monkeypatch.setenv(kv_lanes.ENV, "yes")
     with pytest.raises(ValueError, match=r"MULTILORA_KV_LANE_PACK='yes': expected 0 or 1"):
         kv_lanes.lane_pack_on(64, "tpu")
 
 
 def test_an_engine_packs_its_cache_only_where_the_pallas_attention_reads_it(monkeypatch, caplog):
-    """build.kv_layout: heads-major on a TPU, lane-packed there where asked, H < 128 and the
-    model is not soft-capped (its steps take XLA's attention); its pages then count at true size."""
+    """build.kv_layout: heads-major on a TPU, lane-packed there (unless asked not to) where
+    H < 128 and the model is not soft-capped (its steps take XLA's attention); its pages then count at true size."""
     from multilora.config import EngineConfig, ModelConfig
     from multilora.engine.build import kv_cache_pages, kv_layout
     from tests import reference
     cfg = ModelConfig.from_hf_dict(reference.TINY_CONFIGS["qwen3"])          # 2 kv heads of 32
     capped = ModelConfig.from_hf_dict(reference.TINY_CONFIGS["gemma2"])
     c = EngineConfig(kv_cache_memory_gb=1 / 1024, max_num_seqs=1000)   # 1 MiB: 32 pages unpacked
-    monkeypatch.setenv("MULTILORA_KV_LANE_PACK", "1")
+    monkeypatch.delenv("MULTILORA_KV_LANE_PACK", raising=False)
     monkeypatch.delenv("MULTILORA_PALLAS_ATTENTION", raising=False)
     assert kv_layout(cfg, c, "tpu") == (True, 4) and kv_layout(cfg, c, "cpu") == (False, 1)
     assert kv_layout(capped, c, "tpu") == (True, 1)
@@ -190,13 +193,17 @@ def test_chunk_pages_fit_the_vmem_budget_and_the_step():
 
 
 def test_keys_per_chunk_keep_a_kv_heads_score_tile_bounded(monkeypatch):
-    """Decode blocks (G x 16 rows) score KEYS_PER_CHUNK keys a chunk, prefill's 64-row blocks
-    fewer: halved while rows x keys passes SCORE_TILE, never below 128."""
-    from multilora.kernels.attention_pallas import KEYS_PER_CHUNK, SCORE_TILE, keys_per_chunk
+    """Decode blocks (G x 16 rows, G up to 8: kv heads two to a row double G) score
+    KEYS_PER_CHUNK keys a chunk, prefill's 64-row blocks fewer: halved while rows x keys passes
+    SCORE_TILE (DECODE_SCORE_TILE for blocks of at most 16 rows), never below 128."""
+    from multilora.kernels.attention_pallas import DECODE_SCORE_TILE, KEYS_PER_CHUNK, SCORE_TILE, keys_per_chunk
     monkeypatch.delenv("MULTILORA_PALLAS_CHUNK_KEYS", raising=False)
-    assert keys_per_chunk(4 * 16) == KEYS_PER_CHUNK == 1024 and keys_per_chunk(3 * 16) == 1024
+    assert keys_per_chunk(4 * 16, 16) == KEYS_PER_CHUNK == 1024 and keys_per_chunk(3 * 16, 16) == 1024
+    assert keys_per_chunk(2 * 4 * 16, 16) == 1024 and keys_per_chunk(16 * 16, 16) == 512
     assert keys_per_chunk(4 * 64) == 256 and keys_per_chunk(3 * 64) == 256 and keys_per_chunk(10 ** 6) == 128
-    for rows in range(1, 2000, 7):
-        keys = keys_per_chunk(rows)
-        assert keys * rows <= SCORE_TILE or keys == 128
-        assert keys == KEYS_PER_CHUNK or 2 * keys * rows > SCORE_TILE
+    assert keys_per_chunk(2 * 4 * 64, 64) == 128 and keys_per_chunk(2 * 3 * 64, 64) == 128
+    for block_rows, tile in ((8, DECODE_SCORE_TILE), (16, DECODE_SCORE_TILE), (32, SCORE_TILE), (64, SCORE_TILE)):
+        for rows in range(1, 2000, 7):
+            keys = keys_per_chunk(rows, block_rows)
+            assert keys * rows <= tile or keys == 128
+            assert keys == KEYS_PER_CHUNK or 2 * keys * rows > tile

@@ -36,11 +36,15 @@ from multilora.kernels.knobs import positive_int_knob
 MASKED = -1e30
 # Keys a chunk scores (C = this // p pages). A chunk's fixed costs (its loop step, each kv head's
 # two products and their softmax between) dominate the decode step: on a v5e the 1B shape's
-# decode step took 8.22 / 7.86 / 7.42 ms at 256 / 512 / 1024 keys a chunk (benchmarks/log/46).
-# Prefill's blocks of 64 rows were slower with 1024 than with 256: a chunk's keys are halved
-# while a kv head's score tile (G x tq rows x keys) passes SCORE_TILE.
+# decode step took 8.22 / 7.86 / 7.42 ms at 256 / 512 / 1024 keys a chunk (benchmarks/log/46),
+# and over kv heads two to a row (G x 16 = 128 score rows) 8.30 / 7.92 / 7.40 / 7.00 ms at
+# 128 / 256 / 512 / 1024 (log 47). Prefill's blocks of 64 rows go the other way (1B prefill
+# 10.25 ms at 256 keys against 10.75 at 1024; two heads a row 9.50 / 9.96 / 10.11 ms at
+# 128 / 256 / 1024): a chunk's keys are halved while a kv head's score tile (G x tq rows x keys)
+# passes SCORE_TILE, DECODE_SCORE_TILE for decode-sized blocks (at most 16 rows).
 KEYS_PER_CHUNK = 1024
 SCORE_TILE = 64 * 1024
+DECODE_SCORE_TILE = 128 * 1024
 CHUNK_BUFFER_BYTES = 16 * 1024 * 1024   # VMEM for a chunk's K and V pages, both buffers (C is capped to fit)
 VMEM_LIMIT_BYTES = 64 * 1024 * 1024
 
@@ -61,14 +65,16 @@ def page_vmem_bytes(num_kv: int, page_size: int, head_dim: int, dtype) -> int:
     return num_kv * page_size * (-(-head_dim // 128) * 128) * jnp.dtype(dtype).itemsize
 
 
-def keys_per_chunk(score_rows: int) -> int:
-    """Keys a chunk scores for a kv head's score_rows (G x tq) query rows: KEYS_PER_CHUNK, halved
-    (to 128 at least) while the score tile passes SCORE_TILE; $MULTILORA_PALLAS_CHUNK_KEYS forces it."""
+def keys_per_chunk(score_rows: int, block_rows: int = 64) -> int:
+    """Keys a chunk scores for a kv head's score_rows (G x tq) query rows in blocks of block_rows
+    (tq): KEYS_PER_CHUNK, halved (to 128 at least) while the score tile passes SCORE_TILE
+    (DECODE_SCORE_TILE for blocks of at most 16 rows); $MULTILORA_PALLAS_CHUNK_KEYS forces it."""
     forced = positive_int_knob("MULTILORA_PALLAS_CHUNK_KEYS")  # a measurement knob (benchmarks/tpu_steps.sh)
     if forced:
         return forced
+    tile = DECODE_SCORE_TILE if block_rows <= 16 else SCORE_TILE
     keys = KEYS_PER_CHUNK
-    while keys > 128 and keys * score_rows > SCORE_TILE:
+    while keys > 128 and keys * score_rows > tile:
         keys //= 2
     return keys
 
@@ -201,7 +207,7 @@ def attention_plan(kv_page_seq_X, seq_idx_T, positions_T, page_size: int, slidin
     tq = block_rows or query_block(t)
     nb = -(-t // tq)
     pad = nb * tq - t
-    c = chunk_pages(x, page_size, page_bytes, chunk_keys or keys_per_chunk(group * tq))
+    c = chunk_pages(x, page_size, page_bytes, chunk_keys or keys_per_chunk(group * tq, tq))
     lo_T, hi_T, first_T, end_T = key_ranges(kv_page_seq_X, seq_idx_T, positions_T, page_size, sliding_window)
     lo_T = jnp.pad(lo_T, (0, pad), constant_values=1)
     hi_T = jnp.pad(hi_T, (0, pad), constant_values=0)
