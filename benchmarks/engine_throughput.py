@@ -58,22 +58,34 @@ def build_engine(model_dir, adapters, backend, max_loras, dtype="float32", fixed
     return eng, time.time() - t0
 
 
+WARM_RUNS = 3   # untimed runs of the workload at most, before an on-first-use engine's timed runs
+
+
 def measure(eng, k, prompts, new_tokens, repeats=1, warm_run=False, backend="auto", dtype="float32",
             quantization=None) -> dict:
     """Generated tokens / s of the workload with its requests spread over the engine's first k
     adapters: the median of `repeats` timed runs, after an untimed touch of 4 requests (an engine
-    warmed up at start) or of the whole workload (warm_run: an engine that compiles on first use
-    compiles what the workload uses there, as sglang_jax_driver.py's offline run does), its
-    seconds recorded as warm_run_s (the whole workload) or touch_s (the 4 requests)."""
+    warmed up at start) or untimed runs of the whole workload until one compiles nothing (warm_run:
+    an engine that compiles on first use compiles what the workload uses there, as
+    sglang_jax_driver.py's offline run does; the first run's prompts are new to the prefix cache
+    and the later runs' cached, so their steps differ and a second run compiles their shapes; at
+    most WARM_RUNS), their seconds recorded as warm_run_s (the whole workload's, summed) or
+    touch_s (the 4 requests)."""
     from multilora import SamplingParams
     names = [f"a{i % k}" if k else None for i in range(len(prompts))]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     n = len(prompts) if warm_run else 4
-    t0 = time.time()
-    eng.generate(prompts[:n], params, lora=names[:n])
-    warm_s = time.time() - t0
+    warm_runs, warm_compiles = [], []
+    for _ in range(WARM_RUNS if warm_run else 1):
+        c0, t0 = eng.runner.compiles, time.time()
+        eng.generate(prompts[:n], params, lora=names[:n])
+        warm_runs.append(time.time() - t0)
+        warm_compiles.append(eng.runner.compiles - c0)
+        if warm_compiles[-1] == 0:
+            break
+    warm_s = sum(warm_runs)
     runs, compiled = [], []  # timed runs (their median) and the shapes each compiled: an engine
-    # that compiles on first use may meet a step shape the warm-up run did not (batches follow timing)
+    # that compiles on first use may still meet a step shape its untimed runs did not (batches follow timing)
     for _ in range(max(1, repeats)):
         c0, t0 = eng.runner.compiles, time.time()
         outs = eng.generate(prompts, params, lora=names)
@@ -85,6 +97,7 @@ def measure(eng, k, prompts, new_tokens, repeats=1, warm_run=False, backend="aut
                 backend=backend, dtype=dtype, quantization=quantization, async_scheduling=eng.async_scheduling,
                 projections=eng.projection_mode, tokens=toks, seconds=secs, run_seconds=runs, run_compiles=compiled,
                 tok_per_s=toks / secs, warm_run_s=warm_s if warm_run else None,
+                warm_runs=dict(seconds=warm_runs, compiles=warm_compiles) if warm_run else None,
                 touch_s=None if warm_run else warm_s, steps=dict(eng.stats),
                 compiles_after_warmup=eng.runner.compiles_after_warmup)
 
@@ -205,7 +218,9 @@ def main(argv=None):
             print(f"multilora  adapters={r['adapters']:3d} ({r['projections']}, {r['slots']} slots, compiled on "
                   f"first use): {r['tok_per_s']:7.1f} tok/s (median of "
                   f"{', '.join(f'{x:.2f}' for x in r['run_seconds'])} s, shapes compiled in each "
-                  f"{r['run_compiles']}; start {r['init_s']:.1f} s, warm-up run {r['warm_run_s']:.1f} s)", flush=True)
+                  f"{r['run_compiles']}; start {r['init_s']:.1f} s, untimed runs "
+                  f"{', '.join(f'{x:.1f}' for x in r['warm_runs']['seconds'])} s compiling "
+                  f"{r['warm_runs']['compiles']})", flush=True)
             results.append(r)
             if args.json:
                 save_json(args.json, dict(machine=machine_info(), args=vars(args), results=results))

@@ -84,10 +84,11 @@ def multilora_runs(args, model: str, raw_dir: Path) -> dict:
         raw = raw_dir / f"multilora_offline_{model}.json"
         cmd = [py, str(HERE / "engine_throughput.py"), "--model", model, "--adapters", *map(str, args.adapters),
                "--dtype", "bfloat16", "--workdir", str(args.workdir / "multilora"), "--json", str(raw),
-               # sglang_jax_driver.py's method: shapes compiled on first use in an untimed run of the
+               # sglang_jax_driver.py's method: shapes compiled on first use in untimed runs of the
                # workload, one engine for every adapter count > 0 (a start-up that compiles every
-               # bucket with the LoRA kernel took over 300 s on a v5e: log 37)
-               "--warmup", "on-first-use", "--repeats", str(min(args.repeats, 3))]
+               # bucket with the LoRA kernel took over 300 s on a v5e: log 37); as many timed runs
+               # as sglang-jax's (3 made the medians compiling runs: log 47)
+               "--warmup", "on-first-use", "--repeats", str(args.repeats)]
         if args.quick:
             cmd += ["--requests", "4", "--new-tokens", "8"]
         out["offline"] = run(cmd, raw, args.timeout)
