@@ -164,14 +164,24 @@ def test_lora_delta_matches_the_per_token_definition(case, dtype, copy_loop, tra
         assert np.allclose(np.asarray(ref.astype(jnp.float32)), want, atol=tol * scale)
 
 
-@pytest.mark.parametrize("dtype,chunk", [("float32", None), ("bfloat16", None), ("bfloat16", 4), ("float32", 16)])
-def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, trace_time_knob):
+# (dtype, adapters a chunk (None: the kernel's pick), a stacked A pool's blocks in one copy, the
+# call's A blocks (None: all, in order))
+STACKED_CASES = [("float32", None, False, None), ("bfloat16", None, False, None), ("bfloat16", 4, False, None),
+                 ("float32", 16, False, None), ("bfloat16", None, True, None), ("float32", 4, True, (1, 2)),
+                 ("float32", None, True, (2, 0))]
+
+
+@pytest.mark.parametrize("dtype,chunk,stacked_copy,ids", STACKED_CASES)
+def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, stacked_copy, ids, trace_time_knob):
     """lora_deltas: q/k/v-like outputs of different widths from one stacked A pool in one call,
     over two token tiles and several chunks of adapters (the kernel's pick of adapters per chunk,
-    and others through MULTILORA_LORA_CHUNK_ADAPTERS), against the per-token definition."""
-    from multilora.kernels.lora_pallas import CHUNK_ENV, lora_deltas
+    and others through MULTILORA_LORA_CHUNK_ADAPTERS), each adapter's blocks in a copy each or in
+    one (MULTILORA_LORA_STACKED_COPY=1; blocks out of order take a copy each), against the
+    per-token definition."""
+    from multilora.kernels.lora_pallas import CHUNK_ENV, STACKED_COPY_ENV, lora_deltas
     if chunk:
         trace_time_knob(CHUNK_ENV, str(chunk))
+    trace_time_knob(STACKED_COPY_ENV, "1" if stacked_copy else "0")
     rng = np.random.default_rng(11)
     ranks = [0] + [16, 8] * 9 + [16]
     t, d, outs, layers = 40, 128, (256, 128, 128), 2
@@ -185,13 +195,14 @@ def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, trace_t
     x = jnp.asarray(rng.standard_normal((t, d)).astype(np.float32)).astype(dtype)
     x_np = np.asarray(x.astype(jnp.float32))
     tol = 2e-2 if dtype == "bfloat16" else (2e-3 if ON_TPU else 1e-4)
+    ids = ids or tuple(range(len(outs)))
     got = jax.jit(lora_deltas, static_argnames=("a_block_ids", "a_blocks", "interpret", "tile_rows"))(
-        x, a_pool, [b for b, _ in bs], jnp.int32(1), info.step_slots_A, info.local_T, rows, scalings,
-        a_blocks=len(outs), interpret=not ON_TPU, tile_rows=16)
-    assert len(got) == len(outs)
-    for k, (y, (_, b_dense)) in enumerate(zip(got, bs)):
+        x, a_pool, [bs[k][0] for k in ids], jnp.int32(1), info.step_slots_A, info.local_T, rows, scalings,
+        a_block_ids=ids, a_blocks=len(outs), interpret=not ON_TPU, tile_rows=16)
+    assert len(got) == len(ids)
+    for y, k in zip(got, ids):
         y = np.asarray(jnp.asarray(y).astype(jnp.float32))
-        want = np_delta(x_np, a_dense, b_dense, 1, k, scalings, slot_T)
+        want = np_delta(x_np, a_dense, bs[k][1], 1, k, scalings, slot_T)
         assert y.shape == (t, outs[k]) and np.isfinite(y).all()
         assert np.all(y[slot_T == NO_ADAPTER] == 0.0)
         scale = max(1.0, float(np.abs(want).max()))
@@ -247,3 +258,16 @@ def test_pallas_backend_shrink_and_expand_alone_never_read_slot_0():
     tol = 2e-2 if ON_TPU else 1e-4   # float32 products at a TPU's default precision: bfloat16 passes
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, np_delta(x, a_dense, b_dense, 0, 0, scal, slot_T), atol=tol, rtol=tol)
+
+
+def test_stacked_copy_knob_is_off_by_default_and_names_a_bad_value(monkeypatch):
+    from multilora.kernels.lora_pallas import STACKED_COPY_ENV, stacked_copy_on
+    for value, on in ((None, False), ("", False), ("0", False), ("1", True)):
+        if value is None:
+            monkeypatch.delenv(STACKED_COPY_ENV, raising=False)
+        else:
+            monkeypatch.setenv(STACKED_COPY_ENV, value)
+        assert stacked_copy_on() is on
+    monkeypatch.setenv(STACKED_COPY_ENV, "yes")
+    with pytest.raises(ValueError, match=r"MULTILORA_LORA_STACKED_COPY='yes': expected 0 or 1"):
+        stacked_copy_on()

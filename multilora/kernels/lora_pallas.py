@@ -48,6 +48,11 @@ CHUNK_ENV = "MULTILORA_LORA_CHUNK_ADAPTERS"
 # than unrolled copies: on a v5e a LoRA step compiled in 3.4-5.7 s against 12.4-16.1 s unrolled, at
 # the same step times (benchmarks/log/40). "0" unrolls them (tpu_steps.sh's part `copyloop`).
 COPY_LOOP_ENV = "MULTILORA_LORA_COPY_LOOP"
+# "1": a stacked A pool's blocks (q/k/v's, gate/up's) of an adapter come in one strided copy
+# instead of one copy a block (a SmolLM2 decode step with 64 adapters issues ~27K copies of
+# 6-18 KB: 14 an adapter a layer, 10 with this). Off until timed on a chip (tpu_steps.sh's part
+# `stackcopy`).
+STACKED_COPY_ENV = "MULTILORA_LORA_STACKED_COPY"
 
 
 def chunk_adapters(table_width: int, num_adapters: int = 0) -> int:
@@ -61,6 +66,15 @@ def chunk_adapters(table_width: int, num_adapters: int = 0) -> int:
     if (table_width // PAGE_ROWS) % 2 and n % 2:
         n = n - 1 if n > 1 else 2
     return n
+
+
+def stacked_copy_on() -> bool:
+    """Whether a stacked A pool's blocks come in one copy ($MULTILORA_LORA_STACKED_COPY: 0, the
+    default, or 1)."""
+    value = os.environ.get(STACKED_COPY_ENV) or "0"   # unset or empty: the default
+    if value not in ("0", "1"):
+        raise ValueError(f"${STACKED_COPY_ENV}={value!r}: expected 0 or 1")
+    return value == "1"
 
 
 def token_tile(num_tokens: int, d_in: int, d_out: int, itemsize: int) -> int:
@@ -83,11 +97,13 @@ def _precision(operand):
 
 
 def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, a_hbm, *refs, nb: int, pages_per_chunk: int,
-            a_offs: tuple, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int,
-            copy_loop: bool = False):
+            a_ids: tuple, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int,
+            copy_loop: bool = False, stacked_copy: bool = False):
     """layer_ref, meta_ref (SMEM): the layer; the plan's pages and runs, then the tile size's
-    lo / n / start (lora_plan's "meta"). refs: nb B pools (HBM), nb outputs, then the scratch: A's buffer (both slots, a
-    block of W rows per output), nb B buffers, the DMA semaphores, nb accumulators."""
+    lo / n / start (lora_plan's "meta"). a_hbm: the A pool as (L, blocks, U / blocks, D), a_ids
+    the blocks of the call's outputs; refs: nb B pools (HBM), nb outputs, then the scratch: A's
+    buffer (both slots, a block of W rows per output), nb B buffers, the DMA semaphores, nb
+    accumulators. stacked_copy: blocks a_ids[0], a_ids[0] + 1, ... in one strided copy."""
     b_hbm, y_refs = refs[:nb], refs[nb:2 * nb]
     abuf, bbufs, sem, accs = refs[2 * nb], refs[2 * nb + 1:3 * nb + 1], refs[3 * nb + 1], refs[3 * nb + 2:]
     i, j = pl.program_id(0), pl.program_id(1)
@@ -107,9 +123,13 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, a_hbm, *refs, nb: 
 
         def copy(first_page, dst_row, rows):
             row = pl.multiple_of(first_page * PAGE_ROWS, PAGE_ROWS)
-            for k, a_off in enumerate(a_offs):
-                act(pltpu.make_async_copy(a_hbm.at[layer, pl.ds(a_off + row, rows)],
-                                          abuf.at[slot, pl.ds(k * w + dst_row, rows)], sem.at[0, slot]))
+            if stacked_copy:
+                act(pltpu.make_async_copy(a_hbm.at[layer, pl.ds(a_ids[0], nb), pl.ds(row, rows)],
+                                          abuf.at[slot, :, pl.ds(dst_row, rows)], sem.at[0, slot]))
+            else:
+                for k, blk in enumerate(a_ids):
+                    act(pltpu.make_async_copy(a_hbm.at[layer, blk, pl.ds(row, rows)],
+                                              abuf.at[slot, k, pl.ds(dst_row, rows)], sem.at[0, slot]))
             for k in range(nb):
                 act(pltpu.make_async_copy(b_hbm[k].at[layer, pl.ds(row, rows)],
                                           bbufs[k].at[slot, pl.ds(dst_row, rows)], sem.at[1 + k, slot]))
@@ -174,7 +194,7 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, a_hbm, *refs, nb: 
         mine = local_ref[...] == col
         scale = scale_ref[c]
         for k in range(nb):
-            a = abuf[slot, pl.ds(k * w, w), :]
+            a = abuf[slot, k]
             h = jax.lax.dot_general(x, a.astype(x.dtype), (((1,), (1,)), ((), ())), precision=_precision(x),
                                     preferred_element_type=jnp.float32)            # (tm, W)
             h = jnp.where(mine, h * scale, 0.0)
@@ -265,11 +285,13 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
     pad = nt * tm - t
     x_pad = jnp.pad(x_TD, ((0, pad), (0, 0))) if pad else x_TD
     tile = plan["tiles"][tm]
-    block_rows = a_pool_LUD.shape[1] // a_blocks
-    kernel = functools.partial(_kernel, nb=nb, pages_per_chunk=w // PAGE_ROWS,
-                               a_offs=tuple(k * block_rows for k in a_block_ids), rank_cols=r,
+    num_layers, rows, _ = a_pool_LUD.shape
+    a_pool_LBUD = a_pool_LUD.reshape(num_layers, a_blocks, rows // a_blocks, d)   # free: the blocks are contiguous
+    consecutive = a_block_ids == tuple(range(a_block_ids[0], a_block_ids[0] + nb))
+    kernel = functools.partial(_kernel, nb=nb, pages_per_chunk=w // PAGE_ROWS, a_ids=a_block_ids, rank_cols=r,
                                per_chunk=per_chunk, num_tiles=nt, num_chunks=num_chunks,
-                               copy_loop=os.environ.get(COPY_LOOP_ENV) != "0")
+                               copy_loop=os.environ.get(COPY_LOOP_ENV) != "0",
+                               stacked_copy=nb > 1 and consecutive and stacked_copy_on())
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
@@ -281,7 +303,7 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
             any_space,
         ] + [any_space] * nb,
         out_specs=[pl.BlockSpec((tm, o), lambda i, j, *_: (i, 0)) for o in outs],
-        scratch_shapes=[pltpu.VMEM((2, nb * w, d), a_pool_LUD.dtype)]
+        scratch_shapes=[pltpu.VMEM((2, nb, w, d), a_pool_LUD.dtype)]
         + [pltpu.VMEM((2, w, o), b.dtype) for o, b in zip(outs, b_pools_LUO)]
         + [pltpu.SemaphoreType.DMA((1 + nb, 2))]
         + [pltpu.VMEM((tm, o), jnp.float32) for o in outs],
@@ -294,7 +316,7 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
                                              vmem_limit_bytes=VMEM_LIMIT_BYTES),
         interpret=pltpu.InterpretParams() if interpret else False,
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), tile["meta"], x_pad, tile["local"], plan["scale"],
-      a_pool_LUD, *b_pools_LUO)
+      a_pool_LBUD, *b_pools_LUO)
     return tuple(y[:t] if pad else y for y in ys)
 
 
