@@ -3,7 +3,7 @@
 # issue's shapes (SmolLM2-135M, Llama-3.2-1B; random bf16 weights, rank-16 adapters on all seven
 # projections), 0 / 8 / 64 adapters, multilora's TPU backend beside `dense` (sglang-jax's one-hot
 # product over every slot). Raw output under $OUT. Parts (PARTS="..."): tests atests (the kernels'
-# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys), lanepack (kv heads two to a cache row, against one), stackcopy (a stacked A pool's blocks in one copy),
+# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys), lanepack (kv heads two to a cache row, against one), stackcopy (the LoRA kernel's copies: stacked blocks, whole chunks),
 # trace, optrace, pprobe (the Pallas attention's prefill side), copyloop, families (issue 40's families on the chip), offline (the engine's throughput), startup (an
 # Engine with adapters compiled at start), stash and
 # agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py), cases
@@ -114,19 +114,22 @@ for part in $PARTS; do
                   echo "$shape pack $lp: exit $?" | tee -a "$OUT/lanepack.txt"; grep -E "^(decode |prefill )" "$OUT/lanepack_${shape}_$lp.log" | tee -a "$OUT/lanepack.txt"
                 done
               done ;;
-    # a stacked A pool's blocks (q/k/v, gate/up) of an adapter in one strided copy against one copy
-    # a block (MULTILORA_LORA_STACKED_COPY, multilora.kernels.lora_pallas): the kernel's tests
-    # compiled on the chip, then both shapes with 0 / 64 adapters, a process each (~4 min)
+    # the LoRA kernel's copies: a stacked A pool's blocks (q/k/v, gate/up) of an adapter in one
+    # strided copy (MULTILORA_LORA_STACKED_COPY), a chunk whose pages are one run in one copy a pool
+    # (MULTILORA_LORA_CHUNK_COPY), against one copy a block and adapter (multilora.kernels.lora_pallas):
+    # the kernel's tests compiled on the chip, then both shapes with 0 / 8 / 64 adapters (8: one
+    # chunk, one run of the pool; 64: ~40 of them used, few runs), variants "stacked chunk" 00 10
+    # 11, a process each (~6 min)
     stackcopy) timeout -k 5 150 python3 -m pytest -q -x -p no:cacheprovider --noconftest tests/test_lora_pallas.py \
-                 -k "stacked" 2>&1 | tee "$OUT/stackcopy_tests.log"
+                 -k "stacked or one_run" 2>&1 | tee "$OUT/stackcopy_tests.log"
                for shape in ${SHAPES_:-smollm2-135m llama-3.2-1b}; do
                  ctx=$([ "$shape" = smollm2-135m ] && echo 80 || echo 256)
-                 for v in 0 1; do
-                   MULTILORA_LORA_STACKED_COPY=$v timeout -k 5 ${CASE_LIMIT:-100} $FS --model "$shape" --decode-ctx "$ctx" \
-                     --modes decode prefill --adapters ${ADAPTERS:-0 64} --json "$OUT/stackcopy_${shape}_$v.json" \
-                     > "$OUT/stackcopy_${shape}_$v.log" 2>&1
-                   echo "$shape stacked copy $v: exit $?" | tee -a "$OUT/stackcopy.txt"
-                   grep -E "^(decode |prefill )" "$OUT/stackcopy_${shape}_$v.log" | tee -a "$OUT/stackcopy.txt"
+                 for v in ${COPY_VARIANTS:-00 10 11}; do
+                   MULTILORA_LORA_STACKED_COPY=${v:0:1} MULTILORA_LORA_CHUNK_COPY=${v:1:1} timeout -k 5 ${CASE_LIMIT:-100} \
+                     $FS --model "$shape" --decode-ctx "$ctx" --modes decode prefill --adapters ${ADAPTERS:-0 8 64} \
+                     --json "$OUT/copies_${shape}_$v.json" > "$OUT/copies_${shape}_$v.log" 2>&1
+                   echo "$shape copies $v: exit $?" | tee -a "$OUT/copies.txt"
+                   grep -E "^(decode |prefill )" "$OUT/copies_${shape}_$v.log" | tee -a "$OUT/copies.txt"
                  done
                done ;;
     # every (shape, mode, adapters) case in its own process, its whole output kept

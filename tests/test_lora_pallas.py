@@ -271,3 +271,101 @@ def test_stacked_copy_knob_is_off_by_default_and_names_a_bad_value(monkeypatch):
     monkeypatch.setenv(STACKED_COPY_ENV, "yes")
     with pytest.raises(ValueError, match=r"MULTILORA_LORA_STACKED_COPY='yes': expected 0 or 1"):
         stacked_copy_on()
+
+
+def pool_in_slot_order(rng, num_layers, blocks, slot_ranks, width, dtype, table_width):
+    """paged_pool's arrays with every slot's pages one run, slot after slot (as a registry that
+    hands pages lowest first lays out adapters loaded one after another); rows no slot names NaN."""
+    s = len(slot_ranks)
+    per = table_width // PAGE_ROWS
+    rows = np.zeros((s, table_width), np.int32)
+    for i in range(1, s):
+        rows[i] = (1 + (i - 1) * per) * PAGE_ROWS + np.arange(table_width)
+    u = (1 + (s - 1) * per + 2) * PAGE_ROWS
+    dense = rng.standard_normal((num_layers, blocks, s, table_width, width)).astype(np.float32)
+    for i, k in enumerate(slot_ranks):
+        dense[:, :, i, k:] = 0.0
+    dense[:, :, NO_ADAPTER] = 0.0
+    pool = np.full((num_layers, blocks, u, width), np.nan, np.float32)
+    pool[:, :, :PAGE_ROWS] = 0.0
+    for i in range(1, s):
+        pool[:, :, rows[i]] = dense[:, :, i]
+    pool = jnp.asarray(pool.reshape(num_layers, blocks * u, width)).astype(dtype)
+    return pool, rows, np.asarray(jnp.asarray(dense).astype(dtype).astype(jnp.float32))
+
+
+# (token tile rows (None: the whole step, whose adapters then go in order of pool page), slots the
+# step's tokens use (a range: whole chunks are runs; every other slot: none is), a stacked A
+# pool's blocks in one copy too)
+CHUNK_COPY_CASES = [(None, "range", False), (None, "range", True), (8, "range", False), (None, "sparse", True)]
+
+
+@pytest.mark.parametrize("tiles,used,stacked_copy", CHUNK_COPY_CASES)
+def test_a_chunk_whose_pages_are_one_run_comes_in_one_copy(tiles, used, stacked_copy, trace_time_knob):
+    """MULTILORA_LORA_CHUNK_COPY=1: a chunk whose adapters' pages are one run of the pool is read
+    in one copy a pool, others an adapter at a time; a step of one token tile orders its adapters
+    by pool page (tokens in random order of adapters), one of several keeps their first
+    appearance. Against the per-token definition, q/k/v-like outputs from a stacked A pool."""
+    from multilora.kernels.lora_pallas import CHUNK_COPY_ENV, STACKED_COPY_ENV, lora_deltas
+    trace_time_knob(CHUNK_COPY_ENV, "1")
+    trace_time_knob(STACKED_COPY_ENV, "1" if stacked_copy else "0")
+    rng = np.random.default_rng(5)
+    ranks = [0] + [16] * 20
+    t, d, outs, layers = 40, 128, (128, 256, 128), 2
+    a_pool, rows, a_dense = pool_in_slot_order(rng, layers, len(outs), ranks, d, "float32", 16)
+    u = a_pool.shape[1] // len(outs)
+    bs = []
+    for k, o in enumerate(outs):
+        dense = np.random.default_rng(30 + k).standard_normal((layers, 1, len(ranks), 16, o)).astype(np.float32)
+        dense[:, :, NO_ADAPTER] = 0.0
+        pool = np.full((layers, u, o), np.nan, np.float32)
+        pool[:, :PAGE_ROWS] = 0.0
+        for i in range(1, len(ranks)):
+            pool[:, rows[i]] = dense[:, 0, i]
+        bs.append((jnp.asarray(pool), dense))
+    choice = np.arange(3, 19) if used == "range" else np.arange(1, 21, 2)
+    slot_T = rng.choice(choice, t).astype(np.int32)
+    slot_T[rng.random(t) < 0.15] = NO_ADAPTER
+    scalings = rng.uniform(0.25, 2.0, len(ranks)).astype(np.float32)
+    scalings[NO_ADAPTER] = 0.0
+    info = make_lora_batch_info(slot_T, scalings, np.asarray(ranks, np.int32), rows, max_grouped=24)
+    x = jnp.asarray(rng.standard_normal((t, d)).astype(np.float32))
+    x_np = np.asarray(x)
+    got = jax.jit(lora_deltas, static_argnames=("a_block_ids", "a_blocks", "interpret", "tile_rows"))(
+        x, a_pool, [b for b, _ in bs], jnp.int32(1), info.step_slots_A, info.local_T, rows, scalings,
+        a_blocks=len(outs), interpret=not ON_TPU, tile_rows=tiles)
+    tol = 2e-3 if ON_TPU else 1e-4
+    for k, y in enumerate(got):
+        y = np.asarray(y)
+        want = np_delta(x_np, a_dense, bs[k][1], 1, k, scalings, slot_T)
+        assert y.shape == (t, outs[k]) and np.isfinite(y).all()
+        assert np.all(y[slot_T == NO_ADAPTER] == 0.0)
+        assert float(np.abs(y - want).max()) <= tol * max(1.0, float(np.abs(want).max())), f"output {k}"
+
+
+def test_by_pool_page_keeps_each_tokens_adapter():
+    """The step's adapters reordered by first pool page (padding last): every token still names
+    its own adapter's slot, base rows stay base rows."""
+    from multilora.kernels.lora_pallas import by_pool_page
+    rows = np.zeros((6, 16), np.int32)
+    for slot, page in ((1, 9), (2, 3), (3, 5), (4, 1), (5, 7)):
+        rows[slot] = page * PAGE_ROWS + np.arange(16)
+    slot_T = np.array([3, 0, 5, 3, 1, 4, 0, 5], np.int32)
+    steps, local = step_adapters(slot_T, 6)
+    slots, local2 = by_pool_page(jnp.asarray(steps), jnp.asarray(local), jnp.asarray(rows))
+    slots, local2 = np.asarray(slots), np.asarray(local2)
+    assert list(slots) == [4, 3, 5, 1, 0, 0]
+    has = local2 < 6
+    assert np.array_equal(has, slot_T != NO_ADAPTER)
+    assert np.array_equal(slots[local2[has]], slot_T[has])
+
+
+def test_chunk_copy_knob_is_off_by_default_and_names_a_bad_value(monkeypatch):
+    from multilora.kernels.lora_pallas import CHUNK_COPY_ENV, chunk_copy_on
+    monkeypatch.delenv(CHUNK_COPY_ENV, raising=False)
+    assert chunk_copy_on() is False
+    monkeypatch.setenv(CHUNK_COPY_ENV, "1")
+    assert chunk_copy_on() is True
+    monkeypatch.setenv(CHUNK_COPY_ENV, "2")
+    with pytest.raises(ValueError, match=r"MULTILORA_LORA_CHUNK_COPY='2': expected 0 or 1"):
+        chunk_copy_on()

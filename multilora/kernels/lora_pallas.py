@@ -53,6 +53,12 @@ COPY_LOOP_ENV = "MULTILORA_LORA_COPY_LOOP"
 # 6-18 KB: 14 an adapter a layer, 10 with this). Off until timed on a chip (tpu_steps.sh's part
 # `stackcopy`).
 STACKED_COPY_ENV = "MULTILORA_LORA_STACKED_COPY"
+# "1": a chunk whose adapters' pages are one run of the pool comes in one copy a pool (W rows)
+# instead of a copy an adapter; a step whose calls are one token tile each (decode) orders its
+# adapters by pool page for it (a tile visits every chunk anyway), so that adapters loaded one
+# after another (the registry hands pages lowest first) make whole-chunk runs. Off until timed on a
+# chip (tpu_steps.sh's part `stackcopy`).
+CHUNK_COPY_ENV = "MULTILORA_LORA_CHUNK_COPY"
 
 
 def chunk_adapters(table_width: int, num_adapters: int = 0) -> int:
@@ -77,6 +83,15 @@ def stacked_copy_on() -> bool:
     return value == "1"
 
 
+def chunk_copy_on() -> bool:
+    """Whether a chunk whose pages are one run comes in one copy ($MULTILORA_LORA_CHUNK_COPY: 0,
+    the default, or 1)."""
+    value = os.environ.get(CHUNK_COPY_ENV) or "0"   # unset or empty: the default
+    if value not in ("0", "1"):
+        raise ValueError(f"${CHUNK_COPY_ENV}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
 def token_tile(num_tokens: int, d_in: int, d_out: int, itemsize: int) -> int:
     """Rows per token tile: the whole step where its x block, f32 accumulators and output blocks
     (d_out: the features of every output of the call together) fit the VMEM budget, else the
@@ -98,12 +113,13 @@ def _precision(operand):
 
 def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, a_hbm, *refs, nb: int, pages_per_chunk: int,
             a_ids: tuple, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int,
-            copy_loop: bool = False, stacked_copy: bool = False):
+            copy_loop: bool = False, stacked_copy: bool = False, chunk_copy: bool = False):
     """layer_ref, meta_ref (SMEM): the layer; the plan's pages and runs, then the tile size's
-    lo / n / start (lora_plan's "meta"). a_hbm: the A pool as (L, blocks, U / blocks, D), a_ids
-    the blocks of the call's outputs; refs: nb B pools (HBM), nb outputs, then the scratch: A's
+    lo / n / start (lora_plan's "meta"; the chunks' runs after the entries' where chunk_copy).
+    a_hbm: the A pool as (L, blocks, U / blocks, D), a_ids the blocks of the call's outputs; refs: nb B pools (HBM), nb outputs, then the scratch: A's
     buffer (both slots, a block of W rows per output), nb B buffers, the DMA semaphores, nb
-    accumulators. stacked_copy: blocks a_ids[0], a_ids[0] + 1, ... in one strided copy."""
+    accumulators. stacked_copy: blocks a_ids[0], a_ids[0] + 1, ... in one strided copy.
+    chunk_copy: a chunk whose pages are one run in one copy a pool."""
     b_hbm, y_refs = refs[:nb], refs[nb:2 * nb]
     abuf, bbufs, sem, accs = refs[2 * nb], refs[2 * nb + 1:3 * nb + 1], refs[3 * nb + 1], refs[3 * nb + 2:]
     i, j = pl.program_id(0), pl.program_id(1)
@@ -111,7 +127,8 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, a_hbm, *refs, nb: 
     per_adapter = rank_cols // PAGE_ROWS
     w = per_chunk * rank_cols
     o_pages, o_runs = 0, num_chunks * pages_per_chunk
-    o_lo = o_runs + num_chunks * per_chunk
+    o_chunk_runs = o_runs + num_chunks * per_chunk
+    o_lo = o_chunk_runs + (num_chunks if chunk_copy else 0)
     o_n, o_start = o_lo + num_tiles, o_lo + 2 * num_tiles
 
     def dmas(tile, jj, slot, act):
@@ -152,13 +169,27 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, a_hbm, *refs, nb: 
                 for q in range(per_adapter):
                     copy(meta_ref[first + q], dst + q * PAGE_ROWS, PAGE_ROWS)
 
-        if copy_loop:
-            @pl.loop(0, per_chunk)
-            def _(a):
-                adapter(a, pl.multiple_of(a * rank_cols, rank_cols))
-        else:
-            for a in range(per_chunk):
-                adapter(a, a * rank_cols)
+        def each_adapter():
+            if copy_loop:
+                @pl.loop(0, per_chunk)
+                def _(a):
+                    adapter(a, pl.multiple_of(a * rank_cols, rank_cols))
+            else:
+                for a in range(per_chunk):
+                    adapter(a, a * rank_cols)
+
+        if not chunk_copy:
+            each_adapter()
+            return
+        whole = meta_ref[o_chunk_runs + c] == 1
+
+        @pl.when(whole)
+        def _():
+            copy(meta_ref[o_pages + c * pages_per_chunk], 0, w)
+
+        @pl.when(jnp.logical_not(whole))
+        def _():
+            each_adapter()
 
     n_i = meta_ref[o_n + i]
     active = j < n_i
@@ -212,8 +243,13 @@ def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles) -> dict:
     the pages of each chunk, the rank columns' scalings, and for each token tile size in `tiles`
     the tokens' padded chunk columns and each tile's run of chunks. Made once per step
     (PallasLoRABackend.plan_step): each small op of it costs a TPU a few microseconds per call, and
-    inside the step's branches XLA does not hoist them out of the layer loop."""
+    inside the step's branches XLA does not hoist them out of the layer loop. With
+    $MULTILORA_LORA_CHUNK_COPY=1 also each chunk's run flag, and a step of one token tile a call
+    takes its adapters in order of pool page."""
     t = local_T.shape[0]
+    chunk_copy = chunk_copy_on()
+    if chunk_copy and all(tm >= t for tm in tiles):
+        step_slots_A, local_T = by_pool_page(step_slots_A, local_T, rows_SR)
     r = rows_SR.shape[1]
     if r % PAGE_ROWS:
         raise ValueError(f"the row table's width {r} is not whole pages of {PAGE_ROWS}")
@@ -226,6 +262,11 @@ def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles) -> dict:
     pages = jnp.where(slots[:, None] == NO_ADAPTER, 0, rows_AR[:, ::PAGE_ROWS] // PAGE_ROWS)
     # each entry's pages one run of consecutive pool pages: read in one copy (the kernel's `dmas`)
     runs = jnp.all(pages == pages[:, :1] + jnp.arange(pages.shape[1], dtype=pages.dtype), axis=1).astype(jnp.int32)
+    if chunk_copy:   # each chunk's pages one run of the pool: read in one copy a pool
+        q = pages.shape[1] * per_chunk
+        by_chunk = pages.reshape(num_chunks, q)
+        chunk_runs = jnp.all(by_chunk == by_chunk[:, :1] + jnp.arange(q, dtype=pages.dtype), axis=1)
+        runs = jnp.concatenate([runs, chunk_runs.astype(jnp.int32)])
     pages = pages.reshape(-1).astype(jnp.int32)                                       # (C * Q,)
     scale_C1W = jnp.repeat(jnp.take(scalings_S, slots, mode="clip").astype(jnp.float32), r).reshape(
         num_chunks, 1, per_chunk * r)
@@ -262,6 +303,18 @@ def lora_delta(x_TD, a_pool_LUD, b_pool_LUO, layer, step_slots_A, local_T, rows_
     return y
 
 
+def by_pool_page(step_slots_A, local_T, rows_SR):
+    """(step_slots_A, local_T) with the step's adapters in order of their first pool page
+    (padding entries last), each token's index following its adapter."""
+    a_cnt = step_slots_A.shape[0]
+    first_page = jnp.take(rows_SR[:, 0], step_slots_A, mode="clip")
+    key = jnp.where(step_slots_A == NO_ADAPTER, jnp.iinfo(jnp.int32).max, first_page)
+    order = jnp.argsort(key, stable=True)
+    new_index = jnp.zeros((a_cnt,), jnp.int32).at[order].set(jnp.arange(a_cnt, dtype=jnp.int32))
+    local = jnp.where(local_T < a_cnt, jnp.take(new_index, jnp.minimum(local_T, a_cnt - 1)), local_T)
+    return jnp.take(step_slots_A, order), local.astype(local_T.dtype)
+
+
 def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, rows_SR, scalings_S,
                 a_block_ids=None, a_blocks: int = 1, interpret: bool = False, tile_rows: int | None = None,
                 plan: dict | None = None):
@@ -291,7 +344,8 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
     kernel = functools.partial(_kernel, nb=nb, pages_per_chunk=w // PAGE_ROWS, a_ids=a_block_ids, rank_cols=r,
                                per_chunk=per_chunk, num_tiles=nt, num_chunks=num_chunks,
                                copy_loop=os.environ.get(COPY_LOOP_ENV) != "0",
-                               stacked_copy=nb > 1 and consecutive and stacked_copy_on())
+                               stacked_copy=nb > 1 and consecutive and stacked_copy_on(),
+                               chunk_copy=chunk_copy_on())
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
