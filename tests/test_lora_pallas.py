@@ -165,23 +165,28 @@ def test_lora_delta_matches_the_per_token_definition(case, dtype, copy_loop, tra
 
 
 # (dtype, adapters a chunk (None: the kernel's pick), a stacked A pool's blocks in one copy, the
-# call's A blocks (None: all, in order))
-STACKED_CASES = [("float32", None, False, None), ("bfloat16", None, False, None), ("bfloat16", 4, False, None),
-                 ("float32", 16, False, None), ("bfloat16", None, True, None), ("float32", 4, True, (1, 2)),
-                 ("float32", None, True, (2, 0))]
+# call's A blocks (None: all, in order), a buffer's copies waited on at once)
+STACKED_CASES = [("float32", None, False, None, False), ("bfloat16", None, False, None, False),
+                 ("bfloat16", 4, False, None, False), ("float32", 16, False, None, False),
+                 ("bfloat16", None, True, None, False), ("float32", 4, True, (1, 2), False),
+                 ("float32", None, True, (2, 0), False), ("float32", 4, False, None, True),
+                 ("bfloat16", None, True, (1, 2), True)]
 
 
-@pytest.mark.parametrize("dtype,chunk,stacked_copy,ids", STACKED_CASES)
-def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, stacked_copy, ids, trace_time_knob):
+@pytest.mark.parametrize("dtype,chunk,stacked_copy,ids,one_wait", STACKED_CASES)
+def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, stacked_copy, ids, one_wait,
+                                                           trace_time_knob):
     """lora_deltas: q/k/v-like outputs of different widths from one stacked A pool in one call,
     over two token tiles and several chunks of adapters (the kernel's pick of adapters per chunk,
     and others through MULTILORA_LORA_CHUNK_ADAPTERS), each adapter's blocks in a copy each or in
-    one (MULTILORA_LORA_STACKED_COPY=1; blocks out of order take a copy each), against the
-    per-token definition."""
-    from multilora.kernels.lora_pallas import CHUNK_ENV, STACKED_COPY_ENV, lora_deltas
+    one (MULTILORA_LORA_STACKED_COPY=1; blocks out of order take a copy each), waited on a copy
+    at a time or a buffer at once (MULTILORA_LORA_ONE_WAIT=1; pages out of order, page by page),
+    against the per-token definition."""
+    from multilora.kernels.lora_pallas import CHUNK_ENV, ONE_WAIT_ENV, STACKED_COPY_ENV, lora_deltas
     if chunk:
         trace_time_knob(CHUNK_ENV, str(chunk))
     trace_time_knob(STACKED_COPY_ENV, "1" if stacked_copy else "0")
+    trace_time_knob(ONE_WAIT_ENV, "1" if one_wait else "0")
     rng = np.random.default_rng(11)
     ranks = [0] + [16, 8] * 9 + [16]
     t, d, outs, layers = 40, 128, (256, 128, 128), 2
@@ -260,17 +265,20 @@ def test_pallas_backend_shrink_and_expand_alone_never_read_slot_0():
     np.testing.assert_allclose(got, np_delta(x, a_dense, b_dense, 0, 0, scal, slot_T), atol=tol, rtol=tol)
 
 
-def test_stacked_copy_knob_is_off_by_default_and_names_a_bad_value(monkeypatch):
-    from multilora.kernels.lora_pallas import STACKED_COPY_ENV, stacked_copy_on
-    for value, on in ((None, False), ("", False), ("0", False), ("1", True)):
-        if value is None:
-            monkeypatch.delenv(STACKED_COPY_ENV, raising=False)
-        else:
-            monkeypatch.setenv(STACKED_COPY_ENV, value)
-        assert stacked_copy_on() is on
-    monkeypatch.setenv(STACKED_COPY_ENV, "yes")
-    with pytest.raises(ValueError, match=r"MULTILORA_LORA_STACKED_COPY='yes': expected 0 or 1"):
-        stacked_copy_on()
+def test_copy_knobs_are_off_by_default_and_name_a_bad_value(monkeypatch):
+    from multilora.kernels import lora_pallas as lp
+    for env, on in ((lp.STACKED_COPY_ENV, lp.stacked_copy_on), (lp.CHUNK_COPY_ENV, lp.chunk_copy_on),
+                    (lp.ONE_WAIT_ENV, lp.one_wait_on)):
+        for value, want in ((None, False), ("", False), ("0", False), ("1", True)):
+            if value is None:
+                monkeypatch.delenv(env, raising=False)
+            else:
+                monkeypatch.setenv(env, value)
+            assert on() is want
+        monkeypatch.setenv(env, "yes")
+        with pytest.raises(ValueError, match=rf"\${env}='yes': expected 0 or 1"):
+            on()
+        monkeypatch.delenv(env)
 
 
 def pool_in_slot_order(rng, num_layers, blocks, slot_ranks, width, dtype, table_width):
@@ -296,19 +304,21 @@ def pool_in_slot_order(rng, num_layers, blocks, slot_ranks, width, dtype, table_
 
 # (token tile rows (None: the whole step, whose adapters then go in order of pool page), slots the
 # step's tokens use (a range: whole chunks are runs; every other slot: none is), a stacked A
-# pool's blocks in one copy too)
-CHUNK_COPY_CASES = [(None, "range", False), (None, "range", True), (8, "range", False), (None, "sparse", True)]
+# pool's blocks in one copy too, a buffer's copies waited on at once)
+CHUNK_COPY_CASES = [(None, "range", False, False), (None, "range", True, False), (8, "range", False, False),
+                    (None, "sparse", True, False), (None, "range", True, True), (8, "sparse", False, True)]
 
 
-@pytest.mark.parametrize("tiles,used,stacked_copy", CHUNK_COPY_CASES)
-def test_a_chunk_whose_pages_are_one_run_comes_in_one_copy(tiles, used, stacked_copy, trace_time_knob):
+@pytest.mark.parametrize("tiles,used,stacked_copy,one_wait", CHUNK_COPY_CASES)
+def test_a_chunk_whose_pages_are_one_run_comes_in_one_copy(tiles, used, stacked_copy, one_wait, trace_time_knob):
     """MULTILORA_LORA_CHUNK_COPY=1: a chunk whose adapters' pages are one run of the pool is read
     in one copy a pool, others an adapter at a time; a step of one token tile orders its adapters
     by pool page (tokens in random order of adapters), one of several keeps their first
     appearance. Against the per-token definition, q/k/v-like outputs from a stacked A pool."""
-    from multilora.kernels.lora_pallas import CHUNK_COPY_ENV, STACKED_COPY_ENV, lora_deltas
+    from multilora.kernels.lora_pallas import CHUNK_COPY_ENV, ONE_WAIT_ENV, STACKED_COPY_ENV, lora_deltas
     trace_time_knob(CHUNK_COPY_ENV, "1")
     trace_time_knob(STACKED_COPY_ENV, "1" if stacked_copy else "0")
+    trace_time_knob(ONE_WAIT_ENV, "1" if one_wait else "0")
     rng = np.random.default_rng(5)
     ranks = [0] + [16] * 20
     t, d, outs, layers = 40, 128, (128, 256, 128), 2
@@ -358,14 +368,3 @@ def test_by_pool_page_keeps_each_tokens_adapter():
     has = local2 < 6
     assert np.array_equal(has, slot_T != NO_ADAPTER)
     assert np.array_equal(slots[local2[has]], slot_T[has])
-
-
-def test_chunk_copy_knob_is_off_by_default_and_names_a_bad_value(monkeypatch):
-    from multilora.kernels.lora_pallas import CHUNK_COPY_ENV, chunk_copy_on
-    monkeypatch.delenv(CHUNK_COPY_ENV, raising=False)
-    assert chunk_copy_on() is False
-    monkeypatch.setenv(CHUNK_COPY_ENV, "1")
-    assert chunk_copy_on() is True
-    monkeypatch.setenv(CHUNK_COPY_ENV, "2")
-    with pytest.raises(ValueError, match=r"MULTILORA_LORA_CHUNK_COPY='2': expected 0 or 1"):
-        chunk_copy_on()

@@ -21,3 +21,14 @@ def positive_int_knob(name: str) -> Optional[int]:
     if value < 1:
         raise ValueError(f"${name}={raw!r}: expected a positive integer (or unset, empty or 0 for the kernel's own choice)")
     return value
+
+
+def switch_knob(name: str, default: bool = False) -> bool:
+    """$name as a switch: "1" on, "0" off, unset or empty the default; anything else is an error
+    that names the variable, its value and what is allowed."""
+    raw = os.environ.get(name, "").strip()
+    if raw == "":
+        return default
+    if raw not in ("0", "1"):
+        raise ValueError(f"${name}={raw!r}: expected 0 or 1")
+    return raw == "1"

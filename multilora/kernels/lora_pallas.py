@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from multilora.config import NO_ADAPTER, PAGE_ROWS
-from multilora.kernels.knobs import positive_int_knob
+from multilora.kernels.knobs import positive_int_knob, switch_knob
 
 LANES = 128
 VMEM_LIMIT_BYTES = 64 * 1024 * 1024   # a v5e core has 128 MiB of VMEM; the default scope is 16 MiB
@@ -59,6 +59,10 @@ STACKED_COPY_ENV = "MULTILORA_LORA_STACKED_COPY"
 # after another (the registry hands pages lowest first) make whole-chunk runs. Off until timed on a
 # chip (tpu_steps.sh's part `stackcopy`).
 CHUNK_COPY_ENV = "MULTILORA_LORA_CHUNK_COPY"
+# "1": a chunk's copies are waited on with one wait a buffer (a DMA semaphore counts the bytes
+# that arrived, and a chunk's copies into one buffer always total that buffer: W rows a pool)
+# instead of one wait a copy, halving the scalar core's work a copy. Off until timed on a chip.
+ONE_WAIT_ENV = "MULTILORA_LORA_ONE_WAIT"
 
 
 def chunk_adapters(table_width: int, num_adapters: int = 0) -> int:
@@ -75,21 +79,18 @@ def chunk_adapters(table_width: int, num_adapters: int = 0) -> int:
 
 
 def stacked_copy_on() -> bool:
-    """Whether a stacked A pool's blocks come in one copy ($MULTILORA_LORA_STACKED_COPY: 0, the
-    default, or 1)."""
-    value = os.environ.get(STACKED_COPY_ENV) or "0"   # unset or empty: the default
-    if value not in ("0", "1"):
-        raise ValueError(f"${STACKED_COPY_ENV}={value!r}: expected 0 or 1")
-    return value == "1"
+    """Whether a stacked A pool's blocks come in one copy ($MULTILORA_LORA_STACKED_COPY)."""
+    return switch_knob(STACKED_COPY_ENV)
 
 
 def chunk_copy_on() -> bool:
-    """Whether a chunk whose pages are one run comes in one copy ($MULTILORA_LORA_CHUNK_COPY: 0,
-    the default, or 1)."""
-    value = os.environ.get(CHUNK_COPY_ENV) or "0"   # unset or empty: the default
-    if value not in ("0", "1"):
-        raise ValueError(f"${CHUNK_COPY_ENV}={value!r}: expected 0 or 1")
-    return value == "1"
+    """Whether a chunk whose pages are one run comes in one copy ($MULTILORA_LORA_CHUNK_COPY)."""
+    return switch_knob(CHUNK_COPY_ENV)
+
+
+def one_wait_on() -> bool:
+    """Whether a chunk's copies into a buffer are waited on at once ($MULTILORA_LORA_ONE_WAIT)."""
+    return switch_knob(ONE_WAIT_ENV)
 
 
 def token_tile(num_tokens: int, d_in: int, d_out: int, itemsize: int) -> int:
@@ -113,13 +114,15 @@ def _precision(operand):
 
 def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, a_hbm, *refs, nb: int, pages_per_chunk: int,
             a_ids: tuple, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int,
-            copy_loop: bool = False, stacked_copy: bool = False, chunk_copy: bool = False):
+            copy_loop: bool = False, stacked_copy: bool = False, chunk_copy: bool = False,
+            one_wait: bool = False):
     """layer_ref, meta_ref (SMEM): the layer; the plan's pages and runs, then the tile size's
     lo / n / start (lora_plan's "meta"; the chunks' runs after the entries' where chunk_copy).
     a_hbm: the A pool as (L, blocks, U / blocks, D), a_ids the blocks of the call's outputs; refs: nb B pools (HBM), nb outputs, then the scratch: A's
     buffer (both slots, a block of W rows per output), nb B buffers, the DMA semaphores, nb
     accumulators. stacked_copy: blocks a_ids[0], a_ids[0] + 1, ... in one strided copy.
-    chunk_copy: a chunk whose pages are one run in one copy a pool."""
+    chunk_copy: a chunk whose pages are one run in one copy a pool. one_wait: a buffer's copies
+    waited on at once."""
     b_hbm, y_refs = refs[:nb], refs[nb:2 * nb]
     abuf, bbufs, sem, accs = refs[2 * nb], refs[2 * nb + 1:3 * nb + 1], refs[3 * nb + 1], refs[3 * nb + 2:]
     i, j = pl.program_id(0), pl.program_id(1)
@@ -212,7 +215,12 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, a_hbm, *refs, nb: 
         def _():
             dmas(i + 1, 0, 1 - slot, lambda cp: cp.start())
 
-        dmas(i, j, slot, lambda cp: cp.wait())
+        if one_wait:   # the semaphores count bytes: each buffer's copies total the buffer
+            pltpu.make_async_copy(abuf.at[slot], abuf.at[slot], sem.at[0, slot]).wait()
+            for k in range(nb):
+                pltpu.make_async_copy(bbufs[k].at[slot], bbufs[k].at[slot], sem.at[1 + k, slot]).wait()
+        else:
+            dmas(i, j, slot, lambda cp: cp.wait())
 
         @pl.when(j == 0)
         def _():
@@ -345,7 +353,7 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
                                per_chunk=per_chunk, num_tiles=nt, num_chunks=num_chunks,
                                copy_loop=os.environ.get(COPY_LOOP_ENV) != "0",
                                stacked_copy=nb > 1 and consecutive and stacked_copy_on(),
-                               chunk_copy=chunk_copy_on())
+                               chunk_copy=chunk_copy_on(), one_wait=one_wait_on())
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
