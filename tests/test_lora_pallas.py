@@ -16,27 +16,28 @@ import numpy as np
 import pytest
 
 from multilora.config import PAGE_ROWS
-from multilora.kernels.lora_pallas import chunk_adapters, lora_delta, lora_delta_reference
+from multilora.kernels.lora_pallas import chunk_adapters, lora_delta, lora_delta_reference, lora_plan
 from multilora.lora.batch import NO_ADAPTER, make_lora_batch_info, step_adapters
 
 ON_TPU = jax.default_backend() == "tpu"
 
 
-def paged_pool(rng, num_layers, blocks, slot_ranks, width, dtype, table_width):
+def paged_pool(rng, num_layers, blocks, slot_ranks, width, dtype, table_width, in_slot_order=False):
     """(pool (L, blocks*U, X), rows_SR, dense (L, blocks, S, R, X)): each slot's ceil(rank / 8)
     pages in the pool, an odd slot's as one run of consecutive pages (read in one copy), an even
-    slot's at random pages, in no order; page 0 zero, rows past a slot's rank zero, rows no slot
-    names NaN."""
+    slot's at random pages, in no order (in_slot_order: every slot's one run, slot after slot, as
+    a registry that hands pages lowest first lays out adapters loaded one after another); page 0
+    zero, rows past a slot's rank zero, rows no slot names NaN."""
     s = len(slot_ranks)
     need = [-(-int(k) // PAGE_ROWS) for k in slot_ranks]
-    n_runs = sum(n for i, n in enumerate(need) if i % 2)
+    n_runs = sum(n for i, n in enumerate(need) if i % 2 or in_slot_order)
     n_pages = 1 + sum(need) + 3
     runs = iter(range(n_pages - n_runs, n_pages))           # the top pages, handed out in order
     free = list(rng.permutation(np.arange(1, n_pages - n_runs)))
     rows = np.tile(np.arange(table_width, dtype=np.int32) % PAGE_ROWS, (s, 1))
     for i, n in enumerate(need):
         for p in range(n):
-            page = next(runs) if i % 2 else free.pop()
+            page = next(runs) if i % 2 or in_slot_order else free.pop()
             rows[i, PAGE_ROWS * p:PAGE_ROWS * (p + 1)] = page * PAGE_ROWS + np.arange(PAGE_ROWS)
     u = n_pages * PAGE_ROWS
     dense = rng.standard_normal((num_layers, blocks, s, table_width, width)).astype(np.float32)
@@ -281,27 +282,6 @@ def test_copy_knobs_are_off_by_default_and_name_a_bad_value(monkeypatch):
         monkeypatch.delenv(env)
 
 
-def pool_in_slot_order(rng, num_layers, blocks, slot_ranks, width, dtype, table_width):
-    """paged_pool's arrays with every slot's pages one run, slot after slot (as a registry that
-    hands pages lowest first lays out adapters loaded one after another); rows no slot names NaN."""
-    s = len(slot_ranks)
-    per = table_width // PAGE_ROWS
-    rows = np.zeros((s, table_width), np.int32)
-    for i in range(1, s):
-        rows[i] = (1 + (i - 1) * per) * PAGE_ROWS + np.arange(table_width)
-    u = (1 + (s - 1) * per + 2) * PAGE_ROWS
-    dense = rng.standard_normal((num_layers, blocks, s, table_width, width)).astype(np.float32)
-    for i, k in enumerate(slot_ranks):
-        dense[:, :, i, k:] = 0.0
-    dense[:, :, NO_ADAPTER] = 0.0
-    pool = np.full((num_layers, blocks, u, width), np.nan, np.float32)
-    pool[:, :, :PAGE_ROWS] = 0.0
-    for i in range(1, s):
-        pool[:, :, rows[i]] = dense[:, :, i]
-    pool = jnp.asarray(pool.reshape(num_layers, blocks * u, width)).astype(dtype)
-    return pool, rows, np.asarray(jnp.asarray(dense).astype(dtype).astype(jnp.float32))
-
-
 # (token tile rows (None: the whole step, whose adapters then go in order of pool page), slots the
 # step's tokens use (a range: whole chunks are runs; every other slot: none is), a stacked A
 # pool's blocks in one copy too, a buffer's copies waited on at once)
@@ -322,7 +302,7 @@ def test_a_chunk_whose_pages_are_one_run_comes_in_one_copy(tiles, used, stacked_
     rng = np.random.default_rng(5)
     ranks = [0] + [16] * 20
     t, d, outs, layers = 40, 128, (128, 256, 128), 2
-    a_pool, rows, a_dense = pool_in_slot_order(rng, layers, len(outs), ranks, d, "float32", 16)
+    a_pool, rows, a_dense = paged_pool(rng, layers, len(outs), ranks, d, "float32", 16, in_slot_order=True)
     u = a_pool.shape[1] // len(outs)
     bs = []
     for k, o in enumerate(outs):
@@ -333,12 +313,19 @@ def test_a_chunk_whose_pages_are_one_run_comes_in_one_copy(tiles, used, stacked_
         for i in range(1, len(ranks)):
             pool[:, rows[i]] = dense[:, 0, i]
         bs.append((jnp.asarray(pool), dense))
-    choice = np.arange(3, 19) if used == "range" else np.arange(1, 21, 2)
-    slot_T = rng.choice(choice, t).astype(np.int32)
-    slot_T[rng.random(t) < 0.15] = NO_ADAPTER
+    used_slots = np.arange(3, 19) if used == "range" else np.arange(1, 21, 2)   # each twice or more, 8 base rows
+    slot_T = rng.permutation(np.concatenate([np.resize(used_slots, t - 8), np.zeros(8, int)])).astype(np.int32)
     scalings = rng.uniform(0.25, 2.0, len(ranks)).astype(np.float32)
     scalings[NO_ADAPTER] = 0.0
     info = make_lora_batch_info(slot_T, scalings, np.asarray(ranks, np.int32), rows, max_grouped=24)
+    # the plan's chunk run flags: whole chunks where one tile takes the adapters by pool page
+    tm = tiles or t
+    plan = lora_plan(info.step_slots_A, info.local_T, rows, scalings, (tm,))
+    per_chunk = chunk_adapters(16, len(info.step_slots_A))
+    n_chunks = -(-len(info.step_slots_A) // per_chunk)
+    meta = np.asarray(plan["tiles"][tm]["meta"])
+    chunk_runs = meta[n_chunks * per_chunk * 3:n_chunks * per_chunk * 3 + n_chunks]   # after pages (2 an entry), runs
+    assert chunk_runs.sum() == (2 if (tiles, used) == (None, "range") else 0), chunk_runs
     x = jnp.asarray(rng.standard_normal((t, d)).astype(np.float32))
     x_np = np.asarray(x)
     got = jax.jit(lora_deltas, static_argnames=("a_block_ids", "a_blocks", "interpret", "tile_rows"))(
