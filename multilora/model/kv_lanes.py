@@ -22,6 +22,8 @@ import os
 
 import jax.numpy as jnp
 
+from multilora.kernels.knobs import switch_knob
+
 LANES = 128
 # On by default where it applies (a v5e's 1B prefill 10.38 -> 9.50 ms, decode 7.38 -> 7.00 ms with
 # its own chunk keys, benchmarks/log/47); MULTILORA_KV_LANE_PACK=0 keeps one kv head a row.
@@ -37,10 +39,7 @@ def lane_pack_on(head_dim: int, platform: str, tensor_parallel: int = 1) -> int:
     """The pack factor an engine's heads-major cache is made with: lane_pack(H) on one TPU chip
     where the Pallas attention is on (the only attention that reads packed pages) unless
     $MULTILORA_KV_LANE_PACK is 0, else 1."""
-    value = os.environ.get(ENV) or "1"   # unset or empty: the default
-    if value not in ("0", "1"):
-        raise ValueError(f"${ENV}={value!r}: expected 0 or 1")
-    if value == "0" or platform != "tpu" or tensor_parallel != 1:
+    if not switch_knob(ENV, default=True) or platform != "tpu" or tensor_parallel != 1:
         return 1
     if os.environ.get("MULTILORA_PALLAS_ATTENTION", "1") == "0":
         return 1
