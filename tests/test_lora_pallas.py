@@ -32,6 +32,7 @@ def paged_pool(rng, num_layers, blocks, slot_ranks, width, dtype, table_width, i
     need = [-(-int(k) // PAGE_ROWS) for k in slot_ranks]
     n_runs = sum(n for i, n in enumerate(need) if i % 2 or in_slot_order)
     n_pages = 1 + sum(need) + 3
+    n_pages += n_pages % 2                                   # whole 16-row tiles (a stacked copy's 4-d view)
     runs = iter(range(n_pages - n_runs, n_pages))           # the top pages, handed out in order
     free = list(rng.permutation(np.arange(1, n_pages - n_runs)))
     rows = np.tile(np.arange(table_width, dtype=np.int32) % PAGE_ROWS, (s, 1))

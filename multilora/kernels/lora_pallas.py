@@ -50,8 +50,9 @@ CHUNK_ENV = "MULTILORA_LORA_CHUNK_ADAPTERS"
 COPY_LOOP_ENV = "MULTILORA_LORA_COPY_LOOP"
 # "1": a stacked A pool's blocks (q/k/v's, gate/up's) of an adapter come in one strided copy
 # instead of one copy a block (a SmolLM2 decode step with 64 adapters issues ~27K copies of
-# 6-18 KB: 14 an adapter a layer, 10 with this). Off until timed on a chip (tpu_steps.sh's part
-# `stackcopy`).
+# 6-18 KB: 14 an adapter a layer, 10 with this). It reads the pool through a 4-d view (L, blocks,
+# U / blocks, D), taken only where U / blocks is whole 16-row tiles (else a TPU might copy the
+# pool to make it). Off until timed on a chip (tpu_steps.sh's part `stackcopy`).
 STACKED_COPY_ENV = "MULTILORA_LORA_STACKED_COPY"
 # "1": a chunk whose adapters' pages are one run of the pool comes in one copy a pool (W rows)
 # instead of a copy an adapter; a step whose calls are one token tile each (decode) orders its
@@ -113,14 +114,15 @@ def _precision(operand):
 
 
 def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, a_hbm, *refs, nb: int, pages_per_chunk: int,
-            a_ids: tuple, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int,
+            a_ids: tuple, block_rows: int, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int,
             copy_loop: bool = False, stacked_copy: bool = False, chunk_copy: bool = False,
             one_wait: bool = False):
     """layer_ref, meta_ref (SMEM): the layer; the plan's pages and runs, then the tile size's
     lo / n / start (lora_plan's "meta"; the chunks' runs after the entries' where chunk_copy).
-    a_hbm: the A pool as (L, blocks, U / blocks, D), a_ids the blocks of the call's outputs; refs: nb B pools (HBM), nb outputs, then the scratch: A's
-    buffer (both slots, a block of W rows per output), nb B buffers, the DMA semaphores, nb
-    accumulators. stacked_copy: blocks a_ids[0], a_ids[0] + 1, ... in one strided copy.
+    a_hbm: the A pool (L, U, D), its blocks of U / blocks rows, a_ids the blocks of the call's
+    outputs (stacked_copy: as (L, blocks, U / blocks, D), blocks a_ids[0], a_ids[0] + 1, ... in
+    one strided copy); refs: nb B pools (HBM), nb outputs, then the scratch: A's buffer (both
+    slots, a block of W rows per output), nb B buffers, the DMA semaphores, nb accumulators.
     chunk_copy: a chunk whose pages are one run in one copy a pool. one_wait: a buffer's copies
     waited on at once."""
     b_hbm, y_refs = refs[:nb], refs[nb:2 * nb]
@@ -148,8 +150,8 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, a_hbm, *refs, nb: 
                                           abuf.at[slot, :, pl.ds(dst_row, rows)], sem.at[0, slot]))
             else:
                 for k, blk in enumerate(a_ids):
-                    act(pltpu.make_async_copy(a_hbm.at[layer, blk, pl.ds(row, rows)],
-                                              abuf.at[slot, k, pl.ds(dst_row, rows)], sem.at[0, slot]))
+                    act(pltpu.make_async_copy(a_hbm.at[layer, pl.ds(blk * block_rows + row, rows)],
+                                              abuf.at[slot, pl.ds(k * w + dst_row, rows)], sem.at[0, slot]))
             for k in range(nb):
                 act(pltpu.make_async_copy(b_hbm[k].at[layer, pl.ds(row, rows)],
                                           bbufs[k].at[slot, pl.ds(dst_row, rows)], sem.at[1 + k, slot]))
@@ -233,7 +235,7 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, a_hbm, *refs, nb: 
         mine = local_ref[...] == col
         scale = scale_ref[c]
         for k in range(nb):
-            a = abuf[slot, k]
+            a = abuf[slot, k] if stacked_copy else abuf[slot, pl.ds(k * w, w), :]
             h = jax.lax.dot_general(x, a.astype(x.dtype), (((1,), (1,)), ((), ())), precision=_precision(x),
                                     preferred_element_type=jnp.float32)            # (tm, W)
             h = jnp.where(mine, h * scale, 0.0)
@@ -347,13 +349,15 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
     x_pad = jnp.pad(x_TD, ((0, pad), (0, 0))) if pad else x_TD
     tile = plan["tiles"][tm]
     num_layers, rows, _ = a_pool_LUD.shape
-    a_pool_LBUD = a_pool_LUD.reshape(num_layers, a_blocks, rows // a_blocks, d)   # free: the blocks are contiguous
     consecutive = a_block_ids == tuple(range(a_block_ids[0], a_block_ids[0] + nb))
-    kernel = functools.partial(_kernel, nb=nb, pages_per_chunk=w // PAGE_ROWS, a_ids=a_block_ids, rank_cols=r,
-                               per_chunk=per_chunk, num_tiles=nt, num_chunks=num_chunks,
-                               copy_loop=os.environ.get(COPY_LOOP_ENV) != "0",
-                               stacked_copy=nb > 1 and consecutive and stacked_copy_on(),
-                               chunk_copy=chunk_copy_on(), one_wait=one_wait_on())
+    # the 4-d view only where asked and its blocks are whole (16, 128) tiles: on a TPU a reshape
+    # of a tiled pool across a tile would be a copy of the pool
+    stacked = nb > 1 and consecutive and (rows // a_blocks) % 16 == 0 and stacked_copy_on()
+    a_pool = a_pool_LUD.reshape(num_layers, a_blocks, rows // a_blocks, d) if stacked else a_pool_LUD
+    kernel = functools.partial(_kernel, nb=nb, pages_per_chunk=w // PAGE_ROWS, a_ids=a_block_ids,
+                               block_rows=rows // a_blocks, rank_cols=r, per_chunk=per_chunk, num_tiles=nt,
+                               num_chunks=num_chunks, copy_loop=os.environ.get(COPY_LOOP_ENV) != "0",
+                               stacked_copy=stacked, chunk_copy=chunk_copy_on(), one_wait=one_wait_on())
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
@@ -365,7 +369,7 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
             any_space,
         ] + [any_space] * nb,
         out_specs=[pl.BlockSpec((tm, o), lambda i, j, *_: (i, 0)) for o in outs],
-        scratch_shapes=[pltpu.VMEM((2, nb, w, d), a_pool_LUD.dtype)]
+        scratch_shapes=[pltpu.VMEM((2, nb, w, d) if stacked else (2, nb * w, d), a_pool_LUD.dtype)]
         + [pltpu.VMEM((2, w, o), b.dtype) for o, b in zip(outs, b_pools_LUO)]
         + [pltpu.SemaphoreType.DMA((1 + nb, 2))]
         + [pltpu.VMEM((tm, o), jnp.float32) for o in outs],
@@ -378,7 +382,7 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
                                              vmem_limit_bytes=VMEM_LIMIT_BYTES),
         interpret=pltpu.InterpretParams() if interpret else False,
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), tile["meta"], x_pad, tile["local"], plan["scale"],
-      a_pool_LBUD, *b_pools_LUO)
+      a_pool, *b_pools_LUO)
     return tuple(y[:t] if pad else y for y in ys)
 
 
