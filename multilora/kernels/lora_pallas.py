@@ -49,7 +49,7 @@ CHUNK_ENV = "MULTILORA_LORA_CHUNK_ADAPTERS"
 # the same step times (benchmarks/log/40). "0" unrolls them (tpu_steps.sh's part `copyloop`).
 COPY_LOOP_ENV = "MULTILORA_LORA_COPY_LOOP"
 # "1": a stacked A pool's blocks (q/k/v's, gate/up's) of an adapter come in one strided copy
-# instead of one copy a block (a SmolLM2 decode step with 64 adapters issues ~27K copies of
+# instead of one copy a block (a SmolLM2 decode step over ~40 adapters issues ~17K copies of
 # 6-18 KB: 14 an adapter a layer, 10 with this). It reads the pool through a 4-d view (L, blocks,
 # U / blocks, D), taken only where U / blocks is whole 16-row tiles (else a TPU might copy the
 # pool to make it). Off until timed on a chip (tpu_steps.sh's part `stackcopy`).
