@@ -22,12 +22,13 @@ from multilora.lora.batch import NO_ADAPTER, make_lora_batch_info, step_adapters
 ON_TPU = jax.default_backend() == "tpu"
 
 
-def paged_pool(rng, num_layers, blocks, slot_ranks, width, dtype, table_width, in_slot_order=False):
+def paged_pool(rng, num_layers, blocks, slot_ranks, width, dtype, table_width, in_slot_order=False,
+               unnamed=np.nan):
     """(pool (L, blocks*U, X), rows_SR, dense (L, blocks, S, R, X)): each slot's ceil(rank / 8)
     pages in the pool, an odd slot's as one run of consecutive pages (read in one copy), an even
     slot's at random pages, in no order (in_slot_order: every slot's one run, slot after slot, as
     a registry that hands pages lowest first lays out adapters loaded one after another); page 0
-    zero, rows past a slot's rank zero, rows no slot names NaN."""
+    zero, rows past a slot's rank zero, rows no slot names NaN (or `unnamed`)."""
     s = len(slot_ranks)
     need = [-(-int(k) // PAGE_ROWS) for k in slot_ranks]
     n_runs = sum(n for i, n in enumerate(need) if i % 2 or in_slot_order)
@@ -45,7 +46,7 @@ def paged_pool(rng, num_layers, blocks, slot_ranks, width, dtype, table_width, i
     for i, k in enumerate(slot_ranks):
         dense[:, :, i, k:] = 0.0
     dense[:, :, NO_ADAPTER] = 0.0
-    pool = np.full((num_layers, blocks, u, width), np.nan, np.float32)
+    pool = np.full((num_layers, blocks, u, width), unnamed, np.float32)
     pool[:, :, :PAGE_ROWS] = 0.0
     for i, n in enumerate(need):
         for r in range(n * PAGE_ROWS):
@@ -270,7 +271,7 @@ def test_pallas_backend_shrink_and_expand_alone_never_read_slot_0():
 def test_copy_knobs_are_off_by_default_and_name_a_bad_value(monkeypatch):
     from multilora.kernels import lora_pallas as lp
     for env, on in ((lp.STACKED_COPY_ENV, lp.stacked_copy_on), (lp.CHUNK_COPY_ENV, lp.chunk_copy_on),
-                    (lp.ONE_WAIT_ENV, lp.one_wait_on)):
+                    (lp.ONE_WAIT_ENV, lp.one_wait_on), (lp.SPAN_COPY_ENV, lp.span_copy_on)):
         for value, want in ((None, False), ("", False), ("0", False), ("1", True)):
             if value is None:
                 monkeypatch.delenv(env, raising=False)
@@ -285,31 +286,43 @@ def test_copy_knobs_are_off_by_default_and_name_a_bad_value(monkeypatch):
 
 # (token tile rows (None: the whole step, whose adapters then go in order of pool page), slots the
 # step's tokens use (a range: whole chunks are runs; every other slot: none is), a stacked A
-# pool's blocks in one copy too, a buffer's copies waited on at once)
-CHUNK_COPY_CASES = [(None, "range", False, False), (None, "range", True, False), (8, "range", False, False),
-                    (None, "sparse", True, False), (None, "range", True, True), (8, "sparse", False, True)]
+# pool's blocks in one copy too, a buffer's copies waited on at once, whole chunks or spans)
+CHUNK_COPY_CASES = [(None, "range", False, False, "chunk"), (None, "range", True, False, "chunk"),
+                    (8, "range", False, False, "chunk"), (None, "sparse", True, False, "chunk"),
+                    (None, "range", True, True, "chunk"), (8, "sparse", False, True, "chunk"),
+                    (None, "range", False, False, "span"), (None, "sparse", False, False, "span"),
+                    (8, "range", False, False, "span"), (None, "sparse", True, True, "span")]
 
 
-@pytest.mark.parametrize("tiles,used,stacked_copy,one_wait", CHUNK_COPY_CASES)
-def test_a_chunk_whose_pages_are_one_run_comes_in_one_copy(tiles, used, stacked_copy, one_wait, trace_time_knob):
+@pytest.mark.parametrize("tiles,used,stacked_copy,one_wait,mode", CHUNK_COPY_CASES)
+def test_a_chunk_whose_pages_are_one_run_comes_in_one_copy(tiles, used, stacked_copy, one_wait, mode,
+                                                            trace_time_knob):
     """MULTILORA_LORA_CHUNK_COPY=1: a chunk whose adapters' pages are one run of the pool is read
     in one copy a pool, others an adapter at a time; a step of one token tile orders its adapters
     by pool page (tokens in random order of adapters), one of several keeps their first
-    appearance. Against the per-token definition, q/k/v-like outputs from a stacked A pool."""
-    from multilora.kernels.lora_pallas import CHUNK_COPY_ENV, ONE_WAIT_ENV, STACKED_COPY_ENV, lora_deltas
-    trace_time_knob(CHUNK_COPY_ENV, "1")
+    appearance. MULTILORA_LORA_SPAN_COPY=1: a chunk whose adapters lie within 2W pool rows is read
+    in one copy a pool of those rows, the other adapters' rows between them (and past them, where
+    the span is clamped to the pool's end) kept out by the owner map: those rows hold finite
+    values far from the adapters' (the pool's rows are finite; one leaked in would show).
+    Against the per-token definition, q/k/v-like outputs from a stacked A pool."""
+    from multilora.kernels.lora_pallas import (CHUNK_COPY_ENV, ONE_WAIT_ENV, SPAN_COPY_ENV, STACKED_COPY_ENV,
+                                               lora_deltas)
+    trace_time_knob(CHUNK_COPY_ENV, "1" if mode == "chunk" else "0")
+    trace_time_knob(SPAN_COPY_ENV, "1" if mode == "span" else "0")
     trace_time_knob(STACKED_COPY_ENV, "1" if stacked_copy else "0")
     trace_time_knob(ONE_WAIT_ENV, "1" if one_wait else "0")
     rng = np.random.default_rng(5)
     ranks = [0] + [16] * 20
     t, d, outs, layers = 40, 128, (128, 256, 128), 2
-    a_pool, rows, a_dense = paged_pool(rng, layers, len(outs), ranks, d, "float32", 16, in_slot_order=True)
+    unnamed = np.nan if mode == "chunk" else 1e3
+    a_pool, rows, a_dense = paged_pool(rng, layers, len(outs), ranks, d, "float32", 16, in_slot_order=True,
+                                       unnamed=unnamed)
     u = a_pool.shape[1] // len(outs)
     bs = []
     for k, o in enumerate(outs):
         dense = np.random.default_rng(30 + k).standard_normal((layers, 1, len(ranks), 16, o)).astype(np.float32)
         dense[:, :, NO_ADAPTER] = 0.0
-        pool = np.full((layers, u, o), np.nan, np.float32)
+        pool = np.full((layers, u, o), unnamed, np.float32)
         pool[:, :PAGE_ROWS] = 0.0
         for i in range(1, len(ranks)):
             pool[:, rows[i]] = dense[:, 0, i]
@@ -319,14 +332,16 @@ def test_a_chunk_whose_pages_are_one_run_comes_in_one_copy(tiles, used, stacked_
     scalings = rng.uniform(0.25, 2.0, len(ranks)).astype(np.float32)
     scalings[NO_ADAPTER] = 0.0
     info = make_lora_batch_info(slot_T, scalings, np.asarray(ranks, np.int32), rows, max_grouped=24)
-    # the plan's chunk run flags: whole chunks where one tile takes the adapters by pool page
+    # the plan's chunk flags (after the pages, 2 an entry, and the entries' runs): whole chunks
+    # where one tile takes the adapters by pool page; spans for both chunks of adapters
     tm = tiles or t
-    plan = lora_plan(info.step_slots_A, info.local_T, rows, scalings, (tm,))
+    plan = lora_plan(info.step_slots_A, info.local_T, rows, scalings, (tm,), u)
     per_chunk = chunk_adapters(16, len(info.step_slots_A))
     n_chunks = -(-len(info.step_slots_A) // per_chunk)
     meta = np.asarray(plan["tiles"][tm]["meta"])
-    chunk_runs = meta[n_chunks * per_chunk * 3:n_chunks * per_chunk * 3 + n_chunks]   # after pages (2 an entry), runs
-    assert chunk_runs.sum() == (2 if (tiles, used) == (None, "range") else 0), chunk_runs
+    flags = meta[n_chunks * per_chunk * 3:n_chunks * per_chunk * 3 + n_chunks]
+    want_flags = 2 if mode == "span" or (tiles, used) == (None, "range") else 0
+    assert flags.sum() == want_flags and plan["span_rows"] == (2 * per_chunk * 16 if mode == "span" else 0), flags
     x = jnp.asarray(rng.standard_normal((t, d)).astype(np.float32))
     x_np = np.asarray(x)
     got = jax.jit(lora_deltas, static_argnames=("a_block_ids", "a_blocks", "interpret", "tile_rows"))(
