@@ -371,3 +371,12 @@ def test_by_pool_page_keeps_each_tokens_adapter():
     has = local2 < 6
     assert np.array_equal(has, slot_T != NO_ADAPTER)
     assert np.array_equal(slots[local2[has]], slot_T[has])
+
+
+def test_a_row_table_of_part_pages_is_refused_naming_its_width():
+    """The kernel reads whole pages: a table of 12 rows an adapter is an error that says so (the
+    backend sends such hand-made tables to the XLA arithmetic instead)."""
+    rows = np.zeros((3, 12), np.int32)
+    with pytest.raises(ValueError, match=r"row table's width 12 is not whole pages of 8"):
+        lora_plan(jnp.asarray([1, 2], jnp.int32), jnp.asarray([0, 1, 2], jnp.int32), jnp.asarray(rows),
+                  jnp.ones(3, jnp.float32), (8,))

@@ -307,14 +307,14 @@ def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles, pool_rows: int 
     map and its scales by buffer row (span_plan)."""
     t = local_T.shape[0]
     r = rows_SR.shape[1]
+    if r % PAGE_ROWS:
+        raise ValueError(f"the row table's width {r} is not whole pages of {PAGE_ROWS}")
     a_cnt = step_slots_A.shape[0]
     per_chunk = chunk_adapters(r, a_cnt)
     span_rows = 2 * per_chunk * r if span_copy_on() and pool_rows and pool_rows >= 2 * per_chunk * r else 0
     chunk_copy = chunk_copy_on() or span_rows > 0
     if chunk_copy and all(tm >= t for tm in tiles):
         step_slots_A, local_T = by_pool_page(step_slots_A, local_T, rows_SR)
-    if r % PAGE_ROWS:
-        raise ValueError(f"the row table's width {r} is not whole pages of {PAGE_ROWS}")
     num_chunks = -(-a_cnt // per_chunk)
     slots = jnp.pad(step_slots_A.astype(jnp.int32), (0, num_chunks * per_chunk - a_cnt))
     rows_AR = jnp.take(rows_SR, slots, axis=0, mode="clip")
@@ -322,7 +322,6 @@ def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles, pool_rows: int 
     pages = jnp.where(slots[:, None] == NO_ADAPTER, 0, rows_AR[:, ::PAGE_ROWS] // PAGE_ROWS)
     # each entry's pages one run of consecutive pool pages: read in one copy (the kernel's `dmas`)
     runs = jnp.all(pages == pages[:, :1] + jnp.arange(pages.shape[1], dtype=pages.dtype), axis=1).astype(jnp.int32)
-    span = None
     if span_rows:
         span = span_plan(slots, rows_AR, runs, jnp.take(scalings_S, slots, mode="clip"), per_chunk, span_rows,
                          pool_rows)
@@ -350,9 +349,10 @@ def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles, pool_rows: int 
         start = (jnp.cumsum(n) - n).astype(jnp.int32)
         # the kernel's scalars in one array (one copy into SMEM a call, not one per array)
         by_tile[tm] = dict(local=local_pad[:, None], meta=jnp.concatenate([pages, runs, lo, n, start]))
+    # span_rows / chunk_runs: the meta's layout, which the kernel is compiled for (lora_deltas)
     if span_rows:
-        return dict(scale=span["scale"], owner=span["owner"], span_rows=span_rows, tiles=by_tile)
-    return dict(scale=scale_C1W, tiles=by_tile, span_rows=0)
+        return dict(scale=span["scale"], owner=span["owner"], span_rows=span_rows, chunk_runs=False, tiles=by_tile)
+    return dict(scale=scale_C1W, span_rows=0, chunk_runs=chunk_copy, tiles=by_tile)
 
 
 def span_plan(slots, rows_AR, runs, scalings, per_chunk: int, span_rows: int, pool_rows: int) -> dict:
@@ -446,7 +446,7 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
     kernel = functools.partial(_kernel, nb=nb, pages_per_chunk=w // PAGE_ROWS, a_ids=a_block_ids,
                                block_rows=rows // a_blocks, rank_cols=r, per_chunk=per_chunk, num_tiles=nt,
                                num_chunks=num_chunks, copy_loop=os.environ.get(COPY_LOOP_ENV) != "0",
-                               stacked_copy=stacked, chunk_copy=chunk_copy_on() and not span,
+                               stacked_copy=stacked, chunk_copy=plan["chunk_runs"],
                                one_wait=one_wait_on(), span_rows=span)
     buf = span or w
     any_space = pl.BlockSpec(memory_space=pl.ANY)
