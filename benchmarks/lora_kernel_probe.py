@@ -44,6 +44,9 @@ def main(argv=None):
     ap.add_argument("--calls", nargs="+", default=["qkv", "gate_up", "o", "down"])
     ap.add_argument("--chunks", type=int, nargs="+", default=[0], help="adapters per chunk (0: the kernel's pick)")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--loops", type=int, default=10,
+                    help="passes over the layers in one dispatch (its host cost spread over them all)")
+    ap.add_argument("--ways", nargs="+", default=["separate", "one call"], choices=["separate", "one call"])
     ap.add_argument("--quick", action="store_true", help="tiny shapes in the interpreter (a CPU check)")
     args = ap.parse_args(argv)
     cfg = ModelConfig.from_hf_dict(SHAPES[args.model])
@@ -82,10 +85,13 @@ def main(argv=None):
                     jax.clear_caches()  # the knob is read at trace time
                     got = {}
                     for way, fn in {"separate": separate, "one call": one_call}.items():
+                        if way not in args.ways:
+                            continue
                         what = f"{args.model} {name} T={t} adapters={k} chunk={chunk or 'auto'} {way}"
                         log(f"# compiling {what} ...")
                         t0 = time.perf_counter()
-                        exe = jax.jit(lambda *z, fn=fn: over_layers(fn, layers, *z)).lower(*args_).compile()
+                        exe = jax.jit(lambda *z, fn=fn: over_layers(fn, layers, *z, loops=args.loops)).lower(
+                            *args_).compile()
                         log(f"# compiled {what}: {time.perf_counter() - t0:.1f} s; its first run ...")
                         t0 = time.perf_counter()
                         got[way] = jax.block_until_ready(exe(*args_))
@@ -95,21 +101,25 @@ def main(argv=None):
                             t0 = time.perf_counter()
                             jax.block_until_ready(exe(*args_))
                             times.append(time.perf_counter() - t0)
-                        log(f"{what}: {1e6 * statistics.median(times) / layers:.1f} us a layer "
-                            f"({layers} layers in {1e3 * statistics.median(times):.2f} ms)")
+                        calls = layers * args.loops
+                        log(f"{what}: {1e6 * statistics.median(times) / calls:.1f} us a layer "
+                            f"({calls} calls in {1e3 * statistics.median(times):.2f} ms)")
+                    if len(got) < 2:
+                        continue
                     diff = max(float(jnp.max(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32))))
                                for u, v in zip(got["separate"], got["one call"]))
                     log(f"{args.model} {name} T={t} adapters={k} chunk={chunk or 'auto'}: "
                         f"max |separate - one call| {diff:.3g}")
 
 
-def over_layers(fn, layers, x, a, bs, *z):
-    """fn at every layer of the pools in turn (a loop, as a step's scan over its layers), each
-    layer's outputs summed, so that every call's result is used and one dispatch runs them all."""
-    def body(layer, acc):
-        return tuple(s + y.astype(jnp.float32) for s, y in zip(acc, fn(x, a, bs, layer, *z)))
+def over_layers(fn, layers, x, a, bs, *z, loops: int = 1):
+    """fn at every layer of the pools in turn (a loop, as a step's scan over its layers), `loops`
+    times over, each call's outputs summed, so that every call's result is used and one dispatch
+    runs them all."""
+    def body(i, acc):
+        return tuple(s + y.astype(jnp.float32) for s, y in zip(acc, fn(x, a, bs, i % layers, *z)))
     zeros = tuple(jnp.zeros((x.shape[0], b.shape[2]), jnp.float32) for b in bs)
-    return jax.lax.fori_loop(0, layers, body, zeros)
+    return jax.lax.fori_loop(0, layers * loops, body, zeros)
 
 
 if __name__ == "__main__":

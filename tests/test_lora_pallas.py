@@ -268,11 +268,12 @@ def test_pallas_backend_shrink_and_expand_alone_never_read_slot_0():
     np.testing.assert_allclose(got, np_delta(x, a_dense, b_dense, 0, 0, scal, slot_T), atol=tol, rtol=tol)
 
 
-def test_copy_knobs_are_off_by_default_and_name_a_bad_value(monkeypatch):
+def test_copy_knobs_defaults_and_a_bad_value_named(monkeypatch):
     from multilora.kernels import lora_pallas as lp
-    for env, on in ((lp.STACKED_COPY_ENV, lp.stacked_copy_on), (lp.CHUNK_COPY_ENV, lp.chunk_copy_on),
-                    (lp.ONE_WAIT_ENV, lp.one_wait_on), (lp.SPAN_COPY_ENV, lp.span_copy_on)):
-        for value, want in ((None, False), ("", False), ("0", False), ("1", True)):
+    for env, on, default in ((lp.STACKED_COPY_ENV, lp.stacked_copy_on, False),
+                             (lp.CHUNK_COPY_ENV, lp.chunk_copy_on, False), (lp.ONE_WAIT_ENV, lp.one_wait_on, True),
+                             (lp.SPAN_COPY_ENV, lp.span_copy_on, False)):
+        for value, want in ((None, default), ("", default), ("0", False), ("1", True)):
             if value is None:
                 monkeypatch.delenv(env, raising=False)
             else:
