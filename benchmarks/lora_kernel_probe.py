@@ -4,7 +4,9 @@ step's scan calls it), its median wall time divided by the layers, so a call's h
 paid once per loop, not per call. Each case is compiled, run once, then timed, every step printed
 as it happens (a crash or a hang names its case). Separate calls (lora_delta per output) beside
 one call for a stacked A pool's outputs (lora_deltas), rank-16 adapters, bf16; --chunks sweeps
-the adapters per chunk (MULTILORA_LORA_CHUNK_ADAPTERS; 0: the kernel's own pick).
+the adapters per chunk (MULTILORA_LORA_CHUNK_ADAPTERS; 0: the kernel's own pick). --contiguous
+gives the step consecutive slots, whose pages are one run of the pool (MULTILORA_LORA_CHUNK_COPY=1
+then reads a chunk in one copy a pool).
 
     python3 benchmarks/lora_kernel_probe.py --model llama-3.2-1b --tokens 64 --adapters 64 --chunks 0 16
     JAX_PLATFORMS=cpu python3 benchmarks/lora_kernel_probe.py --quick   # the interpreter, tiny shapes
@@ -47,6 +49,8 @@ def main(argv=None):
     ap.add_argument("--loops", type=int, default=10,
                     help="passes over the layers in one dispatch (its host cost spread over them all)")
     ap.add_argument("--ways", nargs="+", default=["separate", "one call"], choices=["separate", "one call"])
+    ap.add_argument("--contiguous", action="store_true",
+                    help="the step's adapters consecutive slots (their pages one run of the pool) instead of drawn at random")
     ap.add_argument("--quick", action="store_true", help="tiny shapes in the interpreter (a CPU check)")
     args = ap.parse_args(argv)
     cfg = ModelConfig.from_hf_dict(SHAPES[args.model])
@@ -67,7 +71,7 @@ def main(argv=None):
             bs = [(0.02 * jax.random.normal(next(key), (layers, s * rank, o))).astype(jnp.bfloat16) for o in outs]
             for t in args.tokens:
                 rng = np.random.default_rng(t + k)
-                slot_T = rng.integers(0, s, t).astype(np.int32)
+                slot_T = (1 + np.arange(t) % k if args.contiguous else rng.integers(0, s, t)).astype(np.int32)
                 info = make_lora_batch_info(slot_T, np.full(s, 2.0, np.float32), np.full(s, rank, np.int32), rows,
                                             max_grouped=min(64, max(k, 1)))
                 x = (jax.random.normal(next(key), (t, d_in))).astype(jnp.bfloat16)

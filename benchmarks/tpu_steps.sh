@@ -3,7 +3,7 @@
 # issue's shapes (SmolLM2-135M, Llama-3.2-1B; random bf16 weights, rank-16 adapters on all seven
 # projections), 0 / 8 / 64 adapters, multilora's TPU backend beside `dense` (sglang-jax's one-hot
 # product over every slot). Raw output under $OUT. Parts (PARTS="..."): tests atests (the kernels'
-# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys), lanepack (kv heads two to a cache row, against one), stackcopy (the LoRA kernel's copies: stacked blocks, whole chunks, one wait a buffer, spans),
+# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys), lanepack (kv heads two to a cache row, against one), copyorder (the LoRA kernel's next copies started after its wait; a chunk in one copy a pool),
 # trace, optrace, pprobe (the Pallas attention's prefill side), copyloop, families (issue 40's families on the chip), offline (the engine's throughput), startup (an
 # Engine with adapters compiled at start), stash and
 # agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py), cases
@@ -114,26 +114,28 @@ for part in $PARTS; do
                   echo "$shape pack $lp: exit $?" | tee -a "$OUT/lanepack.txt"; grep -E "^(decode |prefill )" "$OUT/lanepack_${shape}_$lp.log" | tee -a "$OUT/lanepack.txt"
                 done
               done ;;
-    # the LoRA kernel's copies: a stacked A pool's blocks (q/k/v, gate/up) of an adapter in one
-    # strided copy (MULTILORA_LORA_STACKED_COPY), a chunk whose pages are one run in one copy a pool
-    # (MULTILORA_LORA_CHUNK_COPY), a buffer's copies waited on at once (MULTILORA_LORA_ONE_WAIT), a
-    # chunk within 2W pool rows in one copy a pool (MULTILORA_LORA_SPAN_COPY), against one copy a
-    # block and adapter, each waited on (multilora.kernels.lora_pallas): the kernel's tests
-    # compiled on the chip, then 0 / 8 / 64 adapters (8: one chunk, one run of the pool; 64: ~40 of
-    # them used, few runs, most chunks spans), variants "stacked chunk one-wait span" 0000 1000
-    # 0010 0001 1011, a process each (~6 min a shape: a call for each, SHAPES_=smollm2-135m, then llama-3.2-1b)
-    stackcopy) timeout -k 5 150 python3 -m pytest -q -x -p no:cacheprovider --noconftest tests/test_lora_pallas.py \
-                 -k "stacked or one_run" 2>&1 | tail -3 | tee "$OUT/stackcopy_tests.log"
-               for shape in ${SHAPES_:-smollm2-135m}; do
-                 ctx=$([ "$shape" = smollm2-135m ] && echo 80 || echo 256)
-                 for v in ${COPY_VARIANTS:-0000 1000 0010 0001 1011}; do
-                   MULTILORA_LORA_STACKED_COPY=${v:0:1} MULTILORA_LORA_CHUNK_COPY=${v:1:1} MULTILORA_LORA_ONE_WAIT=${v:2:1} \
-                     MULTILORA_LORA_SPAN_COPY=${v:3:1} timeout -k 5 ${CASE_LIMIT:-100} $FS --model "$shape" --decode-ctx "$ctx" \
-                     --modes decode prefill --adapters ${ADAPTERS:-0 8 64} --json "$OUT/copies_${shape}_$v.json" \
-                     > "$OUT/copies_${shape}_$v.log" 2>&1
-                   echo "$shape copies $v: exit $?" | tee -a "$OUT/copies.txt"
-                   grep -E "^(decode |prefill )" "$OUT/copies_${shape}_$v.log" | tee -a "$OUT/copies.txt"
-                 done
+    # the LoRA kernel's copies against its math (log 48: they do not overlap). Two readings: starting
+    # a chunk's ~48 copies stalls until the DMA queue has room (this chunk's copies drained), or
+    # the scalar core's work to issue them holds up the math it also issues. The kernel's tests
+    # compiled on the chip, then: the next chunk's copies started after this chunk's wait
+    # (MULTILORA_LORA_START_AFTER_WAIT=1) against before it, SmolLM2 decode with 0 / 64 adapters,
+    # alternating, a process each; then the probe's q/k/v and gate/up calls on a step whose adapters
+    # are consecutive slots (--contiguous), each chunk in one copy a pool (MULTILORA_LORA_CHUNK_COPY=1:
+    # 6 copies a q/k/v chunk instead of 48, the same bytes) or a copy an adapter, x start order
+    copyorder) timeout -k 5 150 python3 -m pytest -q -x -p no:cacheprovider --noconftest tests/test_lora_pallas.py \
+                 -k "stacked or one_run" 2>&1 | tail -3 | tee "$OUT/copyorder_tests.log"
+               for saw in 0 1 0 1; do
+                 MULTILORA_LORA_START_AFTER_WAIT=$saw timeout -k 5 ${CASE_LIMIT:-90} $FS --modes decode --adapters 0 64 \
+                   > "$OUT/copyorder_fs_$saw.log" 2>&1
+                 echo "start after wait $saw: exit $? $(grep -E '^decode ' "$OUT/copyorder_fs_$saw.log" | awk '{print $6, $8, $11}' | tr '\n' ' ')" \
+                   | tee -a "$OUT/copyorder.txt"
+               done
+               for v in 00 10 01 11; do
+                 MULTILORA_LORA_CHUNK_COPY=${v:0:1} MULTILORA_LORA_START_AFTER_WAIT=${v:1:1} timeout -k 5 ${CASE_LIMIT:-90} \
+                   python3 benchmarks/lora_kernel_probe.py --contiguous --tokens 64 --adapters 8 64 --calls qkv gate_up \
+                   --ways "one call" > "$OUT/copyorder_probe_$v.log" 2>&1
+                 echo "chunk copy, start after wait $v: exit $?" | tee -a "$OUT/copyorder.txt"
+                 grep "us a layer" "$OUT/copyorder_probe_$v.log" | tee -a "$OUT/copyorder.txt"
                done ;;
     # every (shape, mode, adapters) case in its own process, its whole output kept
     # ($OUT/case_<shape>_<mode>_<k>.log): a case that crashes or hangs costs only its own

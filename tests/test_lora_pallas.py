@@ -22,18 +22,17 @@ from multilora.lora.batch import NO_ADAPTER, make_lora_batch_info, step_adapters
 ON_TPU = jax.default_backend() == "tpu"
 
 
-def paged_pool(rng, num_layers, blocks, slot_ranks, width, dtype, table_width, in_slot_order=False,
-               unnamed=np.nan):
+def paged_pool(rng, num_layers, blocks, slot_ranks, width, dtype, table_width, in_slot_order=False):
     """(pool (L, blocks*U, X), rows_SR, dense (L, blocks, S, R, X)): each slot's ceil(rank / 8)
     pages in the pool, an odd slot's as one run of consecutive pages (read in one copy), an even
     slot's at random pages, in no order (in_slot_order: every slot's one run, slot after slot, as
     a registry that hands pages lowest first lays out adapters loaded one after another); page 0
-    zero, rows past a slot's rank zero, rows no slot names NaN (or `unnamed`)."""
+    zero, rows past a slot's rank zero, rows no slot names NaN."""
     s = len(slot_ranks)
     need = [-(-int(k) // PAGE_ROWS) for k in slot_ranks]
     n_runs = sum(n for i, n in enumerate(need) if i % 2 or in_slot_order)
     n_pages = 1 + sum(need) + 3
-    n_pages += n_pages % 2                                   # whole 16-row tiles (a stacked copy's 4-d view)
+    n_pages += n_pages % 2                                   # whole 16-row tiles of a bf16 pool
     runs = iter(range(n_pages - n_runs, n_pages))           # the top pages, handed out in order
     free = list(rng.permutation(np.arange(1, n_pages - n_runs)))
     rows = np.tile(np.arange(table_width, dtype=np.int32) % PAGE_ROWS, (s, 1))
@@ -46,7 +45,7 @@ def paged_pool(rng, num_layers, blocks, slot_ranks, width, dtype, table_width, i
     for i, k in enumerate(slot_ranks):
         dense[:, :, i, k:] = 0.0
     dense[:, :, NO_ADAPTER] = 0.0
-    pool = np.full((num_layers, blocks, u, width), unnamed, np.float32)
+    pool = np.full((num_layers, blocks, u, width), np.nan, np.float32)
     pool[:, :, :PAGE_ROWS] = 0.0
     for i, n in enumerate(need):
         for r in range(n * PAGE_ROWS):
@@ -167,29 +166,29 @@ def test_lora_delta_matches_the_per_token_definition(case, dtype, copy_loop, tra
         assert np.allclose(np.asarray(ref.astype(jnp.float32)), want, atol=tol * scale)
 
 
-# (dtype, adapters a chunk (None: the kernel's pick), a stacked A pool's blocks in one copy, the
-# call's A blocks (None: all, in order), a buffer's copies waited on at once)
-STACKED_CASES = [("float32", None, False, None, False), ("bfloat16", None, False, None, False),
-                 ("bfloat16", 4, False, None, False), ("float32", 16, False, None, False),
-                 ("bfloat16", None, True, None, False), ("float32", 4, True, (1, 2), False),
-                 ("float32", None, True, (2, 0), False), ("float32", 4, False, None, True),
-                 ("bfloat16", None, True, (1, 2), True)]
+# (dtype, adapters a chunk (None: the kernel's pick), the call's A blocks (None: all, in order),
+# a buffer's copies waited on at once, the next chunk's copies started after this one's wait)
+STACKED_CASES = [("float32", None, None, False, False), ("bfloat16", None, None, False, False),
+                 ("bfloat16", 4, None, False, True), ("float32", 16, None, False, False),
+                 ("float32", 4, (1, 2), False, False), ("float32", None, (2, 0), True, False),
+                 ("float32", 4, None, True, True), ("bfloat16", None, (1, 2), True, False)]
 
 
-@pytest.mark.parametrize("dtype,chunk,stacked_copy,ids,one_wait", STACKED_CASES)
-def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, stacked_copy, ids, one_wait,
+@pytest.mark.parametrize("dtype,chunk,ids,one_wait,start_after_wait", STACKED_CASES)
+def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, ids, one_wait, start_after_wait,
                                                            trace_time_knob):
-    """lora_deltas: q/k/v-like outputs of different widths from one stacked A pool in one call,
-    over two token tiles and several chunks of adapters (the kernel's pick of adapters per chunk,
-    and others through MULTILORA_LORA_CHUNK_ADAPTERS), each adapter's blocks in a copy each or in
-    one (MULTILORA_LORA_STACKED_COPY=1; blocks out of order take a copy each), waited on a copy
-    at a time or a buffer at once (MULTILORA_LORA_ONE_WAIT=1; pages out of order, page by page),
-    against the per-token definition."""
-    from multilora.kernels.lora_pallas import CHUNK_ENV, ONE_WAIT_ENV, STACKED_COPY_ENV, lora_deltas
+    """lora_deltas: q/k/v-like outputs of different widths from one stacked A pool in one call
+    (its blocks in order, some, or out of order), over two token tiles and several chunks of
+    adapters (the kernel's pick of adapters per chunk, and others through
+    MULTILORA_LORA_CHUNK_ADAPTERS), waited on a copy at a time (MULTILORA_LORA_ONE_WAIT=0) or a
+    buffer at once (pages out of order, page by page), the next chunk's copies started before or
+    after this chunk's wait (MULTILORA_LORA_START_AFTER_WAIT=1), against the per-token
+    definition."""
+    from multilora.kernels.lora_pallas import CHUNK_ENV, ONE_WAIT_ENV, START_AFTER_WAIT_ENV, lora_deltas
     if chunk:
         trace_time_knob(CHUNK_ENV, str(chunk))
-    trace_time_knob(STACKED_COPY_ENV, "1" if stacked_copy else "0")
     trace_time_knob(ONE_WAIT_ENV, "1" if one_wait else "0")
+    trace_time_knob(START_AFTER_WAIT_ENV, "1" if start_after_wait else "0")
     rng = np.random.default_rng(11)
     ranks = [0] + [16, 8] * 9 + [16]
     t, d, outs, layers = 40, 128, (256, 128, 128), 2
@@ -270,9 +269,8 @@ def test_pallas_backend_shrink_and_expand_alone_never_read_slot_0():
 
 def test_copy_knobs_defaults_and_a_bad_value_named(monkeypatch):
     from multilora.kernels import lora_pallas as lp
-    for env, on, default in ((lp.STACKED_COPY_ENV, lp.stacked_copy_on, False),
-                             (lp.CHUNK_COPY_ENV, lp.chunk_copy_on, False), (lp.ONE_WAIT_ENV, lp.one_wait_on, True),
-                             (lp.SPAN_COPY_ENV, lp.span_copy_on, False)):
+    for env, on, default in ((lp.CHUNK_COPY_ENV, lp.chunk_copy_on, False), (lp.ONE_WAIT_ENV, lp.one_wait_on, True),
+                             (lp.START_AFTER_WAIT_ENV, lp.start_after_wait_on, False)):
         for value, want in ((None, default), ("", default), ("0", False), ("1", True)):
             if value is None:
                 monkeypatch.delenv(env, raising=False)
@@ -286,44 +284,32 @@ def test_copy_knobs_defaults_and_a_bad_value_named(monkeypatch):
 
 
 # (token tile rows (None: the whole step, whose adapters then go in order of pool page), slots the
-# step's tokens use (a range: whole chunks are runs; every other slot: none is), a stacked A
-# pool's blocks in one copy too, a buffer's copies waited on at once, whole chunks or spans)
-CHUNK_COPY_CASES = [(None, "range", False, False, "chunk"), (None, "range", True, False, "chunk"),
-                    (8, "range", False, False, "chunk"), (None, "sparse", True, False, "chunk"),
-                    (None, "range", True, True, "chunk"), (8, "sparse", False, True, "chunk"),
-                    (None, "range", False, False, "span"), (None, "sparse", False, False, "span"),
-                    (8, "range", False, False, "span"), (None, "sparse", True, True, "span")]
+# step's tokens use (a range: whole chunks are runs; every other slot: none is), a buffer's copies
+# waited on at once)
+CHUNK_COPY_CASES = [(None, "range", False), (None, "range", True), (8, "range", False), (None, "sparse", True),
+                    (8, "sparse", True)]
 
 
-@pytest.mark.parametrize("tiles,used,stacked_copy,one_wait,mode", CHUNK_COPY_CASES)
-def test_a_chunk_whose_pages_are_one_run_comes_in_one_copy(tiles, used, stacked_copy, one_wait, mode,
-                                                            trace_time_knob):
+@pytest.mark.parametrize("tiles,used,one_wait", CHUNK_COPY_CASES)
+def test_a_chunk_whose_pages_are_one_run_comes_in_one_copy(tiles, used, one_wait, trace_time_knob):
     """MULTILORA_LORA_CHUNK_COPY=1: a chunk whose adapters' pages are one run of the pool is read
     in one copy a pool, others an adapter at a time; a step of one token tile orders its adapters
     by pool page (tokens in random order of adapters), one of several keeps their first
-    appearance. MULTILORA_LORA_SPAN_COPY=1: a chunk whose adapters lie within 2W pool rows is read
-    in one copy a pool of those rows, the other adapters' rows between them (and past them, where
-    the span is clamped to the pool's end) kept out by the owner map: those rows hold finite
-    values far from the adapters' (the pool's rows are finite; one leaked in would show).
-    Against the per-token definition, q/k/v-like outputs from a stacked A pool."""
-    from multilora.kernels.lora_pallas import (CHUNK_COPY_ENV, ONE_WAIT_ENV, SPAN_COPY_ENV, STACKED_COPY_ENV,
-                                               lora_deltas)
-    trace_time_knob(CHUNK_COPY_ENV, "1" if mode == "chunk" else "0")
-    trace_time_knob(SPAN_COPY_ENV, "1" if mode == "span" else "0")
-    trace_time_knob(STACKED_COPY_ENV, "1" if stacked_copy else "0")
+    appearance. The pool's rows no adapter names hold NaN: one read in would show. Against the
+    per-token definition, q/k/v-like outputs from a stacked A pool."""
+    from multilora.kernels.lora_pallas import CHUNK_COPY_ENV, ONE_WAIT_ENV, lora_deltas
+    trace_time_knob(CHUNK_COPY_ENV, "1")
     trace_time_knob(ONE_WAIT_ENV, "1" if one_wait else "0")
     rng = np.random.default_rng(5)
     ranks = [0] + [16] * 20
     t, d, outs, layers = 40, 128, (128, 256, 128), 2
-    unnamed = np.nan if mode == "chunk" else 1e3
-    a_pool, rows, a_dense = paged_pool(rng, layers, len(outs), ranks, d, "float32", 16, in_slot_order=True,
-                                       unnamed=unnamed)
+    a_pool, rows, a_dense = paged_pool(rng, layers, len(outs), ranks, d, "float32", 16, in_slot_order=True)
     u = a_pool.shape[1] // len(outs)
     bs = []
     for k, o in enumerate(outs):
         dense = np.random.default_rng(30 + k).standard_normal((layers, 1, len(ranks), 16, o)).astype(np.float32)
         dense[:, :, NO_ADAPTER] = 0.0
-        pool = np.full((layers, u, o), unnamed, np.float32)
+        pool = np.full((layers, u, o), np.nan, np.float32)
         pool[:, :PAGE_ROWS] = 0.0
         for i in range(1, len(ranks)):
             pool[:, rows[i]] = dense[:, 0, i]
@@ -334,15 +320,15 @@ def test_a_chunk_whose_pages_are_one_run_comes_in_one_copy(tiles, used, stacked_
     scalings[NO_ADAPTER] = 0.0
     info = make_lora_batch_info(slot_T, scalings, np.asarray(ranks, np.int32), rows, max_grouped=24)
     # the plan's chunk flags (after the pages, 2 an entry, and the entries' runs): whole chunks
-    # where one tile takes the adapters by pool page; spans for both chunks of adapters
+    # where one tile takes the adapters by pool page
     tm = tiles or t
-    plan = lora_plan(info.step_slots_A, info.local_T, rows, scalings, (tm,), u)
+    plan = lora_plan(info.step_slots_A, info.local_T, rows, scalings, (tm,))
     per_chunk = chunk_adapters(16, len(info.step_slots_A))
     n_chunks = -(-len(info.step_slots_A) // per_chunk)
     meta = np.asarray(plan["tiles"][tm]["meta"])
     flags = meta[n_chunks * per_chunk * 3:n_chunks * per_chunk * 3 + n_chunks]
-    want_flags = 2 if mode == "span" or (tiles, used) == (None, "range") else 0
-    assert flags.sum() == want_flags and plan["span_rows"] == (2 * per_chunk * 16 if mode == "span" else 0), flags
+    want_flags = 2 if (tiles, used) == (None, "range") else 0
+    assert flags.sum() == want_flags and plan["chunk_runs"], flags
     x = jnp.asarray(rng.standard_normal((t, d)).astype(np.float32))
     x_np = np.asarray(x)
     got = jax.jit(lora_deltas, static_argnames=("a_block_ids", "a_blocks", "interpret", "tile_rows"))(

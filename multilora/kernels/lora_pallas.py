@@ -48,17 +48,11 @@ CHUNK_ENV = "MULTILORA_LORA_CHUNK_ADAPTERS"
 # than unrolled copies: on a v5e a LoRA step compiled in 3.4-5.7 s against 12.4-16.1 s unrolled, at
 # the same step times (benchmarks/log/40). "0" unrolls them (tpu_steps.sh's part `copyloop`).
 COPY_LOOP_ENV = "MULTILORA_LORA_COPY_LOOP"
-# "1": a stacked A pool's blocks (q/k/v's, gate/up's) of an adapter come in one strided copy
-# instead of one copy a block (a SmolLM2 decode step over ~40 adapters issues ~17K copies of
-# 6-18 KB: 14 an adapter a layer, 10 with this). It reads the pool through a 4-d view (L, blocks,
-# U / blocks, D), taken only where U / blocks is whole 16-row tiles (else a TPU might copy the
-# pool to make it). Off until timed on a chip (tpu_steps.sh's part `stackcopy`).
-STACKED_COPY_ENV = "MULTILORA_LORA_STACKED_COPY"
 # "1": a chunk whose adapters' pages are one run of the pool comes in one copy a pool (W rows)
 # instead of a copy an adapter; a step whose calls are one token tile each (decode) orders its
 # adapters by pool page for it (a tile visits every chunk anyway), so that adapters loaded one
 # after another (the registry hands pages lowest first) make whole-chunk runs. Off until timed on a
-# chip (tpu_steps.sh's part `stackcopy`).
+# chip (tpu_steps.sh's part `copyorder`).
 CHUNK_COPY_ENV = "MULTILORA_LORA_CHUNK_COPY"
 # A chunk's copies are waited on with one wait a buffer (a DMA semaphore counts the bytes that
 # arrived, and a chunk's copies into one buffer always total that buffer: W rows a pool) instead
@@ -66,13 +60,12 @@ CHUNK_COPY_ENV = "MULTILORA_LORA_CHUNK_COPY"
 # 64 adapters 5.61 -> 5.40 ms (4.27 -> 4.12 back to back), the others unchanged (benchmarks/log/48).
 # The default; "0" waits on each copy.
 ONE_WAIT_ENV = "MULTILORA_LORA_ONE_WAIT"
-# "1": a chunk whose adapters' rows all lie within 2W rows of the pool (gaps of other adapters'
-# rows between them) comes in one copy a pool of those 2W rows, the gap rows kept out of the
-# product by an owner map (which entry each buffer row is; their B rows are finite, as the
-# adapter loader refuses NaN and Inf, so their zero columns add nothing); a one-tile step orders
-# its adapters by pool page for it, as with CHUNK_COPY_ENV (which it takes the place of). Other
-# chunks come an adapter at a time. Off until timed on a chip (tpu_steps.sh's part `stackcopy`).
-SPAN_COPY_ENV = "MULTILORA_LORA_SPAN_COPY"
+# "1": the next chunk's copies are started after this chunk's wait instead of before it. In a v5e
+# SmolLM2 decode step a chunk's math does not overlap the next chunk's copies (benchmarks/log/48);
+# if starting ~48 copies stalls until the DMA queue has room, i.e. until this chunk's copies have
+# drained, starting them once it is empty lets them run under the math. Off until timed on a chip
+# (tpu_steps.sh's part `copyorder`).
+START_AFTER_WAIT_ENV = "MULTILORA_LORA_START_AFTER_WAIT"
 
 
 def chunk_adapters(table_width: int, num_adapters: int = 0) -> int:
@@ -88,25 +81,20 @@ def chunk_adapters(table_width: int, num_adapters: int = 0) -> int:
     return n
 
 
-def stacked_copy_on() -> bool:
-    """Whether a stacked A pool's blocks come in one copy ($MULTILORA_LORA_STACKED_COPY)."""
-    return switch_knob(STACKED_COPY_ENV)
-
-
 def chunk_copy_on() -> bool:
     """Whether a chunk whose pages are one run comes in one copy ($MULTILORA_LORA_CHUNK_COPY)."""
     return switch_knob(CHUNK_COPY_ENV)
-
-
-def span_copy_on() -> bool:
-    """Whether a chunk within 2W pool rows comes in one copy ($MULTILORA_LORA_SPAN_COPY)."""
-    return switch_knob(SPAN_COPY_ENV)
 
 
 def one_wait_on() -> bool:
     """Whether a chunk's copies into a buffer are waited on at once ($MULTILORA_LORA_ONE_WAIT,
     on unless "0")."""
     return switch_knob(ONE_WAIT_ENV, default=True)
+
+
+def start_after_wait_on() -> bool:
+    """Whether the next chunk's copies start after this chunk's wait ($MULTILORA_LORA_START_AFTER_WAIT)."""
+    return switch_knob(START_AFTER_WAIT_ENV)
 
 
 def token_tile(num_tokens: int, d_in: int, d_out: int, itemsize: int) -> int:
@@ -130,32 +118,25 @@ def _precision(operand):
 
 def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pages_per_chunk: int,
             a_ids: tuple, block_rows: int, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int,
-            copy_loop: bool = False, stacked_copy: bool = False, chunk_copy: bool = False,
-            one_wait: bool = False, span_rows: int = 0):
+            copy_loop: bool = False, chunk_copy: bool = False, one_wait: bool = True,
+            start_after_wait: bool = False):
     """layer_ref, meta_ref (SMEM): the layer; the plan's pages and runs, then the tile size's
     lo / n / start (lora_plan's "meta"; the chunks' runs after the entries' where chunk_copy).
     a_hbm: the A pool (L, U, D), its blocks of U / blocks rows, a_ids the blocks of the call's
-    outputs (stacked_copy: as (L, blocks, U / blocks, D), blocks a_ids[0], a_ids[0] + 1, ... in
-    one strided copy); refs: nb B pools (HBM), nb outputs, then the scratch: A's buffer (both
-    slots, a block of W rows per output), nb B buffers, the DMA semaphores, nb accumulators.
-    chunk_copy: a chunk whose pages are one run in one copy a pool. one_wait: a buffer's copies
-    waited on at once. span_rows (S): a chunk flagged a span comes in one copy a pool of S rows
-    from its start page, read through owner_ref (C, 1, S: each buffer row's entry, -1 for gap
-    rows; scale_ref is then by row too); the meta's chunk flags and start pages follow the
-    entries' runs; other chunks fill and use the first W rows of each S-row buffer."""
-    owner_ref, refs = (refs[0], refs[1:]) if span_rows else (None, refs)
+    outputs; refs: nb B pools (HBM), nb outputs, then the scratch: A's buffer (both slots, a
+    block of W rows per output), nb B buffers, the DMA semaphores, nb accumulators. chunk_copy: a
+    chunk whose pages are one run in one copy a pool. one_wait: a buffer's copies waited on at
+    once. start_after_wait: the next chunk's copies started after this chunk's wait, not before."""
     a_hbm, refs = refs[0], refs[1:]
     b_hbm, y_refs = refs[:nb], refs[nb:2 * nb]
     abuf, bbufs, sem, accs = refs[2 * nb], refs[2 * nb + 1:3 * nb + 1], refs[3 * nb + 1], refs[3 * nb + 2:]
     i, j = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     per_adapter = rank_cols // PAGE_ROWS
-    w = per_chunk * rank_cols
-    buf = span_rows or w   # rows of a block's buffer
+    w = per_chunk * rank_cols   # rows of a block's buffer
     o_pages, o_runs = 0, num_chunks * pages_per_chunk
     o_chunk_runs = o_runs + num_chunks * per_chunk
-    o_span_start = o_chunk_runs + num_chunks
-    o_lo = o_chunk_runs + (2 * num_chunks if span_rows else num_chunks if chunk_copy else 0)
+    o_lo = o_chunk_runs + (num_chunks if chunk_copy else 0)
     o_n, o_start = o_lo + num_tiles, o_lo + 2 * num_tiles
 
     def dmas(tile, jj, slot, act):
@@ -167,13 +148,9 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
 
         def copy(first_page, dst_row, rows):
             row = pl.multiple_of(first_page * PAGE_ROWS, PAGE_ROWS)
-            if stacked_copy:
-                act(pltpu.make_async_copy(a_hbm.at[layer, pl.ds(a_ids[0], nb), pl.ds(row, rows)],
-                                          abuf.at[slot, :, pl.ds(dst_row, rows)], sem.at[0, slot]))
-            else:
-                for k, blk in enumerate(a_ids):
-                    act(pltpu.make_async_copy(a_hbm.at[layer, pl.ds(blk * block_rows + row, rows)],
-                                              abuf.at[slot, pl.ds(k * buf + dst_row, rows)], sem.at[0, slot]))
+            for k, blk in enumerate(a_ids):
+                act(pltpu.make_async_copy(a_hbm.at[layer, pl.ds(blk * block_rows + row, rows)],
+                                          abuf.at[slot, pl.ds(k * w + dst_row, rows)], sem.at[0, slot]))
             for k in range(nb):
                 act(pltpu.make_async_copy(b_hbm[k].at[layer, pl.ds(row, rows)],
                                           bbufs[k].at[slot, pl.ds(dst_row, rows)], sem.at[1 + k, slot]))
@@ -205,17 +182,14 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
                 for a in range(per_chunk):
                     adapter(a, a * rank_cols)
 
-        if not (chunk_copy or span_rows):
+        if not chunk_copy:
             each_adapter()
             return
         whole = meta_ref[o_chunk_runs + c] == 1
 
         @pl.when(whole)
         def _():
-            if span_rows:
-                copy(meta_ref[o_span_start + c], 0, span_rows)
-            else:
-                copy(meta_ref[o_pages + c * pages_per_chunk], 0, w)
+            copy(meta_ref[o_pages + c * pages_per_chunk], 0, w)
 
         @pl.when(jnp.logical_not(whole))
         def _():
@@ -231,36 +205,30 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
 
     @pl.when(active)
     def _():
-        # The next active step's pages go in flight before this step waits for its own.
         last_of_tile = j + 1 >= n_i
 
-        @pl.when(jnp.logical_not(last_of_tile))
-        def _():
-            dmas(i, j + 1, 1 - slot, lambda cp: cp.start())
+        def start_next():
+            """The next active step's pages in flight while this step's math runs."""
+            @pl.when(jnp.logical_not(last_of_tile))
+            def _():
+                dmas(i, j + 1, 1 - slot, lambda cp: cp.start())
 
-        @pl.when(last_of_tile & (i + 1 < num_tiles))
-        def _():
-            dmas(i + 1, 0, 1 - slot, lambda cp: cp.start())
+            @pl.when(last_of_tile & (i + 1 < num_tiles))
+            def _():
+                dmas(i + 1, 0, 1 - slot, lambda cp: cp.start())
 
+        if not start_after_wait:
+            start_next()
         c = meta_ref[o_lo + i] + j
-        span = (meta_ref[o_chunk_runs + c] == 1) if span_rows else None
-
-        def wait_all(n):
-            """One wait a buffer for copies totalling n rows of each block's (the semaphores count
-            bytes, whichever rows they came to)."""
-            a_dst = abuf.at[slot, :, pl.ds(0, n)] if stacked_copy else abuf.at[slot, pl.ds(0, nb * n)]
-            pltpu.make_async_copy(a_dst, a_dst, sem.at[0, slot]).wait()
+        if one_wait:   # one wait a buffer for its whole W rows (the semaphores count bytes,
+            # whichever rows they came to)
+            pltpu.make_async_copy(abuf.at[slot], abuf.at[slot], sem.at[0, slot]).wait()
             for k in range(nb):
-                b_dst = bbufs[k].at[slot, pl.ds(0, n)]
-                pltpu.make_async_copy(b_dst, b_dst, sem.at[1 + k, slot]).wait()
-
-        if not one_wait:
-            dmas(i, j, slot, lambda cp: cp.wait())
-        elif span_rows:
-            pl.when(span)(lambda: wait_all(span_rows))
-            pl.when(jnp.logical_not(span))(lambda: wait_all(w))
+                pltpu.make_async_copy(bbufs[k].at[slot], bbufs[k].at[slot], sem.at[1 + k, slot]).wait()
         else:
-            wait_all(w)
+            dmas(i, j, slot, lambda cp: cp.wait())
+        if start_after_wait:
+            start_next()
 
         @pl.when(j == 0)
         def _():
@@ -268,29 +236,15 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
                 acc[...] = jnp.zeros_like(acc)
 
         x = x_ref[...]
-
-        def accumulate(n, mine, scale):
-            """The chunk's products over the first n rows of each buffer."""
-            for k in range(nb):
-                if stacked_copy:
-                    a = abuf[slot, k] if n == buf else abuf[slot, k, pl.ds(0, n)]
-                else:
-                    a = abuf[slot, pl.ds(k * buf, n), :]
-                h = jax.lax.dot_general(x, a.astype(x.dtype), (((1,), (1,)), ((), ())), precision=_precision(x),
-                                        preferred_element_type=jnp.float32)            # (tm, n)
-                h = jnp.where(mine, h * scale, 0.0)
-                b = bbufs[k][slot] if n == buf else bbufs[k][slot, pl.ds(0, n)]
-                accs[k][...] += jnp.dot(h.astype(b.dtype), b, precision=_precision(b),
-                                        preferred_element_type=jnp.float32)
-
-        if span_rows:   # each buffer row's entry from the owner map
-            for n, when in ((span_rows, span), (w, jnp.logical_not(span))):
-                pl.when(when)(functools.partial(
-                    lambda n: accumulate(n, local_ref[...] == owner_ref[c, :, pl.ds(0, n)],
-                                         scale_ref[c, :, pl.ds(0, n)]), n))
-        else:
-            col = c * per_chunk + jax.lax.broadcasted_iota(jnp.int32, (1, w), 1) // rank_cols
-            accumulate(w, local_ref[...] == col, scale_ref[c])
+        col = c * per_chunk + jax.lax.broadcasted_iota(jnp.int32, (1, w), 1) // rank_cols
+        mine, scale = local_ref[...] == col, scale_ref[c]
+        for k in range(nb):
+            a = abuf[slot, pl.ds(k * w, w), :]
+            h = jax.lax.dot_general(x, a.astype(x.dtype), (((1,), (1,)), ((), ())), precision=_precision(x),
+                                    preferred_element_type=jnp.float32)                # (tm, W)
+            h = jnp.where(mine, h * scale, 0.0)
+            b = bbufs[k][slot]
+            accs[k][...] += jnp.dot(h.astype(b.dtype), b, precision=_precision(b), preferred_element_type=jnp.float32)
 
         @pl.when(last_of_tile)
         def _():
@@ -298,24 +252,21 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
                 y_ref[...] = acc[...].astype(y_ref.dtype)
 
 
-def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles, pool_rows: int | None = None) -> dict:
+def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles) -> dict:
     """What lora_delta derives from the step's adapters, the same for every layer and projection:
     the pages of each chunk, the rank columns' scalings, and for each token tile size in `tiles`
     the tokens' padded chunk columns and each tile's run of chunks. Made once per step
     (PallasLoRABackend.plan_step): each small op of it costs a TPU a few microseconds per call, and
     inside the step's branches XLA does not hoist them out of the layer loop. With
     $MULTILORA_LORA_CHUNK_COPY=1 also each chunk's run flag, and a step of one token tile a call
-    takes its adapters in order of pool page; with $MULTILORA_LORA_SPAN_COPY=1 (and pool_rows, the
-    rows of a pool's block, at least a span's) each chunk's span flag and start page, its owner
-    map and its scales by buffer row (span_plan)."""
+    takes its adapters in order of pool page."""
     t = local_T.shape[0]
     r = rows_SR.shape[1]
     if r % PAGE_ROWS:
         raise ValueError(f"the row table's width {r} is not whole pages of {PAGE_ROWS}")
     a_cnt = step_slots_A.shape[0]
     per_chunk = chunk_adapters(r, a_cnt)
-    span_rows = 2 * per_chunk * r if span_copy_on() and pool_rows and pool_rows >= 2 * per_chunk * r else 0
-    chunk_copy = chunk_copy_on() or span_rows > 0
+    chunk_copy = chunk_copy_on()
     if chunk_copy and all(tm >= t for tm in tiles):
         step_slots_A, local_T = by_pool_page(step_slots_A, local_T, rows_SR)
     num_chunks = -(-a_cnt // per_chunk)
@@ -325,11 +276,7 @@ def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles, pool_rows: int 
     pages = jnp.where(slots[:, None] == NO_ADAPTER, 0, rows_AR[:, ::PAGE_ROWS] // PAGE_ROWS)
     # each entry's pages one run of consecutive pool pages: read in one copy (the kernel's `dmas`)
     runs = jnp.all(pages == pages[:, :1] + jnp.arange(pages.shape[1], dtype=pages.dtype), axis=1).astype(jnp.int32)
-    if span_rows:
-        span = span_plan(slots, rows_AR, runs, jnp.take(scalings_S, slots, mode="clip"), per_chunk, span_rows,
-                         pool_rows)
-        runs = jnp.concatenate([runs, span["flags"], span["start_pages"]])
-    elif chunk_copy:   # each chunk's pages one run of the pool: read in one copy a pool
+    if chunk_copy:   # each chunk's pages one run of the pool: read in one copy a pool
         q = pages.shape[1] * per_chunk
         by_chunk = pages.reshape(num_chunks, q)
         chunk_runs = jnp.all(by_chunk == by_chunk[:, :1] + jnp.arange(q, dtype=pages.dtype), axis=1)
@@ -352,41 +299,8 @@ def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles, pool_rows: int 
         start = (jnp.cumsum(n) - n).astype(jnp.int32)
         # the kernel's scalars in one array (one copy into SMEM a call, not one per array)
         by_tile[tm] = dict(local=local_pad[:, None], meta=jnp.concatenate([pages, runs, lo, n, start]))
-    # span_rows / chunk_runs: the meta's layout, which the kernel is compiled for (lora_deltas)
-    if span_rows:
-        return dict(scale=span["scale"], owner=span["owner"], span_rows=span_rows, chunk_runs=False, tiles=by_tile)
-    return dict(scale=scale_C1W, span_rows=0, chunk_runs=chunk_copy, tiles=by_tile)
-
-
-def span_plan(slots, rows_AR, runs, scalings, per_chunk: int, span_rows: int, pool_rows: int) -> dict:
-    """For each chunk of per_chunk entries (slots, rows_AR their row tables, runs whether each
-    entry's pages are one run): whether its adapters' rows lie within span_rows rows of the pool
-    (every entry a run; padding entries aside), the page its span copy starts at (clamped so that
-    it ends inside the pool), and for each of its buffer rows the entry that owns it (-1: a gap)
-    and that entry's scaling; a chunk that is no span owns its first W rows an adapter after
-    another, as the kernel's copies an adapter at a time fill them."""
-    e, r = rows_AR.shape
-    c = e // per_chunk
-    real = slots != NO_ADAPTER
-    first = rows_AR[:, 0]
-    lo = jnp.min(jnp.where(real, first, pool_rows).reshape(c, per_chunk), axis=1)
-    hi = jnp.max(jnp.where(real, first + r, 0).reshape(c, per_chunk), axis=1)
-    ok = jnp.all(((runs == 1) | ~real).reshape(c, per_chunk), axis=1) & jnp.any(real.reshape(c, per_chunk), axis=1)
-    flags = ok & (hi - lo <= span_rows)
-    start = jnp.where(flags, jnp.minimum(lo, pool_rows - span_rows), 0)
-    chunk_E = jnp.arange(e) // per_chunk
-    in_span = first - start[chunk_E]                                   # an entry's first buffer row in a span
-    in_turn = (jnp.arange(e) % per_chunk) * r                          # ... an adapter at a time
-    base = jnp.where(flags[chunk_E], in_span, in_turn)
-    keep = jnp.where(flags[chunk_E], real, True)                       # a span's padding owns nothing
-    pos_ER = jnp.where(keep[:, None], base[:, None] + jnp.arange(r), span_rows)   # span_rows: dropped
-    rows_C = jnp.broadcast_to(chunk_E[:, None], pos_ER.shape)
-    owner = jnp.full((c, span_rows), -1, jnp.int32).at[rows_C, pos_ER].set(
-        jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32)[:, None], pos_ER.shape), mode="drop")
-    scale = jnp.zeros((c, span_rows), jnp.float32).at[rows_C, pos_ER].set(
-        jnp.broadcast_to(scalings.astype(jnp.float32)[:, None], pos_ER.shape), mode="drop")
-    return dict(flags=flags.astype(jnp.int32), start_pages=(start // PAGE_ROWS).astype(jnp.int32),
-                owner=owner[:, None, :], scale=scale[:, None, :])
+    # chunk_runs: the meta's layout, which the kernel is compiled for (lora_deltas)
+    return dict(scale=scale_C1W, chunk_runs=chunk_copy, tiles=by_tile)
 
 
 def lora_delta(x_TD, a_pool_LUD, b_pool_LUO, layer, step_slots_A, local_T, rows_SR, scalings_S,
@@ -430,10 +344,9 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
     outs = [b.shape[2] for b in b_pools_LUO]
     r = rows_SR.shape[1]
     tm = tile_rows or token_tile(t, d, sum(outs), jnp.dtype(x_TD.dtype).itemsize)
-    num_layers, rows, _ = a_pool_LUD.shape
+    rows = a_pool_LUD.shape[1]
     if plan is None or tm not in plan["tiles"]:
-        plan = lora_plan(step_slots_A, local_T, rows_SR, scalings_S, (tm,), rows // a_blocks)
-    span = plan["span_rows"]
+        plan = lora_plan(step_slots_A, local_T, rows_SR, scalings_S, (tm,))
     per_chunk = chunk_adapters(r, step_slots_A.shape[0])
     num_chunks = -(-step_slots_A.shape[0] // per_chunk)
     w = per_chunk * r
@@ -441,17 +354,11 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
     pad = nt * tm - t
     x_pad = jnp.pad(x_TD, ((0, pad), (0, 0))) if pad else x_TD
     tile = plan["tiles"][tm]
-    consecutive = a_block_ids == tuple(range(a_block_ids[0], a_block_ids[0] + nb))
-    # the 4-d view only where asked and its blocks are whole (16, 128) tiles: on a TPU a reshape
-    # of a tiled pool across a tile would be a copy of the pool
-    stacked = nb > 1 and consecutive and (rows // a_blocks) % 16 == 0 and stacked_copy_on()
-    a_pool = a_pool_LUD.reshape(num_layers, a_blocks, rows // a_blocks, d) if stacked else a_pool_LUD
     kernel = functools.partial(_kernel, nb=nb, pages_per_chunk=w // PAGE_ROWS, a_ids=a_block_ids,
                                block_rows=rows // a_blocks, rank_cols=r, per_chunk=per_chunk, num_tiles=nt,
                                num_chunks=num_chunks, copy_loop=os.environ.get(COPY_LOOP_ENV) != "0",
-                               stacked_copy=stacked, chunk_copy=plan["chunk_runs"],
-                               one_wait=one_wait_on(), span_rows=span)
-    buf = span or w
+                               chunk_copy=plan["chunk_runs"], one_wait=one_wait_on(),
+                               start_after_wait=start_after_wait_on())
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
@@ -459,12 +366,11 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
         in_specs=[
             pl.BlockSpec((tm, d), lambda i, j, *_: (i, 0)),
             pl.BlockSpec((tm, 1), lambda i, j, *_: (i, 0)),
-            pl.BlockSpec((num_chunks, 1, buf), lambda i, j, *_: (0, 0, 0)),
-        ] + ([pl.BlockSpec((num_chunks, 1, buf), lambda i, j, *_: (0, 0, 0))] if span else [])
-        + [any_space] * (1 + nb),
+            pl.BlockSpec((num_chunks, 1, w), lambda i, j, *_: (0, 0, 0)),
+        ] + [any_space] * (1 + nb),
         out_specs=[pl.BlockSpec((tm, o), lambda i, j, *_: (i, 0)) for o in outs],
-        scratch_shapes=[pltpu.VMEM((2, nb, buf, d) if stacked else (2, nb * buf, d), a_pool_LUD.dtype)]
-        + [pltpu.VMEM((2, buf, o), b.dtype) for o, b in zip(outs, b_pools_LUO)]
+        scratch_shapes=[pltpu.VMEM((2, nb * w, d), a_pool_LUD.dtype)]
+        + [pltpu.VMEM((2, w, o), b.dtype) for o, b in zip(outs, b_pools_LUO)]
         + [pltpu.SemaphoreType.DMA((1 + nb, 2))]
         + [pltpu.VMEM((tm, o), jnp.float32) for o in outs],
     )
@@ -476,7 +382,7 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
                                              vmem_limit_bytes=VMEM_LIMIT_BYTES),
         interpret=pltpu.InterpretParams() if interpret else False,
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), tile["meta"], x_pad, tile["local"], plan["scale"],
-      *([plan["owner"]] if span else []), a_pool, *b_pools_LUO)
+      a_pool_LUD, *b_pools_LUO)
     return tuple(y[:t] if pad else y for y in ys)
 
 

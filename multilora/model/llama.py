@@ -398,7 +398,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         dims = ((d, n * h + 2 * kvh * h), (n * h, d), (d, 2 * f), (f, d))
         dims += ((d, cfg.num_experts),) if cfg.moe_layers else ()  # the router's LoRA
         for b in bes:
-            info = b.plan_step(info, t, dims, x_TD.dtype, pool_rows=lora.o_b_LUD.shape[1])
+            info = b.plan_step(info, t, dims, x_TD.dtype)
     # Rows with one token this step take the decode path; the prefill kernel sees them as padding.
     is_decode_T = (batch.seq_idx_T >= 0) & (batch.seq_idx_T < batch.num_decode)
     write_hm = _kv_writer(kv_write, batch, kv.page_size) if kv_heads_major else None

@@ -73,11 +73,11 @@ class BaseLoRABackend:
                      for i, b_UO in enumerate(lora_b))
 
     def plan_step(self, info: LoRABatchInfo, num_tokens: int, dims: Sequence[tuple[int, int]],
-                  dtype, pool_rows: int | None = None) -> LoRABatchInfo:
+                  dtype) -> LoRABatchInfo:
         """Inside the step, before its layers: info with whatever the backend derives from it
         once for every layer's calls (LoRABatchInfo.kernel_plan). dims: the (in, out) features
         of each call it will get (run_qkv_lora's and run_gate_up_lora's outputs together);
-        dtype: the activations'; pool_rows: the rows of a pool's block (every pool's the same)."""
+        dtype: the activations'."""
         return info
 
     def prepare_lora_batch(self, slot_T: np.ndarray, scalings_S: np.ndarray, ranks_S: np.ndarray,

@@ -48,14 +48,14 @@ class PallasLoRABackend(BaseLoRABackend):
                              f"{info.step_slots_A.shape[0]} it was compiled for (max_num_seqs)")
         return info
 
-    def plan_step(self, info: LoRABatchInfo, num_tokens: int, dims, dtype, pool_rows=None) -> LoRABatchInfo:
+    def plan_step(self, info: LoRABatchInfo, num_tokens: int, dims, dtype) -> LoRABatchInfo:
         """The kernel's per-step metadata (lora_plan), for the token tiles the step's calls will
-        take (dims: each call's input features and its outputs' together; pool_rows: the rows of
-        a pool's block), made once instead of in each of the step's layers x calls."""
+        take (dims: each call's input features and its outputs' together), made once instead of
+        in each of the step's layers x calls."""
         if not _paged(info):
             return info
         tiles = {token_tile(num_tokens, d, o, jnp.dtype(dtype).itemsize) for d, o in dims}
-        plan = lora_plan(info.step_slots_A, info.local_T, info.rows_SR, info.scalings_S, tuple(tiles), pool_rows)
+        plan = lora_plan(info.step_slots_A, info.local_T, info.rows_SR, info.scalings_S, tuple(tiles))
         return dataclasses.replace(info, kernel_plan=plan)
 
     def _deltas(self, x_TD, a, bs, info: LoRABatchInfo):
