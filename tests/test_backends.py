@@ -175,8 +175,17 @@ def _all_ops(backend):
                     expand=be.run_lora_b_gemm(h_in, b, info),
                     expand_base=be.run_lora_b_gemm(h_in, b, info, base),
                     qkv=be.run_qkv_lora(x, qkv_a, qkv_b, info),
-                    gate_up=be.run_gate_up_lora(x, gu_a, gu_b, info))
+                    gate_up=be.run_gate_up_lora(x, gu_a, gu_b, info),
+                    # each added to a base output (the Pallas kernel sums them itself)
+                    one_base=be.run_lora(x, a, b, info, base),
+                    qkv_base=be.run_qkv_lora(x, qkv_a, qkv_b, info, qkv_bases(base, qkv_b)),
+                    gate_up_base=be.run_gate_up_lora(x, gu_a, gu_b, info, (base, -2 * base)))
     return run
+
+
+def qkv_bases(base_TO, qkv_b):
+    """Base outputs for q/k/v of their widths, cut from one (T, O) base."""
+    return tuple(base_TO[:, :w.shape[-1]] for w in qkv_b)
 
 
 # One jit per backend, jitted as the model uses the backends; shapes, not slot mixes, compile.
@@ -228,6 +237,13 @@ def test_backend_matches_numpy(backend, shape, pattern):
         assert_close(g, w, f"run_qkv_lora[{name}] {what}")
     for name, g, w in zip(("gate", "up"), got["gate_up"], np_stacked(x, gu_a, gu_b, scalings, slot_T)):
         assert_close(g, w, f"run_gate_up_lora[{name}] {what}")
+    assert_close(got["one_base"], base + np_lora(x, a, b, scalings, slot_T), f"run_lora + base_output {what}")
+    for name, g, w, bo in zip("qkv", got["qkv_base"], np_stacked(x, qkv_a, qkv_b, scalings, slot_T),
+                              qkv_bases(base, qkv_b)):
+        assert_close(g, bo + w, f"run_qkv_lora[{name}] + base_outputs {what}")
+    for name, g, w, bo in zip(("gate", "up"), got["gate_up_base"], np_stacked(x, gu_a, gu_b, scalings, slot_T),
+                              (base, -2 * base)):
+        assert_close(g, bo + w, f"run_gate_up_lora[{name}] + base_outputs {what}")
 
 
 def test_shapes_cover_sgmv_tiles():

@@ -216,6 +216,40 @@ def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, ids, on
         assert float(np.abs(y - want).max()) <= tol * scale, f"output {k}"
 
 
+@pytest.mark.parametrize("dtype,tile_rows", [("float32", 16), ("bfloat16", None)])
+def test_outputs_summed_with_their_base_outputs_in_the_kernel(dtype, tile_rows):
+    """lora_deltas with base_outputs: each output base + delta (summed in float32, rounded once
+    to the base's dtype), base rows exactly their base; base outputs of other shapes refused."""
+    from multilora.kernels.lora_pallas import lora_deltas
+    rng = np.random.default_rng(17)
+    ranks = [0] + [16, 8] * 6
+    t, d, outs, layers = 40, 128, (256, 128), 2
+    a_pool, rows, a_dense = paged_pool(rng, layers, len(outs), ranks, d, dtype, 16)
+    u = a_pool.shape[1] // len(outs)
+    bs = [b_pool_by_table(np.random.default_rng(40 + k), layers, ranks, rows, u, o, dtype) for k, o in enumerate(outs)]
+    scalings = rng.uniform(0.25, 2.0, len(ranks)).astype(np.float32)
+    scalings[NO_ADAPTER] = 0.0
+    slot_T = make_tokens(rng, "random", t, len(ranks))
+    info = make_lora_batch_info(slot_T, scalings, np.asarray(ranks, np.int32), rows, max_grouped=16)
+    x = jnp.asarray(rng.standard_normal((t, d)).astype(np.float32)).astype(dtype)
+    bases = [jnp.asarray(rng.standard_normal((t, o)).astype(np.float32)).astype(dtype) for o in outs]
+    run = jax.jit(lora_deltas, static_argnames=("a_block_ids", "a_blocks", "interpret", "tile_rows"))
+    got = run(x, a_pool, [b for b, _ in bs], jnp.int32(1), info.step_slots_A, info.local_T, rows, scalings,
+              a_blocks=len(outs), interpret=not ON_TPU, tile_rows=tile_rows, base_outputs=bases)
+    x_np = np.asarray(x.astype(jnp.float32))
+    tol = 2e-2 if dtype == "bfloat16" else (2e-3 if ON_TPU else 1e-4)
+    for k, (y, base) in enumerate(zip(got, bases)):
+        assert y.dtype == base.dtype and y.shape == base.shape
+        y, base = np.asarray(y.astype(jnp.float32)), np.asarray(base.astype(jnp.float32))
+        want = base + np_delta(x_np, a_dense, bs[k][1], 1, k, scalings, slot_T)
+        assert np.array_equal(y[slot_T == NO_ADAPTER], base[slot_T == NO_ADAPTER]), f"output {k}: base rows changed"
+        err = float(np.abs(y - want).max())
+        assert err <= tol * max(1.0, float(np.abs(want).max())), f"output {k}: max |err| {err:.3e}"
+    with pytest.raises(ValueError, match="base outputs .* do not match the LoRA outputs"):
+        lora_deltas(x, a_pool, [b for b, _ in bs], 1, info.step_slots_A, info.local_T, rows, scalings,
+                    a_blocks=len(outs), interpret=not ON_TPU, base_outputs=bases[::-1])
+
+
 def test_step_adapters_in_order_of_first_appearance():
     steps, local = step_adapters(np.array([0, 5, 3, 5, 0, 9, 3], np.int32), 4)
     assert steps.tolist() == [5, 3, 9, 0]

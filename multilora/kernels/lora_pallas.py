@@ -39,7 +39,7 @@ from multilora.kernels.knobs import positive_int_knob, switch_knob
 
 LANES = 128
 VMEM_LIMIT_BYTES = 64 * 1024 * 1024   # a v5e core has 128 MiB of VMEM; the default scope is 16 MiB
-VMEM_BUDGET_BYTES = 40 * 1024 * 1024  # what one call's buffers may take (tm is picked to fit)
+TOKEN_VMEM_BYTES = 28 * 1024 * 1024   # what one call's token-side blocks may take (tm is picked to fit)
 
 
 # Adapters per chunk in place of chunk_adapters' pick (a probe's knob: benchmarks/lora_kernel_probe.py)
@@ -98,11 +98,12 @@ def start_after_wait_on() -> bool:
 
 
 def token_tile(num_tokens: int, d_in: int, d_out: int, itemsize: int) -> int:
-    """Rows per token tile: the whole step where its x block, f32 accumulators and output blocks
-    (d_out: the features of every output of the call together) fit the VMEM budget, else the
-    largest power of two (>= 8) that does (the step is padded to whole tiles)."""
+    """Rows per token tile: the whole step where its x block, f32 accumulators, base output and
+    output blocks (d_out: the features of every output of the call together; in and out blocks
+    double-buffered) fit the VMEM budget, else the largest power of two (>= 8) that does (the
+    step is padded to whole tiles)."""
     def fits(tm):
-        return tm * (2 * d_in * itemsize + 4 * d_out + 2 * d_out * itemsize) <= VMEM_BUDGET_BYTES // 2
+        return tm * (2 * d_in * itemsize + 4 * d_out + 4 * d_out * itemsize) <= TOKEN_VMEM_BYTES
     if fits(num_tokens):
         return num_tokens
     tm = 1 << (num_tokens.bit_length() - 1)
@@ -119,14 +120,16 @@ def _precision(operand):
 def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pages_per_chunk: int,
             a_ids: tuple, block_rows: int, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int,
             copy_loop: bool = False, chunk_copy: bool = False, one_wait: bool = True,
-            start_after_wait: bool = False):
+            start_after_wait: bool = False, with_base: bool = False):
     """layer_ref, meta_ref (SMEM): the layer; the plan's pages and runs, then the tile size's
     lo / n / start (lora_plan's "meta"; the chunks' runs after the entries' where chunk_copy).
     a_hbm: the A pool (L, U, D), its blocks of U / blocks rows, a_ids the blocks of the call's
     outputs; refs: nb B pools (HBM), nb outputs, then the scratch: A's buffer (both slots, a
     block of W rows per output), nb B buffers, the DMA semaphores, nb accumulators. chunk_copy: a
     chunk whose pages are one run in one copy a pool. one_wait: a buffer's copies waited on at
-    once. start_after_wait: the next chunk's copies started after this chunk's wait, not before."""
+    once. start_after_wait: the next chunk's copies started after this chunk's wait, not before.
+    with_base: refs open with nb base output blocks (tm, O), each output their sum with its delta."""
+    base_refs, refs = (refs[:nb], refs[nb:]) if with_base else ((None,) * nb, refs)
     a_hbm, refs = refs[0], refs[1:]
     b_hbm, y_refs = refs[:nb], refs[nb:2 * nb]
     abuf, bbufs, sem, accs = refs[2 * nb], refs[2 * nb + 1:3 * nb + 1], refs[3 * nb + 1], refs[3 * nb + 2:]
@@ -248,8 +251,9 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
 
         @pl.when(last_of_tile)
         def _():
-            for y_ref, acc in zip(y_refs, accs):
-                y_ref[...] = acc[...].astype(y_ref.dtype)
+            for y_ref, acc, base_ref in zip(y_refs, accs, base_refs):
+                y = acc[...] if base_ref is None else acc[...] + base_ref[...].astype(jnp.float32)
+                y_ref[...] = y.astype(y_ref.dtype)
 
 
 def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles) -> dict:
@@ -332,12 +336,14 @@ def by_pool_page(step_slots_A, local_T, rows_SR):
 
 def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, rows_SR, scalings_S,
                 a_block_ids=None, a_blocks: int = 1, interpret: bool = False, tile_rows: int | None = None,
-                plan: dict | None = None):
+                plan: dict | None = None, base_outputs=None):
     """The deltas of several projections over one input (q/k/v, gate/up), in one call: output k
     from A block a_block_ids[k] of the stacked A pool (default: block k) and B pool b_pools_LUO[k].
     One call reads x once and walks the step's adapters once for all of them, where separate calls
     each pay a call's fixed cost (its scalars, its first pages' wait, x read again): ~4 us on a
-    v5e, 210 calls a step of SmolLM2's shape. Arguments as lora_delta's."""
+    v5e, 210 calls a step of SmolLM2's shape. base_outputs (one (T, O_k) each, optional): each
+    output is then base + delta, summed in float32 and rounded once, in its base's dtype, so that
+    no delta is written out for an add of XLA's to read back. Arguments as lora_delta's."""
     t, d = x_TD.shape
     nb = len(b_pools_LUO)
     a_block_ids = tuple(range(nb)) if a_block_ids is None else tuple(a_block_ids)
@@ -353,12 +359,17 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
     nt = -(-t // tm)
     pad = nt * tm - t
     x_pad = jnp.pad(x_TD, ((0, pad), (0, 0))) if pad else x_TD
+    bases = [] if base_outputs is None else [jnp.pad(b, ((0, pad), (0, 0))) if pad else b for b in base_outputs]
+    if bases and [b.shape for b in bases] != [(nt * tm, o) for o in outs]:
+        raise ValueError(f"base outputs {[tuple(b.shape) for b in base_outputs]} do not match the LoRA outputs "
+                         f"{[(t, o) for o in outs]}")
     tile = plan["tiles"][tm]
+    out_dtypes = [b.dtype for b in bases] if bases else [x_TD.dtype] * nb
     kernel = functools.partial(_kernel, nb=nb, pages_per_chunk=w // PAGE_ROWS, a_ids=a_block_ids,
                                block_rows=rows // a_blocks, rank_cols=r, per_chunk=per_chunk, num_tiles=nt,
                                num_chunks=num_chunks, copy_loop=os.environ.get(COPY_LOOP_ENV) != "0",
                                chunk_copy=plan["chunk_runs"], one_wait=one_wait_on(),
-                               start_after_wait=start_after_wait_on())
+                               start_after_wait=start_after_wait_on(), with_base=bool(bases))
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
@@ -367,7 +378,8 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
             pl.BlockSpec((tm, d), lambda i, j, *_: (i, 0)),
             pl.BlockSpec((tm, 1), lambda i, j, *_: (i, 0)),
             pl.BlockSpec((num_chunks, 1, w), lambda i, j, *_: (0, 0, 0)),
-        ] + [any_space] * (1 + nb),
+        ] + ([pl.BlockSpec((tm, o), lambda i, j, *_: (i, 0)) for o in outs] if bases else [])
+        + [any_space] * (1 + nb),
         out_specs=[pl.BlockSpec((tm, o), lambda i, j, *_: (i, 0)) for o in outs],
         scratch_shapes=[pltpu.VMEM((2, nb * w, d), a_pool_LUD.dtype)]
         + [pltpu.VMEM((2, w, o), b.dtype) for o, b in zip(outs, b_pools_LUO)]
@@ -377,12 +389,12 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
     ys = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((nt * tm, o), x_TD.dtype) for o in outs],
+        out_shape=[jax.ShapeDtypeStruct((nt * tm, o), dt) for o, dt in zip(outs, out_dtypes)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
                                              vmem_limit_bytes=VMEM_LIMIT_BYTES),
         interpret=pltpu.InterpretParams() if interpret else False,
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), tile["meta"], x_pad, tile["local"], plan["scale"],
-      a_pool_LUD, *b_pools_LUO)
+      *bases, a_pool_LUD, *b_pools_LUO)
     return tuple(y[:t] if pad else y for y in ys)
 
 

@@ -415,9 +415,10 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     # at run time, so they cost no extra compiled shapes.
 
     def with_lora(fn, idx, *base):
-        # base + the LoRA deltas fn gives, or base itself in a step without adapters (a branch
-        # of zeros added outside cost a prefill step ~10 %: every projection's output written as
-        # zeros, then read and added). The pools enter the branch whole and the layer is picked
+        # fn(pools, backend, base): base + its LoRA deltas (the backend adds them, inside its kernel
+        # where it can), or base itself in a step without adapters (a branch of zeros added
+        # outside cost a prefill step ~10 %: every projection's output written as zeros, then
+        # read and added). The pools enter the branch whole and the layer is picked
         # inside it, where the pick fuses into the backend's gathers: a layer slice taken outside
         # was copied out whole (the entire pool, every step) to be handed to the branch.
         def run(b):
@@ -426,7 +427,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
             else:
                 pools = lambda: jax.tree.map(  # noqa: E731
                     lambda a: jax.lax.dynamic_index_in_dim(a, idx, 0, keepdims=False), lora)
-            return lambda: tuple(y + d.astype(y.dtype) for y, d in zip(base, fn(pools(), b)))
+            return lambda: tuple(fn(pools(), b, base))
         same = lambda: base  # noqa: E731
         if len(bes) == 1:
             return jax.lax.cond(info.mode != NO_LORA, run(bes[0]), same)
@@ -451,8 +452,8 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         k = _proj(hid, lw.wk_LDO, lw.bk_LO, idx, live_T)
         v = _proj(hid, lw.wv_LDO, lw.bv_LO, idx, live_T)
         if be is not None:
-            q, k, v = with_lora(lambda ll, be: be.run_qkv_lora(
-                hid, ll.qkv_a_LUD, (ll.q_b_LUO, ll.k_b_LUO, ll.v_b_LUO), info), idx, q, k, v)
+            q, k, v = with_lora(lambda ll, be, base: be.run_qkv_lora(
+                hid, ll.qkv_a_LUD, (ll.q_b_LUO, ll.k_b_LUO, ll.v_b_LUO), info, base), idx, q, k, v)
         q_TNH, k_TKH = q.reshape(t, n, h), k.reshape(t, kvh, h)
         if lw.q_norm_LH is not None:  # Qwen3, Gemma 3: each head's q and k RMS-normed (after LoRA, before RoPE)
             q_TNH = rms_norm(q_TNH, lw.q_norm_LH, cfg.rms_norm_eps, cfg.gemma_norms)
@@ -485,7 +486,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         attn_TO = attn_TNH.reshape(t, n * h)
         o = _proj(attn_TO, lw.wo_LOD, lw.bo_LD, idx, live_T)
         if be is not None:
-            (o,) = with_lora(lambda ll, be: (be.run_lora(attn_TO, ll.o_a_LUO, ll.o_b_LUD, info),), idx, o)
+            (o,) = with_lora(lambda ll, be, base: (be.run_lora(attn_TO, ll.o_a_LUO, ll.o_b_LUD, info, *base),), idx, o)
         if lw.post_attn_norm_LD is not None:  # Gemma 2: the attention's output normed too
             o = norm(o, lw.post_attn_norm_LD)
         x_TD = x_TD + o
@@ -493,8 +494,8 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
         if sparse:  # Qwen3-MoE: its router's top-k experts, grouped, each with its LoRA
             logits_TE = _proj(hid, lw.router_LDE)
             if be is not None:
-                (logits_TE,) = with_lora(lambda ll, be: (be.run_lora(hid, ll.router_a_LUD, ll.router_b_LUE, info),),
-                                         idx, logits_TE)
+                (logits_TE,) = with_lora(lambda ll, be, base: (
+                    be.run_lora(hid, ll.router_a_LUD, ll.router_b_LUE, info, *base),), idx, logits_TE)
             weights_TK, experts_TK = select_experts(logits_TE, cfg.num_experts_per_tok, cfg.norm_topk_prob)
             adapters = None if be is None else ExpertLoRA(
                 lora.experts_gate_up_a_LUY, lora.experts_gate_up_b_LUZ, lora.experts_down_a_LUY,
@@ -503,12 +504,13 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
                                            lw.w_down_LEMD, adapters), k_cache, v_cache), None
         gate, up = _proj(hid, lw.w_gate_LDF, layer=idx, rows=live_T), _proj(hid, lw.w_up_LDF, layer=idx, rows=live_T)
         if be is not None:
-            gate, up = with_lora(lambda ll, be: be.run_gate_up_lora(
-                hid, ll.gate_up_a_LUD, (ll.gate_b_LUF, ll.up_b_LUF), info), idx, gate, up)
+            gate, up = with_lora(lambda ll, be, base: be.run_gate_up_lora(
+                hid, ll.gate_up_a_LUD, (ll.gate_b_LUF, ll.up_b_LUF), info, base), idx, gate, up)
         act_TF = swiglu(gate, up) if cfg.hidden_act == "silu" else geglu_tanh(gate, up)
         down = _proj(act_TF, lw.w_down_LFD, layer=idx, rows=live_T)
         if be is not None:
-            (down,) = with_lora(lambda ll, be: (be.run_lora(act_TF, ll.down_a_LUF, ll.down_b_LUD, info),), idx, down)
+            (down,) = with_lora(lambda ll, be, base: (be.run_lora(act_TF, ll.down_a_LUF, ll.down_b_LUD, info, *base),),
+                                idx, down)
         if lw.post_mlp_norm_LD is not None:
             down = norm(down, lw.post_mlp_norm_LD)
         return (x_TD + down, k_cache, v_cache), None

@@ -52,19 +52,22 @@ class BaseLoRABackend:
         raise NotImplementedError
 
     def run_lora(self, x_TD: jax.Array, lora_a_UD: jax.Array, lora_b_UO: jax.Array,
-                 info: LoRABatchInfo) -> jax.Array:
-        """One projection's delta, shrink then expand (o_proj, down_proj)."""
-        return self.run_lora_b_gemm(self.run_lora_a_gemm(x_TD, lora_a_UD, info), lora_b_UO, info)
+                 info: LoRABatchInfo, base_output_TO: jax.Array | None = None) -> jax.Array:
+        """One projection's delta, shrink then expand (o_proj, down_proj), added to
+        base_output_TO when given."""
+        return self.run_lora_b_gemm(self.run_lora_a_gemm(x_TD, lora_a_UD, info), lora_b_UO, info, base_output_TO)
 
-    def run_qkv_lora(self, x_TD: jax.Array, qkv_a_UD: jax.Array,
-                     lora_b: Sequence[jax.Array], info: LoRABatchInfo) -> tuple[jax.Array, ...]:
-        """One shrink over the stacked q/k/v A (three blocks), then one expand per output."""
-        return self._stacked(x_TD, qkv_a_UD, lora_b, info)
+    def run_qkv_lora(self, x_TD: jax.Array, qkv_a_UD: jax.Array, lora_b: Sequence[jax.Array], info: LoRABatchInfo,
+                     base_outputs: Sequence[jax.Array] | None = None) -> tuple[jax.Array, ...]:
+        """One shrink over the stacked q/k/v A (three blocks), then one expand per output; each
+        added to its base output when base_outputs are given."""
+        return add_bases(self._stacked(x_TD, qkv_a_UD, lora_b, info), base_outputs)
 
-    def run_gate_up_lora(self, x_TD: jax.Array, gate_up_a_UD: jax.Array,
-                         lora_b: Sequence[jax.Array], info: LoRABatchInfo) -> tuple[jax.Array, ...]:
-        """One shrink over the stacked gate/up A (two blocks), then one expand per output."""
-        return self._stacked(x_TD, gate_up_a_UD, lora_b, info)
+    def run_gate_up_lora(self, x_TD: jax.Array, gate_up_a_UD: jax.Array, lora_b: Sequence[jax.Array],
+                         info: LoRABatchInfo, base_outputs: Sequence[jax.Array] | None = None) -> tuple[jax.Array, ...]:
+        """One shrink over the stacked gate/up A (two blocks), then one expand per output; each
+        added to its base output when base_outputs are given."""
+        return add_bases(self._stacked(x_TD, gate_up_a_UD, lora_b, info), base_outputs)
 
     def _stacked(self, x_TD, a_UD, lora_b, info):
         h_TR = self.run_lora_a_gemm(x_TD, a_UD, info, len(lora_b))
@@ -105,6 +108,15 @@ def slot_rows(pool_UX: jax.Array, info: LoRABatchInfo, slots_N: jax.Array, block
 
 def add_base(y_TO: jax.Array, base_output_TO: jax.Array | None) -> jax.Array:
     return y_TO if base_output_TO is None else base_output_TO + y_TO.astype(base_output_TO.dtype)
+
+
+def add_bases(ys, base_outputs) -> tuple:
+    """Each delta added to its base output (the deltas as they are where base_outputs is None)."""
+    if base_outputs is None:
+        return tuple(ys)
+    if len(base_outputs) != len(ys):
+        raise ValueError(f"{len(base_outputs)} base outputs for {len(ys)} LoRA outputs")
+    return tuple(add_base(y, b) for y, b in zip(ys, base_outputs))
 
 
 def token_scaling_T1(info: LoRABatchInfo, dtype) -> jax.Array:

@@ -41,8 +41,8 @@ class NativeLoRABackend(BaseLoRABackend):
         y_TO = kernels.expand(h_TR, b.pool, b.layer, info.slot_T, info.ranks_S, info.rows_SR)
         return add_base(y_TO.astype(h_TR.dtype), base_output_TO)
 
-    def run_lora(self, x_TD, lora_a_UD, lora_b_UO, info: LoRABatchInfo):
-        return self._stacked(x_TD, lora_a_UD, (lora_b_UO,), info)[0]
+    def run_lora(self, x_TD, lora_a_UD, lora_b_UO, info: LoRABatchInfo, base_output_TO=None):
+        return add_base(self._stacked(x_TD, lora_a_UD, (lora_b_UO,), info)[0], base_output_TO)
 
     def _stacked(self, x_TD, a_UD, lora_b, info):
         a = _pool_layer(a_UD)
