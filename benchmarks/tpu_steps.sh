@@ -3,7 +3,7 @@
 # issue's shapes (SmolLM2-135M, Llama-3.2-1B; random bf16 weights, rank-16 adapters on all seven
 # projections), 0 / 8 / 64 adapters, multilora's TPU backend beside `dense` (sglang-jax's one-hot
 # product over every slot). Raw output under $OUT. Parts (PARTS="..."): tests atests (the kernels'
-# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys), lanepack (kv heads two to a cache row, against one), copyorder (the LoRA kernel's next copies started after its wait; a chunk in one copy a pool),
+# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys), lanepack (kv heads two to a cache row, against one), copyorder (the LoRA kernel's next copies started after its wait; a chunk in one copy a pool), zerolocal (the zero page's copies from VMEM),
 # trace, optrace, pprobe (the Pallas attention's prefill side), copyloop, families (issue 40's families on the chip), offline (the engine's throughput), startup (an
 # Engine with adapters compiled at start), stash and
 # agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py), cases
@@ -136,6 +136,15 @@ for part in $PARTS; do
                    --ways "one call" > "$OUT/copyorder_probe_$v.log" 2>&1
                  echo "chunk copy, start after wait $v: exit $?" | tee -a "$OUT/copyorder.txt"
                  grep "us a layer" "$OUT/copyorder_probe_$v.log" | tee -a "$OUT/copyorder.txt"
+               done ;;
+    # the zero page's copies (padding entries, pages past a lower rank) from VMEM zeros
+    # (MULTILORA_LORA_ZERO_PAGE_LOCAL=1) against from HBM, alternating, a process each: SmolLM2
+    # decode from a 65-slot pool with 3 adapters (one chunk of 8: 5 padding entries) and 64 (~41 used)
+    zerolocal) for zl in 0 1 0 1; do
+                 MULTILORA_LORA_ZERO_PAGE_LOCAL=$zl timeout -k 5 ${CASE_LIMIT:-90} $FS --modes decode --adapters 0 3 64 \
+                   --slots 65 > "$OUT/zerolocal_$zl.log" 2>&1
+                 echo "zero page local $zl: exit $? $(grep -E '^decode ' "$OUT/zerolocal_$zl.log" | awk '{print $6, $8, $11}' | tr '\n' ' ')" \
+                   | tee -a "$OUT/zerolocal.txt"
                done ;;
     # every (shape, mode, adapters) case in its own process, its whole output kept
     # ($OUT/case_<shape>_<mode>_<k>.log): a case that crashes or hangs costs only its own

@@ -250,6 +250,45 @@ def test_outputs_summed_with_their_base_outputs_in_the_kernel(dtype, tile_rows):
                     a_blocks=len(outs), interpret=not ON_TPU, base_outputs=bases[::-1])
 
 
+@pytest.mark.parametrize("dtype,one_wait", [("float32", True), ("bfloat16", False)])
+def test_zero_page_copies_come_from_vmem_when_asked(dtype, one_wait, trace_time_knob):
+    """MULTILORA_LORA_ZERO_PAGE_LOCAL=1: the zero page's copies (padding entries: a step of 5
+    adapters in chunks of 8; pages past a rank-8 adapter's in a 16-wide table) come from zero
+    blocks in VMEM. The pool's page 0 holds NaN here, so a read of it would show; against the
+    per-token definition, over two token tiles."""
+    from multilora.kernels.lora_pallas import ONE_WAIT_ENV, ZERO_LOCAL_ENV, lora_deltas
+    trace_time_knob(ZERO_LOCAL_ENV, "1")
+    trace_time_knob(ONE_WAIT_ENV, "1" if one_wait else "0")
+    rng = np.random.default_rng(23)
+    ranks = [0, 16, 8, 16, 8, 16, 16]
+    t, d, outs, layers = 24, 128, (128, 256), 2
+    a_pool, rows, a_dense = paged_pool(rng, layers, len(outs), ranks, d, dtype, 16)
+    u = a_pool.shape[1] // len(outs)
+    bs = [b_pool_by_table(np.random.default_rng(50 + k), layers, ranks, rows, u, o, dtype) for k, o in enumerate(outs)]
+    a_np = np.array(a_pool.astype(jnp.float32))
+    for blk in range(len(outs)):
+        a_np[:, blk * u:blk * u + PAGE_ROWS] = np.nan
+    a_pool = jnp.asarray(a_np).astype(dtype)
+    b_pools = [jnp.asarray(np.asarray(b.astype(jnp.float32))).at[:, :PAGE_ROWS].set(np.nan).astype(dtype)
+               for b, _ in bs]
+    scalings = rng.uniform(0.25, 2.0, len(ranks)).astype(np.float32)
+    scalings[NO_ADAPTER] = 0.0
+    slot_T = rng.choice([0, 1, 2, 3, 4, 6], t).astype(np.int32)   # 5 adapters, two of rank 8
+    info = make_lora_batch_info(slot_T, scalings, np.asarray(ranks, np.int32), rows, max_grouped=8)
+    x = jnp.asarray(rng.standard_normal((t, d)).astype(np.float32)).astype(dtype)
+    got = jax.jit(lora_deltas, static_argnames=("a_block_ids", "a_blocks", "interpret", "tile_rows"))(
+        x, a_pool, b_pools, jnp.int32(1), info.step_slots_A, info.local_T, rows, scalings,
+        a_blocks=len(outs), interpret=not ON_TPU, tile_rows=16)
+    x_np = np.asarray(x.astype(jnp.float32))
+    tol = 2e-2 if dtype == "bfloat16" else (2e-3 if ON_TPU else 1e-4)
+    for k, y in enumerate(got):
+        y = np.asarray(jnp.asarray(y).astype(jnp.float32))
+        want = np_delta(x_np, a_dense, bs[k][1], 1, k, scalings, slot_T)
+        assert np.isfinite(y).all(), f"output {k}: read the pool's zero page"
+        assert np.all(y[slot_T == NO_ADAPTER] == 0.0)
+        assert float(np.abs(y - want).max()) <= tol * max(1.0, float(np.abs(want).max())), f"output {k}"
+
+
 def test_step_adapters_in_order_of_first_appearance():
     steps, local = step_adapters(np.array([0, 5, 3, 5, 0, 9, 3], np.int32), 4)
     assert steps.tolist() == [5, 3, 9, 0]
@@ -304,7 +343,8 @@ def test_pallas_backend_shrink_and_expand_alone_never_read_slot_0():
 def test_copy_knobs_defaults_and_a_bad_value_named(monkeypatch):
     from multilora.kernels import lora_pallas as lp
     for env, on, default in ((lp.CHUNK_COPY_ENV, lp.chunk_copy_on, False), (lp.ONE_WAIT_ENV, lp.one_wait_on, True),
-                             (lp.START_AFTER_WAIT_ENV, lp.start_after_wait_on, False)):
+                             (lp.START_AFTER_WAIT_ENV, lp.start_after_wait_on, False),
+                             (lp.ZERO_LOCAL_ENV, lp.zero_local_on, False)):
         for value, want in ((None, default), ("", default), ("0", False), ("1", True)):
             if value is None:
                 monkeypatch.delenv(env, raising=False)

@@ -66,6 +66,11 @@ ONE_WAIT_ENV = "MULTILORA_LORA_ONE_WAIT"
 # drained, starting them once it is empty lets them run under the math. Off until timed on a chip
 # (tpu_steps.sh's part `copyorder`).
 START_AFTER_WAIT_ENV = "MULTILORA_LORA_START_AFTER_WAIT"
+# "1": copies of the pool's zero page (page 0: a padding entry's pages, and the pages past a lower
+# rank's in the row table) come from a block of zeros in VMEM instead of from HBM. A step's
+# adapters fill whole chunks of 8 (rank 16), so a decode step with 3 adapters reads 5 padding
+# entries' pages, more bytes than its own. Off until timed on a chip (tpu_steps.sh's part `copyorder`).
+ZERO_LOCAL_ENV = "MULTILORA_LORA_ZERO_PAGE_LOCAL"
 
 
 def chunk_adapters(table_width: int, num_adapters: int = 0) -> int:
@@ -97,6 +102,11 @@ def start_after_wait_on() -> bool:
     return switch_knob(START_AFTER_WAIT_ENV)
 
 
+def zero_local_on() -> bool:
+    """Whether the zero page's copies come from VMEM ($MULTILORA_LORA_ZERO_PAGE_LOCAL)."""
+    return switch_knob(ZERO_LOCAL_ENV)
+
+
 def token_tile(num_tokens: int, d_in: int, d_out: int, itemsize: int) -> int:
     """Rows per token tile: the whole step where its x block, f32 accumulators, base output and
     output blocks (d_out: the features of every output of the call together; in and out blocks
@@ -120,7 +130,7 @@ def _precision(operand):
 def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pages_per_chunk: int,
             a_ids: tuple, block_rows: int, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int,
             copy_loop: bool = False, chunk_copy: bool = False, one_wait: bool = True,
-            start_after_wait: bool = False, with_base: bool = False):
+            start_after_wait: bool = False, with_base: bool = False, zero_local: bool = False):
     """layer_ref, meta_ref (SMEM): the layer; the plan's pages and runs, then the tile size's
     lo / n / start (lora_plan's "meta"; the chunks' runs after the entries' where chunk_copy).
     a_hbm: the A pool (L, U, D), its blocks of U / blocks rows, a_ids the blocks of the call's
@@ -128,11 +138,14 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
     block of W rows per output), nb B buffers, the DMA semaphores, nb accumulators. chunk_copy: a
     chunk whose pages are one run in one copy a pool. one_wait: a buffer's copies waited on at
     once. start_after_wait: the next chunk's copies started after this chunk's wait, not before.
-    with_base: refs open with nb base output blocks (tm, O), each output their sum with its delta."""
+    with_base: refs open with nb base output blocks (tm, O), each output their sum with its delta.
+    zero_local: the scratch ends with zero blocks (R rows) for A and each B, the source of the zero
+    page's copies."""
     base_refs, refs = (refs[:nb], refs[nb:]) if with_base else ((None,) * nb, refs)
     a_hbm, refs = refs[0], refs[1:]
     b_hbm, y_refs = refs[:nb], refs[nb:2 * nb]
-    abuf, bbufs, sem, accs = refs[2 * nb], refs[2 * nb + 1:3 * nb + 1], refs[3 * nb + 1], refs[3 * nb + 2:]
+    abuf, bbufs, sem, accs = refs[2 * nb], refs[2 * nb + 1:3 * nb + 1], refs[3 * nb + 1], refs[3 * nb + 2:4 * nb + 2]
+    zero_a, zero_bs = (refs[4 * nb + 2], refs[4 * nb + 3:]) if zero_local else (None, ())
     i, j = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     per_adapter = rank_cols // PAGE_ROWS
@@ -149,32 +162,45 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
         Started and waited on alike, so that each wait matches its copy."""
         c = meta_ref[o_lo + tile] + jj
 
-        def copy(first_page, dst_row, rows):
+        def copy(first_page, dst_row, rows, maybe_zero=False):
+            """rows rank rows from first_page on, of each pool, to buffer rows dst_row on (where
+            maybe_zero and zero_local, page 0's from the zero blocks instead)."""
             row = pl.multiple_of(first_page * PAGE_ROWS, PAGE_ROWS)
-            for k, blk in enumerate(a_ids):
-                act(pltpu.make_async_copy(a_hbm.at[layer, pl.ds(blk * block_rows + row, rows)],
-                                          abuf.at[slot, pl.ds(k * w + dst_row, rows)], sem.at[0, slot]))
-            for k in range(nb):
-                act(pltpu.make_async_copy(b_hbm[k].at[layer, pl.ds(row, rows)],
-                                          bbufs[k].at[slot, pl.ds(dst_row, rows)], sem.at[1 + k, slot]))
+
+            def issue(a_src, b_src):
+                for k, blk in enumerate(a_ids):
+                    act(pltpu.make_async_copy(a_src(blk), abuf.at[slot, pl.ds(k * w + dst_row, rows)], sem.at[0, slot]))
+                for k in range(nb):
+                    act(pltpu.make_async_copy(b_src(k), bbufs[k].at[slot, pl.ds(dst_row, rows)], sem.at[1 + k, slot]))
+
+            def from_pool():
+                issue(lambda blk: a_hbm.at[layer, pl.ds(blk * block_rows + row, rows)],
+                      lambda k: b_hbm[k].at[layer, pl.ds(row, rows)])
+
+            if not (zero_local and maybe_zero):
+                from_pool()
+                return
+            zero = first_page == 0
+            pl.when(zero)(lambda: issue(lambda blk: zero_a.at[pl.ds(0, rows)], lambda k: zero_bs[k].at[pl.ds(0, rows)]))
+            pl.when(jnp.logical_not(zero))(from_pool)
 
         def adapter(a, dst):
             """The copies of the chunk's a-th adapter, to its rank columns from dst on."""
             entry = c * per_chunk + a
             first = o_pages + entry * per_adapter
             if per_adapter == 1:
-                copy(meta_ref[first], dst, PAGE_ROWS)
+                copy(meta_ref[first], dst, PAGE_ROWS, maybe_zero=True)
                 return
             run = meta_ref[o_runs + entry] == 1
 
             @pl.when(run)
-            def _():
+            def _():   # a run never starts at the zero page: the registry keeps page 0 for it
                 copy(meta_ref[first], dst, rank_cols)
 
             @pl.when(jnp.logical_not(run))
             def _():
                 for q in range(per_adapter):
-                    copy(meta_ref[first + q], dst + q * PAGE_ROWS, PAGE_ROWS)
+                    copy(meta_ref[first + q], dst + q * PAGE_ROWS, PAGE_ROWS, maybe_zero=True)
 
         def each_adapter():
             if copy_loop:
@@ -204,6 +230,9 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
 
     @pl.when((i == 0) & (j == 0))
     def _():
+        if zero_local:
+            for z in (zero_a, *zero_bs):
+                z[...] = jnp.zeros_like(z)
         dmas(0, 0, 0, lambda cp: cp.start())
 
     @pl.when(active)
@@ -365,11 +394,13 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
                          f"{[(t, o) for o in outs]}")
     tile = plan["tiles"][tm]
     out_dtypes = [b.dtype for b in bases] if bases else [x_TD.dtype] * nb
+    zero_local = zero_local_on()
     kernel = functools.partial(_kernel, nb=nb, pages_per_chunk=w // PAGE_ROWS, a_ids=a_block_ids,
                                block_rows=rows // a_blocks, rank_cols=r, per_chunk=per_chunk, num_tiles=nt,
                                num_chunks=num_chunks, copy_loop=os.environ.get(COPY_LOOP_ENV) != "0",
                                chunk_copy=plan["chunk_runs"], one_wait=one_wait_on(),
-                               start_after_wait=start_after_wait_on(), with_base=bool(bases))
+                               start_after_wait=start_after_wait_on(), with_base=bool(bases),
+                               zero_local=zero_local)
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
@@ -384,7 +415,9 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
         scratch_shapes=[pltpu.VMEM((2, nb * w, d), a_pool_LUD.dtype)]
         + [pltpu.VMEM((2, w, o), b.dtype) for o, b in zip(outs, b_pools_LUO)]
         + [pltpu.SemaphoreType.DMA((1 + nb, 2))]
-        + [pltpu.VMEM((tm, o), jnp.float32) for o in outs],
+        + [pltpu.VMEM((tm, o), jnp.float32) for o in outs]
+        + ([pltpu.VMEM((r, d), a_pool_LUD.dtype)] + [pltpu.VMEM((r, o), b.dtype) for o, b in zip(outs, b_pools_LUO)]
+           if zero_local else []),
     )
     ys = pl.pallas_call(
         kernel,
