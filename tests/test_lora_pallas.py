@@ -166,6 +166,23 @@ def test_lora_delta_matches_the_per_token_definition(case, dtype, copy_loop, tra
         assert np.allclose(np.asarray(ref.astype(jnp.float32)), want, atol=tol * scale)
 
 
+def stacked_case(seed, ranks, t, outs, dtype, b_seed, max_grouped, d=128, layers=2):
+    """A stacked A pool with len(outs) blocks of d columns and a B pool for each output, for the
+    slots' ranks (table width 16), their scalings, t tokens over them at random, the batch info
+    and x: (a_pool, rows, a_dense, [(b_pool, b_dense)], scalings, slot_T, info, x)."""
+    rng = np.random.default_rng(seed)
+    a_pool, rows, a_dense = paged_pool(rng, layers, len(outs), ranks, d, dtype, 16)
+    u = a_pool.shape[1] // len(outs)
+    bs = [b_pool_by_table(np.random.default_rng(b_seed + k), layers, ranks, rows, u, o, dtype)
+          for k, o in enumerate(outs)]
+    scalings = rng.uniform(0.25, 2.0, len(ranks)).astype(np.float32)
+    scalings[NO_ADAPTER] = 0.0
+    slot_T = make_tokens(rng, "random", t, len(ranks))
+    info = make_lora_batch_info(slot_T, scalings, np.asarray(ranks, np.int32), rows, max_grouped=max_grouped)
+    x = jnp.asarray(rng.standard_normal((t, d)).astype(np.float32)).astype(dtype)
+    return a_pool, rows, a_dense, bs, scalings, slot_T, info, x
+
+
 # (dtype, adapters a chunk (None: the kernel's pick), the call's A blocks (None: all, in order),
 # a buffer's copies waited on at once, the next chunk's copies started after this one's wait)
 STACKED_CASES = [("float32", None, None, False, False), ("bfloat16", None, None, False, False),
@@ -189,17 +206,9 @@ def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, ids, on
         trace_time_knob(CHUNK_ENV, str(chunk))
     trace_time_knob(ONE_WAIT_ENV, "1" if one_wait else "0")
     trace_time_knob(START_AFTER_WAIT_ENV, "1" if start_after_wait else "0")
-    rng = np.random.default_rng(11)
-    ranks = [0] + [16, 8] * 9 + [16]
-    t, d, outs, layers = 40, 128, (256, 128, 128), 2
-    a_pool, rows, a_dense = paged_pool(rng, layers, len(outs), ranks, d, dtype, 16)
-    u = a_pool.shape[1] // len(outs)
-    bs = [b_pool_by_table(np.random.default_rng(20 + k), layers, ranks, rows, u, o, dtype) for k, o in enumerate(outs)]
-    scalings = rng.uniform(0.25, 2.0, len(ranks)).astype(np.float32)
-    scalings[NO_ADAPTER] = 0.0
-    slot_T = make_tokens(rng, "random", t, len(ranks))
-    info = make_lora_batch_info(slot_T, scalings, np.asarray(ranks, np.int32), rows, max_grouped=24)
-    x = jnp.asarray(rng.standard_normal((t, d)).astype(np.float32)).astype(dtype)
+    t, outs = 40, (256, 128, 128)
+    a_pool, rows, a_dense, bs, scalings, slot_T, info, x = stacked_case(11, [0] + [16, 8] * 9 + [16], t, outs, dtype,
+                                                                        20, max_grouped=24)
     x_np = np.asarray(x.astype(jnp.float32))
     tol = 2e-2 if dtype == "bfloat16" else (2e-3 if ON_TPU else 1e-4)
     ids = ids or tuple(range(len(outs)))
@@ -221,17 +230,10 @@ def test_outputs_summed_with_their_base_outputs_in_the_kernel(dtype, tile_rows):
     """lora_deltas with base_outputs: each output base + delta (summed in float32, rounded once
     to the base's dtype), base rows exactly their base; base outputs of other shapes refused."""
     from multilora.kernels.lora_pallas import lora_deltas
-    rng = np.random.default_rng(17)
-    ranks = [0] + [16, 8] * 6
-    t, d, outs, layers = 40, 128, (256, 128), 2
-    a_pool, rows, a_dense = paged_pool(rng, layers, len(outs), ranks, d, dtype, 16)
-    u = a_pool.shape[1] // len(outs)
-    bs = [b_pool_by_table(np.random.default_rng(40 + k), layers, ranks, rows, u, o, dtype) for k, o in enumerate(outs)]
-    scalings = rng.uniform(0.25, 2.0, len(ranks)).astype(np.float32)
-    scalings[NO_ADAPTER] = 0.0
-    slot_T = make_tokens(rng, "random", t, len(ranks))
-    info = make_lora_batch_info(slot_T, scalings, np.asarray(ranks, np.int32), rows, max_grouped=16)
-    x = jnp.asarray(rng.standard_normal((t, d)).astype(np.float32)).astype(dtype)
+    t, outs = 40, (256, 128)
+    a_pool, rows, a_dense, bs, scalings, slot_T, info, x = stacked_case(17, [0] + [16, 8] * 6, t, outs, dtype, 40,
+                                                                        max_grouped=16)
+    rng = np.random.default_rng(18)
     bases = [jnp.asarray(rng.standard_normal((t, o)).astype(np.float32)).astype(dtype) for o in outs]
     run = jax.jit(lora_deltas, static_argnames=("a_block_ids", "a_blocks", "interpret", "tile_rows"))
     got = run(x, a_pool, [b for b, _ in bs], jnp.int32(1), info.step_slots_A, info.local_T, rows, scalings,
