@@ -8,7 +8,7 @@ hundreds of slots costs in proportion to its size. Here a step names its distinc
 (LoRABatchInfo.step_slots_A, at most max_num_seqs of them however many slots the pool holds),
 and the kernel DMAs only their pages (PAGE_ROWS rank rows each, anywhere in the pool) into VMEM,
 a chunk of adapters at a time, double-buffered: the next chunk's pages are in flight while the
-MXU works on this one. A chunk holds `chunk_adapters` adapters, W = chunk_adapters x R rank
+MXU works on this one (so intended; on a v5e the two do not overlap yet, benchmarks/log/48). A chunk holds `chunk_adapters` adapters, W = chunk_adapters x R rank
 columns (R the row table's width), sized so that W fills the MXU's 128 lanes; the shrink is one
 (tm, D) x (D, W) product, the expand one (tm, W) x (W, O), and the one-hot over the chunk's
 columns picks each token's own adapter.
@@ -17,7 +17,9 @@ Tokens go in tiles of tm rows (grid axis 0); tile i visits only the chunks from 
 last its tokens use (the step's adapters are numbered in order of first appearance, so the
 sequences of a prefill tile use a short run of chunks), and nothing is read or computed for the
 others. Every tile visits at least one chunk (its output must be written), base rows
-(local_T = A, matching no column) get zeros.
+(local_T = A, matching no column) get zeros. Given the projection's base outputs (the model's
+path), the kernel writes base + delta instead, so that no delta goes out to HBM for an add of
+XLA's to read back.
 
 Legend: T tokens, D in features, O out features, L layers, U pool rows, A step adapters,
 C chunks of adapters, W rank columns of a chunk, Q pages of a chunk, R row table width.
