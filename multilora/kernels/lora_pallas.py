@@ -264,11 +264,10 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
         if start_after_wait:
             start_next()
 
-        @pl.when(j == 0)
-        def _():
-            for acc in accs:
-                acc[...] = jnp.zeros_like(acc)
-
+        # A tile's running sum starts as its first chunk's product (no zeros written first), and a
+        # tile of one chunk writes its output straight from the product: the accumulators are
+        # (tm, O) float32, a prefill tile's several MB a pass through VMEM.
+        first, not_last = j == 0, jnp.logical_not(last_of_tile)
         x = x_ref[...]
         col = c * per_chunk + jax.lax.broadcasted_iota(jnp.int32, (1, w), 1) // rank_cols
         mine, scale = local_ref[...] == col, scale_ref[c]
@@ -278,13 +277,22 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
                                     preferred_element_type=jnp.float32)                # (tm, W)
             h = jnp.where(mine, h * scale, 0.0)
             b = bbufs[k][slot]
-            accs[k][...] += jnp.dot(h.astype(b.dtype), b, precision=_precision(b), preferred_element_type=jnp.float32)
+            y = jnp.dot(h.astype(b.dtype), b, precision=_precision(b), preferred_element_type=jnp.float32)
+            acc, y_ref, base_ref = accs[k], y_refs[k], base_refs[k]
 
-        @pl.when(last_of_tile)
-        def _():
-            for y_ref, acc, base_ref in zip(y_refs, accs, base_refs):
-                y = acc[...] if base_ref is None else acc[...] + base_ref[...].astype(jnp.float32)
-                y_ref[...] = y.astype(y_ref.dtype)
+            def out(total):
+                if base_ref is not None:
+                    total = total + base_ref[...].astype(jnp.float32)
+                y_ref[...] = total.astype(y_ref.dtype)
+
+            def keep(total):
+                acc[...] = total
+
+            # (each pl.when traces its branch at once: the closures see this k's values)
+            pl.when(first & last_of_tile)(lambda: out(y))
+            pl.when(first & not_last)(lambda: keep(y))
+            pl.when(jnp.logical_not(first) & not_last)(lambda: keep(acc[...] + y))
+            pl.when(jnp.logical_not(first) & last_of_tile)(lambda: out(acc[...] + y))
 
 
 def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles) -> dict:
