@@ -246,6 +246,26 @@ def test_backend_matches_numpy(backend, shape, pattern):
         assert_close(g, bo + w, f"run_gate_up_lora[{name}] + base_outputs {what}")
 
 
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_base_outputs_of_another_count_are_refused(backend):
+    """run_qkv_lora with two base outputs for its three outputs: an error naming both counts."""
+    t, d, o, s, r = SHAPES[0]
+    rng = np.random.default_rng(3)
+    slot_T = make_slots(rng, "random", t, s)
+    ranks = make_ranks(rng, s, r)
+    scalings = make_scalings(rng, s)
+    rows_SR, u = make_rows(rng, ranks, r)
+    info = make_lora_batch_info(slot_T, scalings, ranks, rows_SR)
+    qkv_a = make_a(rng, s, r, d, ranks, blocks=3)
+    qkv_b = tuple(make_b(rng, s, o, r, ranks) for _ in range(3))
+    pa = page(qkv_a, rows_SR, u, 3)
+    pbs = tuple(page(w, rows_SR, u) for w in qkv_b)
+    base = np.zeros((t, o), np.float32)
+    with pytest.raises(ValueError, match="2 base outputs for 3 LoRA outputs"):
+        get_backend(backend).run_qkv_lora(rng.standard_normal((t, d)).astype(np.float32), pa, pbs, info,
+                                          (base, base))
+
+
 def test_shapes_cover_sgmv_tiles():
     """The shape list really exercises partial tiles and both tile sizes."""
     tiles = {sgmv_tile_rows(t, s) for t, _, _, s, _ in SHAPES}

@@ -8,8 +8,9 @@ hundreds of slots costs in proportion to its size. Here a step names its distinc
 (LoRABatchInfo.step_slots_A, at most max_num_seqs of them however many slots the pool holds),
 and the kernel DMAs only their pages (PAGE_ROWS rank rows each, anywhere in the pool) into VMEM,
 a chunk of adapters at a time, double-buffered: the next chunk's pages are in flight while the
-MXU works on this one (so intended; on a v5e the two do not overlap yet, benchmarks/log/48). A chunk holds `chunk_adapters` adapters, W = chunk_adapters x R rank
-columns (R the row table's width), sized so that W fills the MXU's 128 lanes; the shrink is one
+MXU works on this one (so intended; on a v5e the two do not overlap yet, benchmarks/log/48). A
+chunk holds `chunk_adapters` adapters, W = chunk_adapters x R rank columns (R the row table's
+width), sized so that W fills the MXU's 128 lanes; the shrink is one
 (tm, D) x (D, W) product, the expand one (tm, W) x (W, O), and the one-hot over the chunk's
 columns picks each token's own adapter.
 
@@ -71,7 +72,7 @@ START_AFTER_WAIT_ENV = "MULTILORA_LORA_START_AFTER_WAIT"
 # "1": copies of the pool's zero page (page 0: a padding entry's pages, and the pages past a lower
 # rank's in the row table) come from a block of zeros in VMEM instead of from HBM. A step's
 # adapters fill whole chunks of 8 (rank 16), so a decode step with 3 adapters reads 5 padding
-# entries' pages, more bytes than its own. Off until timed on a chip (tpu_steps.sh's part `copyorder`).
+# entries' pages, more bytes than its own. Off until timed on a chip (tpu_steps.sh's part `zerolocal`).
 ZERO_LOCAL_ENV = "MULTILORA_LORA_ZERO_PAGE_LOCAL"
 
 
@@ -130,14 +131,14 @@ def _precision(operand):
 
 
 def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pages_per_chunk: int,
-            a_ids: tuple, block_rows: int, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int,
+            a_offs: tuple, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int,
             copy_loop: bool = False, chunk_copy: bool = False, one_wait: bool = True,
             start_after_wait: bool = False, with_base: bool = False, zero_local: bool = False):
     """layer_ref, meta_ref (SMEM): the layer; the plan's pages and runs, then the tile size's
     lo / n / start (lora_plan's "meta"; the chunks' runs after the entries' where chunk_copy).
-    a_hbm: the A pool (L, U, D), its blocks of U / blocks rows, a_ids the blocks of the call's
-    outputs; refs: nb B pools (HBM), nb outputs, then the scratch: A's buffer (both slots, a
-    block of W rows per output), nb B buffers, the DMA semaphores, nb accumulators. chunk_copy: a
+    a_hbm: the A pool (L, U, D), a_offs the first rows of the call's outputs' blocks in it; refs:
+    nb B pools (HBM), nb outputs, then the scratch: A's buffer (both slots, a block of W rows per
+    output), nb B buffers, the DMA semaphores, nb accumulators. chunk_copy: a
     chunk whose pages are one run in one copy a pool. one_wait: a buffer's copies waited on at
     once. start_after_wait: the next chunk's copies started after this chunk's wait, not before.
     with_base: refs open with nb base output blocks (tm, O), each output their sum with its delta.
@@ -170,20 +171,21 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
             row = pl.multiple_of(first_page * PAGE_ROWS, PAGE_ROWS)
 
             def issue(a_src, b_src):
-                for k, blk in enumerate(a_ids):
-                    act(pltpu.make_async_copy(a_src(blk), abuf.at[slot, pl.ds(k * w + dst_row, rows)], sem.at[0, slot]))
+                for k, a_off in enumerate(a_offs):
+                    act(pltpu.make_async_copy(a_src(a_off), abuf.at[slot, pl.ds(k * w + dst_row, rows)],
+                                              sem.at[0, slot]))
                 for k in range(nb):
                     act(pltpu.make_async_copy(b_src(k), bbufs[k].at[slot, pl.ds(dst_row, rows)], sem.at[1 + k, slot]))
 
             def from_pool():
-                issue(lambda blk: a_hbm.at[layer, pl.ds(blk * block_rows + row, rows)],
+                issue(lambda a_off: a_hbm.at[layer, pl.ds(a_off + row, rows)],
                       lambda k: b_hbm[k].at[layer, pl.ds(row, rows)])
 
             if not (zero_local and maybe_zero):
                 from_pool()
                 return
             zero = first_page == 0
-            pl.when(zero)(lambda: issue(lambda blk: zero_a.at[pl.ds(0, rows)], lambda k: zero_bs[k].at[pl.ds(0, rows)]))
+            pl.when(zero)(lambda: issue(lambda _: zero_a.at[pl.ds(0, rows)], lambda k: zero_bs[k].at[pl.ds(0, rows)]))
             pl.when(jnp.logical_not(zero))(from_pool)
 
         def adapter(a, dst):
@@ -389,7 +391,6 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
     outs = [b.shape[2] for b in b_pools_LUO]
     r = rows_SR.shape[1]
     tm = tile_rows or token_tile(t, d, sum(outs), jnp.dtype(x_TD.dtype).itemsize)
-    rows = a_pool_LUD.shape[1]
     if plan is None or tm not in plan["tiles"]:
         plan = lora_plan(step_slots_A, local_T, rows_SR, scalings_S, (tm,))
     per_chunk = chunk_adapters(r, step_slots_A.shape[0])
@@ -404,13 +405,14 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
                          f"{[(t, o) for o in outs]}")
     tile = plan["tiles"][tm]
     out_dtypes = [b.dtype for b in bases] if bases else [x_TD.dtype] * nb
+    block_rows = a_pool_LUD.shape[1] // a_blocks
     zero_local = zero_local_on()
-    kernel = functools.partial(_kernel, nb=nb, pages_per_chunk=w // PAGE_ROWS, a_ids=a_block_ids,
-                               block_rows=rows // a_blocks, rank_cols=r, per_chunk=per_chunk, num_tiles=nt,
-                               num_chunks=num_chunks, copy_loop=os.environ.get(COPY_LOOP_ENV) != "0",
-                               chunk_copy=plan["chunk_runs"], one_wait=one_wait_on(),
-                               start_after_wait=start_after_wait_on(), with_base=bool(bases),
-                               zero_local=zero_local)
+    kernel = functools.partial(_kernel, nb=nb, pages_per_chunk=w // PAGE_ROWS,
+                               a_offs=tuple(k * block_rows for k in a_block_ids), rank_cols=r,
+                               per_chunk=per_chunk, num_tiles=nt, num_chunks=num_chunks,
+                               copy_loop=os.environ.get(COPY_LOOP_ENV) != "0", chunk_copy=plan["chunk_runs"],
+                               one_wait=one_wait_on(), start_after_wait=start_after_wait_on(),
+                               with_base=bool(bases), zero_local=zero_local)
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
