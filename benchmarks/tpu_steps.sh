@@ -3,7 +3,7 @@
 # issue's shapes (SmolLM2-135M, Llama-3.2-1B; random bf16 weights, rank-16 adapters on all seven
 # projections), 0 / 8 / 64 adapters, multilora's TPU backend beside `dense` (sglang-jax's one-hot
 # product over every slot). Raw output under $OUT. Parts (PARTS="..."): tests atests (the kernels'
-# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys), lanepack (kv heads two to a cache row, against one), copyorder (the LoRA kernel's next copies started after its wait; a chunk in one copy a pool), zerolocal (the zero page's copies from VMEM),
+# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys), lanepack (kv heads two to a cache row, against one), copyorder (the LoRA kernel's next copies started after its wait; a chunk in one copy a pool), zerolocal (the zero page's copies from VMEM), addknobs (the base add in the kernel x the accumulators' start),
 # trace, optrace, pprobe (the Pallas attention's prefill side), copyloop, families (issue 40's families on the chip), offline (the engine's throughput), startup (an
 # Engine with adapters compiled at start), stash and
 # agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py), cases
@@ -146,6 +146,21 @@ for part in $PARTS; do
                  echo "zero page local $zl: exit $? $(grep -E '^decode ' "$OUT/zerolocal_$zl.log" | awk '{print $6, $8, $11}' | tr '\n' ' ')" \
                    | tee -a "$OUT/zerolocal.txt"
                done ;;
+    # the base add in the kernel (MULTILORA_LORA_BASE_IN_KERNEL) x the accumulators started as the
+    # first chunk's product (MULTILORA_LORA_FIRST_PRODUCT), "11" the default: log 49 had both on
+    # slower than 37aa319 (neither). SmolLM2 decode and prefill with 0 / 64 adapters, each combination
+    # (KNOBS) a process; then the 1B shape for KNOBS_1B
+    addknobs) for shape in smollm2-135m llama-3.2-1b; do
+                ctx=$([ "$shape" = smollm2-135m ] && echo 80 || echo 256)
+                ks=$([ "$shape" = smollm2-135m ] && echo "${KNOBS:-11 00 10 01}" || echo "${KNOBS_1B:-11 00}")
+                for v in $ks; do
+                  MULTILORA_LORA_BASE_IN_KERNEL=${v:0:1} MULTILORA_LORA_FIRST_PRODUCT=${v:1:1} timeout -k 5 ${CASE_LIMIT:-100} \
+                    $FS --model "$shape" --decode-ctx "$ctx" --modes decode prefill --adapters ${ADAPTERS:-0 64} \
+                    --json "$OUT/addknobs_${shape}_$v.json" > "$OUT/addknobs_${shape}_$v.log" 2>&1
+                  echo "$shape base in kernel, first product $v: exit $?" | tee -a "$OUT/addknobs.txt"
+                  grep -E "^(decode |prefill )" "$OUT/addknobs_${shape}_$v.log" | tee -a "$OUT/addknobs.txt"
+                done
+              done ;;
     # every (shape, mode, adapters) case in its own process, its whole output kept
     # ($OUT/case_<shape>_<mode>_<k>.log): a case that crashes or hangs costs only its own
     # CASE_LIMIT seconds and says which it was (forward_step prints compile and first step apart)

@@ -199,13 +199,15 @@ def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, ids, on
     adapters (the kernel's pick of adapters per chunk, and others through
     MULTILORA_LORA_CHUNK_ADAPTERS), waited on a copy at a time (MULTILORA_LORA_ONE_WAIT=0) or a
     buffer at once (pages out of order, page by page), the next chunk's copies started before or
-    after this chunk's wait (MULTILORA_LORA_START_AFTER_WAIT=1), against the per-token
-    definition."""
-    from multilora.kernels.lora_pallas import CHUNK_ENV, ONE_WAIT_ENV, START_AFTER_WAIT_ENV, lora_deltas
+    after this chunk's wait (MULTILORA_LORA_START_AFTER_WAIT=1), the zero page copied from HBM
+    where the next copies start after the wait (MULTILORA_LORA_ZERO_PAGE_LOCAL=0; from VMEM
+    otherwise, the default), against the per-token definition."""
+    from multilora.kernels.lora_pallas import CHUNK_ENV, ONE_WAIT_ENV, START_AFTER_WAIT_ENV, ZERO_LOCAL_ENV, lora_deltas
     if chunk:
         trace_time_knob(CHUNK_ENV, str(chunk))
     trace_time_knob(ONE_WAIT_ENV, "1" if one_wait else "0")
     trace_time_knob(START_AFTER_WAIT_ENV, "1" if start_after_wait else "0")
+    trace_time_knob(ZERO_LOCAL_ENV, "0" if start_after_wait else "1")
     t, outs = 40, (256, 128, 128)
     a_pool, rows, a_dense, bs, scalings, slot_T, info, x = stacked_case(11, [0] + [16, 8] * 9 + [16], t, outs, dtype,
                                                                         20, max_grouped=24)
@@ -225,11 +227,15 @@ def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, ids, on
         assert float(np.abs(y - want).max()) <= tol * scale, f"output {k}"
 
 
-@pytest.mark.parametrize("dtype,tile_rows", [("float32", 16), ("bfloat16", None)])
-def test_outputs_summed_with_their_base_outputs_in_the_kernel(dtype, tile_rows):
+@pytest.mark.parametrize("dtype,tile_rows,first_product", [("float32", 16, True), ("bfloat16", None, True),
+                                                           ("float32", 16, False)])
+def test_outputs_summed_with_their_base_outputs_in_the_kernel(dtype, tile_rows, first_product, trace_time_knob):
     """lora_deltas with base_outputs: each output base + delta (summed in float32, rounded once
-    to the base's dtype), base rows exactly their base; base outputs of other shapes refused."""
-    from multilora.kernels.lora_pallas import lora_deltas
+    to the base's dtype), base rows exactly their base; base outputs of other shapes refused. A
+    tile's accumulators started as its first chunk's product (the default), or zeroed first
+    (MULTILORA_LORA_FIRST_PRODUCT=0)."""
+    from multilora.kernels.lora_pallas import FIRST_PRODUCT_ENV, lora_deltas
+    trace_time_knob(FIRST_PRODUCT_ENV, "1" if first_product else "0")
     t, outs = 40, (256, 128)
     a_pool, rows, a_dense, bs, scalings, slot_T, info, x = stacked_case(17, [0] + [16, 8] * 6, t, outs, dtype, 40,
                                                                         max_grouped=16)
@@ -253,8 +259,8 @@ def test_outputs_summed_with_their_base_outputs_in_the_kernel(dtype, tile_rows):
 
 
 @pytest.mark.parametrize("dtype,one_wait", [("float32", True), ("bfloat16", False)])
-def test_zero_page_copies_come_from_vmem_when_asked(dtype, one_wait, trace_time_knob):
-    """MULTILORA_LORA_ZERO_PAGE_LOCAL=1: the zero page's copies (padding entries: a step of 5
+def test_zero_page_copies_come_from_vmem(dtype, one_wait, trace_time_knob):
+    """MULTILORA_LORA_ZERO_PAGE_LOCAL (on unless "0"): the zero page's copies (padding entries: a step of 5
     adapters in chunks of 8; pages past a rank-8 adapter's in a 16-wide table) come from zero
     blocks in VMEM. The pool's page 0 holds NaN here, so a read of it would show; against the
     per-token definition, over two token tiles."""
@@ -346,7 +352,8 @@ def test_copy_knobs_defaults_and_a_bad_value_named(monkeypatch):
     from multilora.kernels import lora_pallas as lp
     for env, on, default in ((lp.CHUNK_COPY_ENV, lp.chunk_copy_on, False), (lp.ONE_WAIT_ENV, lp.one_wait_on, True),
                              (lp.START_AFTER_WAIT_ENV, lp.start_after_wait_on, False),
-                             (lp.ZERO_LOCAL_ENV, lp.zero_local_on, False)):
+                             (lp.ZERO_LOCAL_ENV, lp.zero_local_on, True),
+                             (lp.FIRST_PRODUCT_ENV, lp.first_product_on, True)):
         for value, want in ((None, default), ("", default), ("0", False), ("1", True)):
             if value is None:
                 monkeypatch.delenv(env, raising=False)

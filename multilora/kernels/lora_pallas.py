@@ -69,11 +69,16 @@ ONE_WAIT_ENV = "MULTILORA_LORA_ONE_WAIT"
 # drained, starting them once it is empty lets them run under the math. Off until timed on a chip
 # (tpu_steps.sh's part `copyorder`).
 START_AFTER_WAIT_ENV = "MULTILORA_LORA_START_AFTER_WAIT"
-# "1": copies of the pool's zero page (page 0: a padding entry's pages, and the pages past a lower
+# Copies of the pool's zero page (page 0: a padding entry's pages, and the pages past a lower
 # rank's in the row table) come from a block of zeros in VMEM instead of from HBM. A step's
 # adapters fill whole chunks of 8 (rank 16), so a decode step with 3 adapters reads 5 padding
-# entries' pages, more bytes than its own. Off until timed on a chip (tpu_steps.sh's part `zerolocal`).
+# entries' pages, more bytes than its own. On a v5e, SmolLM2's 64-adapter decode step 4.35 -> 4.23
+# ms back to back, alternating, the others unchanged (benchmarks/log/49). The default; "0" off.
 ZERO_LOCAL_ENV = "MULTILORA_LORA_ZERO_PAGE_LOCAL"
+# "0": a tile's float32 accumulators are zeroed at its first chunk and summed into at each (as
+# before c45ce9e), instead of starting as the first chunk's product with a one-chunk tile writing
+# its output straight from it. A measurement knob (tpu_steps.sh's part `addknobs`).
+FIRST_PRODUCT_ENV = "MULTILORA_LORA_FIRST_PRODUCT"
 
 
 def chunk_adapters(table_width: int, num_adapters: int = 0) -> int:
@@ -105,9 +110,14 @@ def start_after_wait_on() -> bool:
     return switch_knob(START_AFTER_WAIT_ENV)
 
 
+def first_product_on() -> bool:
+    """Whether a tile's running sum starts as its first chunk's product ($MULTILORA_LORA_FIRST_PRODUCT)."""
+    return switch_knob(FIRST_PRODUCT_ENV, default=True)
+
+
 def zero_local_on() -> bool:
-    """Whether the zero page's copies come from VMEM ($MULTILORA_LORA_ZERO_PAGE_LOCAL)."""
-    return switch_knob(ZERO_LOCAL_ENV)
+    """Whether the zero page's copies come from VMEM ($MULTILORA_LORA_ZERO_PAGE_LOCAL, on unless "0")."""
+    return switch_knob(ZERO_LOCAL_ENV, default=True)
 
 
 def token_tile(num_tokens: int, d_in: int, d_out: int, itemsize: int) -> int:
@@ -133,7 +143,8 @@ def _precision(operand):
 def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pages_per_chunk: int,
             a_offs: tuple, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int,
             copy_loop: bool = False, chunk_copy: bool = False, one_wait: bool = True,
-            start_after_wait: bool = False, with_base: bool = False, zero_local: bool = False):
+            start_after_wait: bool = False, with_base: bool = False, zero_local: bool = False,
+            first_product: bool = True):
     """layer_ref, meta_ref (SMEM): the layer; the plan's pages and runs, then the tile size's
     lo / n / start (lora_plan's "meta"; the chunks' runs after the entries' where chunk_copy).
     a_hbm: the A pool (L, U, D), a_offs the first rows of the call's outputs' blocks in it; refs:
@@ -268,8 +279,14 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
 
         # A tile's running sum starts as its first chunk's product (no zeros written first), and a
         # tile of one chunk writes its output straight from the product: the accumulators are
-        # (tm, O) float32, a prefill tile's several MB a pass through VMEM.
+        # (tm, O) float32, a prefill tile's several MB a pass through VMEM. first_product=False:
+        # zeroed at the first chunk, summed into at each, written out at the last.
         first, not_last = j == 0, jnp.logical_not(last_of_tile)
+        if not first_product:
+            @pl.when(first)
+            def _():
+                for acc in accs:
+                    acc[...] = jnp.zeros_like(acc)
         x = x_ref[...]
         col = c * per_chunk + jax.lax.broadcasted_iota(jnp.int32, (1, w), 1) // rank_cols
         mine, scale = local_ref[...] == col, scale_ref[c]
@@ -291,6 +308,10 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
                 acc[...] = total
 
             # (each pl.when traces its branch at once: the closures see this k's values)
+            if not first_product:
+                keep(acc[...] + y)
+                pl.when(last_of_tile)(lambda: out(acc[...]))
+                continue
             pl.when(first & last_of_tile)(lambda: out(y))
             pl.when(first & not_last)(lambda: keep(y))
             pl.when(jnp.logical_not(first) & not_last)(lambda: keep(acc[...] + y))
@@ -412,7 +433,8 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
                                per_chunk=per_chunk, num_tiles=nt, num_chunks=num_chunks,
                                copy_loop=os.environ.get(COPY_LOOP_ENV) != "0", chunk_copy=plan["chunk_runs"],
                                one_wait=one_wait_on(), start_after_wait=start_after_wait_on(),
-                               with_base=bool(bases), zero_local=zero_local)
+                               with_base=bool(bases), zero_local=zero_local,
+                               first_product=first_product_on())
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
