@@ -66,10 +66,14 @@ def test_a_long_prompt_arriving_during_decode_is_split_within_the_target(setup, 
         outs[target] = [eng.pop_output(r) for r in ids]
         after[target] = costs.steps[first:]
         assert_clean(eng)
-    # unbudgeted: the whole prompt rides with the three decode rows in one step of 53 tokens
-    assert after[0][0] == 53, after[0]
-    # budgeted: no step past the target by the cost model; the prompt took 32 - 3 tokens, then the rest
-    assert after[TARGET_MS][:2] == [32, 3 + 50 - 29], after[TARGET_MS]
+    # Which of the three decode rows ride with the prompt's first step depends on which are still
+    # in flight when it arrives (the scheduler runs a step ahead): 0 to 3 of them.
+    # unbudgeted: the whole prompt in one step, with at most the three decode rows
+    assert 50 <= after[0][0] <= 53, after[0]
+    # budgeted: the prompt fills the first step to the budget (32 tokens: 29 to 32 of its own) and
+    # its rest (18 to 21) follows in the next, no step past the target by the cost model
+    assert after[TARGET_MS][0] == 32 and 50 - 32 <= after[TARGET_MS][1] <= 50 - 29 + 3, after[TARGET_MS]
+    assert max(after[TARGET_MS]) <= 32, after[TARGET_MS]
     assert all(RecordedLine().estimate(n) <= TARGET_MS / 1000 for n in after[TARGET_MS]), after[TARGET_MS]
     assert [o.token_ids for o in outs[TARGET_MS]] == [o.token_ids for o in outs[0]]
     check_vs_peft(peft_greedy_cache, model_dir, dirs, shorts + [long_prompt], loras, outs[TARGET_MS])
