@@ -6,7 +6,8 @@ as it happens (a crash or a hang names its case). Separate calls (lora_delta per
 one call for a stacked A pool's outputs (lora_deltas), rank-16 adapters, bf16; --chunks sweeps
 the adapters per chunk (MULTILORA_LORA_CHUNK_ADAPTERS; 0: the kernel's own pick). --contiguous
 gives the step consecutive slots, whose pages are one run of the pool (MULTILORA_LORA_CHUNK_COPY=1
-then reads a chunk in one copy a pool).
+then reads a chunk in one copy a pool). --dims replaces the model's widths (whether widths of
+whole 128-lane tiles copy and multiply faster than SmolLM2's 576 and 192).
 
     python3 benchmarks/lora_kernel_probe.py --model llama-3.2-1b --tokens 64 --adapters 64 --chunks 0 16
     JAX_PLATFORMS=cpu python3 benchmarks/lora_kernel_probe.py --quick   # the interpreter, tiny shapes
@@ -51,11 +52,20 @@ def main(argv=None):
     ap.add_argument("--ways", nargs="+", default=["separate", "one call"], choices=["separate", "one call"])
     ap.add_argument("--contiguous", action="store_true",
                     help="the step's adapters consecutive slots (their pages one run of the pool) instead of drawn at random")
+    ap.add_argument("--dims", default=None, metavar="D,F,Q,KV",
+                    help="the model's hidden, intermediate, query and kv widths in place of --model's (its layers"
+                         " kept): e.g. SmolLM2's 576,1536,576,192 beside 640,1536,640,256, whole 128-lane tiles")
     ap.add_argument("--quick", action="store_true", help="tiny shapes in the interpreter (a CPU check)")
     args = ap.parse_args(argv)
     cfg = ModelConfig.from_hf_dict(SHAPES[args.model])
     interpret = jax.default_backend() != "tpu"
     d, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim
+    if args.dims:
+        try:
+            d, f, q, kv = (int(v) for v in args.dims.split(","))
+        except ValueError:
+            ap.error(f"--dims {args.dims!r}: expected four integers D,F,Q,KV")
+    label = args.model + (f"[{d},{f},{q},{kv}]" if args.dims else "")
     if args.quick:
         d, f, q, kv = 128, 256, 128, 128
         args.tokens, args.adapters, args.repeats = [16], [4], 2
@@ -91,7 +101,7 @@ def main(argv=None):
                     for way, fn in {"separate": separate, "one call": one_call}.items():
                         if way not in args.ways:
                             continue
-                        what = f"{args.model} {name} T={t} adapters={k} chunk={chunk or 'auto'} {way}"
+                        what = f"{label} {name} T={t} adapters={k} chunk={chunk or 'auto'} {way}"
                         log(f"# compiling {what} ...")
                         t0 = time.perf_counter()
                         exe = jax.jit(lambda *z, fn=fn: over_layers(fn, layers, *z, loops=args.loops)).lower(
@@ -112,7 +122,7 @@ def main(argv=None):
                         continue
                     diff = max(float(jnp.max(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32))))
                                for u, v in zip(got["separate"], got["one call"]))
-                    log(f"{args.model} {name} T={t} adapters={k} chunk={chunk or 'auto'}: "
+                    log(f"{label} {name} T={t} adapters={k} chunk={chunk or 'auto'}: "
                         f"max |separate - one call| {diff:.3g}")
 
 

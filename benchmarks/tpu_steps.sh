@@ -3,7 +3,7 @@
 # issue's shapes (SmolLM2-135M, Llama-3.2-1B; random bf16 weights, rank-16 adapters on all seven
 # projections), 0 / 8 / 64 adapters, multilora's TPU backend beside `dense` (sglang-jax's one-hot
 # product over every slot). Raw output under $OUT. Parts (PARTS="..."): tests atests (the kernels'
-# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys), lanepack (kv heads two to a cache row, against one), copyorder (the LoRA kernel's next copies started after its wait; a chunk in one copy a pool), zerolocal (the zero page's copies from VMEM), addknobs (the base add in the kernel x the accumulators' start),
+# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys), lanepack (kv heads two to a cache row, against one), copyorder (the LoRA kernel's next copies started after its wait; a chunk in one copy a pool), zerolocal (the zero page's copies from VMEM), addknobs (the base add in the kernel x the accumulators' start), lanes (the kernel at widths of whole lane tiles),
 # trace, optrace, pprobe (the Pallas attention's prefill side), copyloop, families (issue 40's families on the chip), offline (the engine's throughput), startup (an
 # Engine with adapters compiled at start), stash and
 # agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py), cases
@@ -161,6 +161,14 @@ for part in $PARTS; do
                   grep -E "^(decode |prefill )" "$OUT/addknobs_${shape}_$v.log" | tee -a "$OUT/addknobs.txt"
                 done
               done ;;
+    # the LoRA kernel alone at SmolLM2's widths (576 and 192: 4.5 and 1.5 lane tiles) beside widths
+    # of whole 128-lane tiles (640 / 256: more bytes; 512 / 128: fewer), 64 decode rows, a process each:
+    # whether a pool's rows padded to whole tiles copy and multiply faster despite their bytes
+    lanes) for dims in ${DIMS:-576,1536,576,192 640,1536,640,256 512,1536,512,128}; do
+             timeout -k 5 ${CASE_LIMIT:-90} python3 benchmarks/lora_kernel_probe.py --dims "$dims" --tokens 64 \
+               --adapters ${ADAPTERS:-8 64} --calls qkv gate_up --ways "one call" > "$OUT/lanes_$dims.log" 2>&1
+             echo "dims $dims: exit $?" | tee -a "$OUT/lanes.txt"; grep "us a layer" "$OUT/lanes_$dims.log" | tee -a "$OUT/lanes.txt"
+           done ;;
     # every (shape, mode, adapters) case in its own process, its whole output kept
     # ($OUT/case_<shape>_<mode>_<k>.log): a case that crashes or hangs costs only its own
     # CASE_LIMIT seconds and says which it was (forward_step prints compile and first step apart)
