@@ -3,7 +3,7 @@
 # issue's shapes (SmolLM2-135M, Llama-3.2-1B; random bf16 weights, rank-16 adapters on all seven
 # projections), 0 / 8 / 64 adapters, multilora's TPU backend beside `dense` (sglang-jax's one-hot
 # product over every slot). Raw output under $OUT. Parts (PARTS="..."): tests atests (the kernels'
-# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys), lanepack (kv heads two to a cache row, against one), copyorder (the LoRA kernel's next copies started after its wait; a chunk in one copy a pool), zerolocal (the zero page's copies from VMEM), addknobs (the base add in the kernel x the accumulators' start), lanes (the kernel at widths of whole lane tiles),
+# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys), lanepack (kv heads two to a cache row, against one), chunkcopy (a chunk in one copy a pool), zerolocal (the zero page's copies from VMEM against HBM), lanes (the kernel at widths of whole lane tiles),
 # trace, optrace, pprobe (the Pallas attention's prefill side), copyloop, families (issue 40's families on the chip), offline (the engine's throughput), startup (an
 # Engine with adapters compiled at start), stash and
 # agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py), cases
@@ -114,31 +114,18 @@ for part in $PARTS; do
                   echo "$shape pack $lp: exit $?" | tee -a "$OUT/lanepack.txt"; grep -E "^(decode |prefill )" "$OUT/lanepack_${shape}_$lp.log" | tee -a "$OUT/lanepack.txt"
                 done
               done ;;
-    # the LoRA kernel's copies against its math (log 48: they do not overlap). Two readings: starting
-    # a chunk's ~48 copies stalls until the DMA queue has room (this chunk's copies drained), or
-    # the scalar core's work to issue them holds up the math it also issues. The kernel's tests
-    # compiled on the chip, then: the next chunk's copies started after this chunk's wait
-    # (MULTILORA_LORA_START_AFTER_WAIT=1) against before it, SmolLM2 decode with 0 / 64 adapters,
-    # alternating, a process each; then the probe's q/k/v and gate/up calls on a step whose adapters
-    # are consecutive slots (--contiguous), each chunk in one copy a pool (MULTILORA_LORA_CHUNK_COPY=1:
-    # 6 copies a q/k/v chunk instead of 48, the same bytes) or a copy an adapter, x start order
-    copyorder) timeout -k 5 150 python3 -m pytest -q -x -p no:cacheprovider --noconftest tests/test_lora_pallas.py \
-                 -k "stacked or one_run" 2>&1 | tail -3 | tee "$OUT/copyorder_tests.log"
-               for saw in 0 1 0 1; do
-                 MULTILORA_LORA_START_AFTER_WAIT=$saw timeout -k 5 ${CASE_LIMIT:-90} $FS --modes decode --adapters 0 64 \
-                   > "$OUT/copyorder_fs_$saw.log" 2>&1
-                 echo "start after wait $saw: exit $? $(grep -E '^decode ' "$OUT/copyorder_fs_$saw.log" | awk '{print $6, $8, $11}' | tr '\n' ' ')" \
-                   | tee -a "$OUT/copyorder.txt"
-               done
-               for v in 00 10 01 11; do
-                 MULTILORA_LORA_CHUNK_COPY=${v:0:1} MULTILORA_LORA_START_AFTER_WAIT=${v:1:1} timeout -k 5 ${CASE_LIMIT:-90} \
-                   python3 benchmarks/lora_kernel_probe.py --contiguous --tokens 64 --adapters 8 64 --calls qkv gate_up \
-                   --ways "one call" > "$OUT/copyorder_probe_$v.log" 2>&1
-                 echo "chunk copy, start after wait $v: exit $?" | tee -a "$OUT/copyorder.txt"
-                 grep "us a layer" "$OUT/copyorder_probe_$v.log" | tee -a "$OUT/copyorder.txt"
+    # a chunk of adapters in one copy a pool (MULTILORA_LORA_CHUNK_COPY=1: 6 copies a q/k/v chunk
+    # instead of 48, the same bytes) against a copy an adapter, the probe's q/k/v and gate/up calls
+    # on a step whose adapters are consecutive slots (--contiguous), a process each (log 49: 64
+    # adapters 11-21 % faster, 8 adapters 9-17 % slower)
+    chunkcopy) for v in 0 1; do
+                 MULTILORA_LORA_CHUNK_COPY=$v timeout -k 5 ${CASE_LIMIT:-90} python3 benchmarks/lora_kernel_probe.py \
+                   --contiguous --tokens 64 --adapters 8 64 --calls qkv gate_up --ways "one call" > "$OUT/chunkcopy_$v.log" 2>&1
+                 echo "chunk copy $v: exit $?" | tee -a "$OUT/chunkcopy.txt"
+                 grep "us a layer" "$OUT/chunkcopy_$v.log" | tee -a "$OUT/chunkcopy.txt"
                done ;;
     # the zero page's copies (padding entries, pages past a lower rank) from VMEM zeros
-    # (MULTILORA_LORA_ZERO_PAGE_LOCAL=1) against from HBM, alternating, a process each: SmolLM2
+    # (MULTILORA_LORA_ZERO_PAGE_LOCAL=1, the default since log 49) against from HBM, alternating, a process each: SmolLM2
     # decode from a 65-slot pool with 3 adapters (one chunk of 8: 5 padding entries) and 64 (~41 used)
     zerolocal) for zl in 0 1 0 1; do
                  MULTILORA_LORA_ZERO_PAGE_LOCAL=$zl timeout -k 5 ${CASE_LIMIT:-90} $FS --modes decode --adapters 0 3 64 \
@@ -146,28 +133,13 @@ for part in $PARTS; do
                  echo "zero page local $zl: exit $? $(grep -E '^decode ' "$OUT/zerolocal_$zl.log" | awk '{print $6, $8, $11}' | tr '\n' ' ')" \
                    | tee -a "$OUT/zerolocal.txt"
                done ;;
-    # the base add in the kernel (MULTILORA_LORA_BASE_IN_KERNEL) x the accumulators started as the
-    # first chunk's product (MULTILORA_LORA_FIRST_PRODUCT), "11" the default: log 49 had both on
-    # slower than 37aa319 (neither). SmolLM2 decode and prefill with 0 / 64 adapters, each combination
-    # (KNOBS) a process; then the 1B shape for KNOBS_1B
-    addknobs) for shape in smollm2-135m llama-3.2-1b; do
-                ctx=$([ "$shape" = smollm2-135m ] && echo 80 || echo 256)
-                ks=$([ "$shape" = smollm2-135m ] && echo "${KNOBS:-11 00 10 01}" || echo "${KNOBS_1B:-11 00}")
-                for v in $ks; do
-                  MULTILORA_LORA_BASE_IN_KERNEL=${v:0:1} MULTILORA_LORA_FIRST_PRODUCT=${v:1:1} timeout -k 5 ${CASE_LIMIT:-100} \
-                    $FS --model "$shape" --decode-ctx "$ctx" --modes decode prefill --adapters ${ADAPTERS:-0 64} \
-                    --json "$OUT/addknobs_${shape}_$v.json" > "$OUT/addknobs_${shape}_$v.log" 2>&1
-                  echo "$shape base in kernel, first product $v: exit $?" | tee -a "$OUT/addknobs.txt"
-                  grep -E "^(decode |prefill )" "$OUT/addknobs_${shape}_$v.log" | tee -a "$OUT/addknobs.txt"
-                done
-              done ;;
     # the LoRA kernel alone at SmolLM2's widths (576 and 192: 4.5 and 1.5 lane tiles) beside widths
     # of whole 128-lane tiles (640 / 256: more bytes; 512 / 128: fewer), 64 decode rows, a process each:
     # whether a pool's rows padded to whole tiles copy and multiply faster despite their bytes
     lanes) for dims in ${DIMS:-576,1536,576,192 640,1536,640,256 512,1536,512,128}; do
              timeout -k 5 ${CASE_LIMIT:-90} python3 benchmarks/lora_kernel_probe.py --dims "$dims" --tokens 64 \
-               --adapters ${ADAPTERS:-8 64} --calls qkv gate_up --ways "one call" > "$OUT/lanes_$dims.log" 2>&1
-             echo "dims $dims: exit $?" | tee -a "$OUT/lanes.txt"; grep "us a layer" "$OUT/lanes_$dims.log" | tee -a "$OUT/lanes.txt"
+               --adapters ${ADAPTERS:-8 64} --calls qkv gate_up --ways "one call" > "$OUT/lanes_${dims//,/x}.log" 2>&1
+             echo "dims $dims: exit $?" | tee -a "$OUT/lanes.txt"; grep "us a layer" "$OUT/lanes_${dims//,/x}.log" | tee -a "$OUT/lanes.txt"
            done ;;
     # every (shape, mode, adapters) case in its own process, its whole output kept
     # ($OUT/case_<shape>_<mode>_<k>.log): a case that crashes or hangs costs only its own

@@ -246,31 +246,6 @@ def test_backend_matches_numpy(backend, shape, pattern):
         assert_close(g, bo + w, f"run_gate_up_lora[{name}] + base_outputs {what}")
 
 
-def test_pallas_adds_base_outputs_outside_the_kernel_when_asked(monkeypatch):
-    """MULTILORA_LORA_BASE_IN_KERNEL=0: the kernel writes the deltas and XLA adds the base
-    outputs; the sums are the same as the definition's."""
-    from multilora.lora.backend.pallas import BASE_IN_KERNEL_ENV
-    monkeypatch.setenv(BASE_IN_KERNEL_ENV, "0")
-    jax.clear_caches()   # the knob is read when a call is traced
-    try:
-        t, d, o, s, r = SHAPES[2]
-        rng = np.random.default_rng(5)
-        slot_T = make_slots(rng, "random", t, s)
-        ranks, scalings = make_ranks(rng, s, r), make_scalings(rng, s)
-        rows_SR, u = make_rows(rng, ranks, r)
-        info = get_backend("pallas").prepare_lora_batch(slot_T, scalings, ranks, rows_SR)
-        x = rng.standard_normal((t, d)).astype(np.float32)
-        qkv_a = make_a(rng, s, r, d, ranks, blocks=3)
-        qkv_b = tuple(make_b(rng, s, o, r, ranks) for _ in range(3))
-        bases = tuple(rng.standard_normal((t, o)).astype(np.float32) for _ in range(3))
-        got = get_backend("pallas").run_qkv_lora(x, page(qkv_a, rows_SR, u, 3),
-                                                 tuple(page(w, rows_SR, u) for w in qkv_b), info, bases)
-        for name, g, w, bo in zip("qkv", got, np_stacked(x, qkv_a, qkv_b, scalings, slot_T), bases):
-            assert_close(g, bo + w, f"run_qkv_lora[{name}] + base_outputs added by XLA")
-    finally:
-        jax.clear_caches()
-
-
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_base_outputs_of_another_count_are_refused(backend):
     """run_qkv_lora with two base outputs for its three outputs: an error naming both counts."""

@@ -184,30 +184,27 @@ def stacked_case(seed, ranks, t, outs, dtype, b_seed, max_grouped, d=128, layers
 
 
 # (dtype, adapters a chunk (None: the kernel's pick), the call's A blocks (None: all, in order),
-# a buffer's copies waited on at once, the next chunk's copies started after this one's wait)
-STACKED_CASES = [("float32", None, None, False, False), ("bfloat16", None, None, False, False),
-                 ("bfloat16", 4, None, False, True), ("float32", 16, None, False, False),
-                 ("float32", 4, (1, 2), False, False), ("float32", None, (2, 0), True, False),
-                 ("float32", 4, None, True, True), ("bfloat16", None, (1, 2), True, False)]
+# a buffer's copies waited on at once, the zero page's copies from VMEM)
+STACKED_CASES = [("float32", None, None, False, True), ("bfloat16", None, None, False, True),
+                 ("bfloat16", 4, None, False, False), ("float32", 16, None, False, True),
+                 ("float32", 4, (1, 2), False, True), ("float32", None, (2, 0), True, True),
+                 ("float32", 4, None, True, False), ("bfloat16", None, (1, 2), True, True)]
 
 
-@pytest.mark.parametrize("dtype,chunk,ids,one_wait,start_after_wait", STACKED_CASES)
-def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, ids, one_wait, start_after_wait,
+@pytest.mark.parametrize("dtype,chunk,ids,one_wait,zero_local", STACKED_CASES)
+def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, ids, one_wait, zero_local,
                                                            trace_time_knob):
     """lora_deltas: q/k/v-like outputs of different widths from one stacked A pool in one call
     (its blocks in order, some, or out of order), over two token tiles and several chunks of
     adapters (the kernel's pick of adapters per chunk, and others through
     MULTILORA_LORA_CHUNK_ADAPTERS), waited on a copy at a time (MULTILORA_LORA_ONE_WAIT=0) or a
-    buffer at once (pages out of order, page by page), the next chunk's copies started before or
-    after this chunk's wait (MULTILORA_LORA_START_AFTER_WAIT=1), the zero page copied from HBM
-    where the next copies start after the wait (MULTILORA_LORA_ZERO_PAGE_LOCAL=0; from VMEM
-    otherwise, the default), against the per-token definition."""
-    from multilora.kernels.lora_pallas import CHUNK_ENV, ONE_WAIT_ENV, START_AFTER_WAIT_ENV, ZERO_LOCAL_ENV, lora_deltas
+    buffer at once (pages out of order, page by page), the zero page copied from VMEM (the
+    default) or from HBM (MULTILORA_LORA_ZERO_PAGE_LOCAL=0), against the per-token definition."""
+    from multilora.kernels.lora_pallas import CHUNK_ENV, ONE_WAIT_ENV, ZERO_LOCAL_ENV, lora_deltas
     if chunk:
         trace_time_knob(CHUNK_ENV, str(chunk))
     trace_time_knob(ONE_WAIT_ENV, "1" if one_wait else "0")
-    trace_time_knob(START_AFTER_WAIT_ENV, "1" if start_after_wait else "0")
-    trace_time_knob(ZERO_LOCAL_ENV, "0" if start_after_wait else "1")
+    trace_time_knob(ZERO_LOCAL_ENV, "1" if zero_local else "0")
     t, outs = 40, (256, 128, 128)
     a_pool, rows, a_dense, bs, scalings, slot_T, info, x = stacked_case(11, [0] + [16, 8] * 9 + [16], t, outs, dtype,
                                                                         20, max_grouped=24)
@@ -225,37 +222,6 @@ def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, ids, on
         assert np.all(y[slot_T == NO_ADAPTER] == 0.0)
         scale = max(1.0, float(np.abs(want).max()))
         assert float(np.abs(y - want).max()) <= tol * scale, f"output {k}"
-
-
-@pytest.mark.parametrize("dtype,tile_rows,first_product", [("float32", 16, True), ("bfloat16", None, True),
-                                                           ("float32", 16, False)])
-def test_outputs_summed_with_their_base_outputs_in_the_kernel(dtype, tile_rows, first_product, trace_time_knob):
-    """lora_deltas with base_outputs: each output base + delta (summed in float32, rounded once
-    to the base's dtype), base rows exactly their base; base outputs of other shapes refused. A
-    tile's accumulators started as its first chunk's product (the default), or zeroed first
-    (MULTILORA_LORA_FIRST_PRODUCT=0)."""
-    from multilora.kernels.lora_pallas import FIRST_PRODUCT_ENV, lora_deltas
-    trace_time_knob(FIRST_PRODUCT_ENV, "1" if first_product else "0")
-    t, outs = 40, (256, 128)
-    a_pool, rows, a_dense, bs, scalings, slot_T, info, x = stacked_case(17, [0] + [16, 8] * 6, t, outs, dtype, 40,
-                                                                        max_grouped=16)
-    rng = np.random.default_rng(18)
-    bases = [jnp.asarray(rng.standard_normal((t, o)).astype(np.float32)).astype(dtype) for o in outs]
-    run = jax.jit(lora_deltas, static_argnames=("a_block_ids", "a_blocks", "interpret", "tile_rows"))
-    got = run(x, a_pool, [b for b, _ in bs], jnp.int32(1), info.step_slots_A, info.local_T, rows, scalings,
-              a_blocks=len(outs), interpret=not ON_TPU, tile_rows=tile_rows, base_outputs=bases)
-    x_np = np.asarray(x.astype(jnp.float32))
-    tol = 2e-2 if dtype == "bfloat16" else (2e-3 if ON_TPU else 1e-4)
-    for k, (y, base) in enumerate(zip(got, bases)):
-        assert y.dtype == base.dtype and y.shape == base.shape
-        y, base = np.asarray(y.astype(jnp.float32)), np.asarray(base.astype(jnp.float32))
-        want = base + np_delta(x_np, a_dense, bs[k][1], 1, k, scalings, slot_T)
-        assert np.array_equal(y[slot_T == NO_ADAPTER], base[slot_T == NO_ADAPTER]), f"output {k}: base rows changed"
-        err = float(np.abs(y - want).max())
-        assert err <= tol * max(1.0, float(np.abs(want).max())), f"output {k}: max |err| {err:.3e}"
-    with pytest.raises(ValueError, match="base outputs .* do not match the LoRA outputs"):
-        lora_deltas(x, a_pool, [b for b, _ in bs], 1, info.step_slots_A, info.local_T, rows, scalings,
-                    a_blocks=len(outs), interpret=not ON_TPU, base_outputs=bases[::-1])
 
 
 @pytest.mark.parametrize("dtype,one_wait", [("float32", True), ("bfloat16", False)])
@@ -351,9 +317,7 @@ def test_pallas_backend_shrink_and_expand_alone_never_read_slot_0():
 def test_copy_knobs_defaults_and_a_bad_value_named(monkeypatch):
     from multilora.kernels import lora_pallas as lp
     for env, on, default in ((lp.CHUNK_COPY_ENV, lp.chunk_copy_on, False), (lp.ONE_WAIT_ENV, lp.one_wait_on, True),
-                             (lp.START_AFTER_WAIT_ENV, lp.start_after_wait_on, False),
-                             (lp.ZERO_LOCAL_ENV, lp.zero_local_on, True),
-                             (lp.FIRST_PRODUCT_ENV, lp.first_product_on, True)):
+                             (lp.ZERO_LOCAL_ENV, lp.zero_local_on, True)):
         for value, want in ((None, default), ("", default), ("0", False), ("1", True)):
             if value is None:
                 monkeypatch.delenv(env, raising=False)

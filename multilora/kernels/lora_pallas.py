@@ -18,9 +18,9 @@ Tokens go in tiles of tm rows (grid axis 0); tile i visits only the chunks from 
 last its tokens use (the step's adapters are numbered in order of first appearance, so the
 sequences of a prefill tile use a short run of chunks), and nothing is read or computed for the
 others. Every tile visits at least one chunk (its output must be written), base rows
-(local_T = A, matching no column) get zeros. Given the projection's base outputs (the model's
-path), the kernel writes base + delta instead, so that no delta goes out to HBM for an add of
-XLA's to read back.
+(local_T = A, matching no column) get zeros. The caller adds the base outputs: base + delta
+written by the kernel itself (no delta out to HBM) was slower on a v5e, SmolLM2's prefill step
+with 64 adapters 5.56 -> 5.70 ms back to back, the 1B shape's 10.87 -> 11.43 (benchmarks/log/49).
 
 Legend: T tokens, D in features, O out features, L layers, U pool rows, A step adapters,
 C chunks of adapters, W rank columns of a chunk, Q pages of a chunk, R row table width.
@@ -42,7 +42,7 @@ from multilora.kernels.knobs import positive_int_knob, switch_knob
 
 LANES = 128
 VMEM_LIMIT_BYTES = 64 * 1024 * 1024   # a v5e core has 128 MiB of VMEM; the default scope is 16 MiB
-TOKEN_VMEM_BYTES = 28 * 1024 * 1024   # what one call's token-side blocks may take (tm is picked to fit)
+VMEM_BUDGET_BYTES = 40 * 1024 * 1024  # what one call's buffers may take (tm is picked to fit)
 
 
 # Adapters per chunk in place of chunk_adapters' pick (a probe's knob: benchmarks/lora_kernel_probe.py)
@@ -63,22 +63,12 @@ CHUNK_COPY_ENV = "MULTILORA_LORA_CHUNK_COPY"
 # 64 adapters 5.61 -> 5.40 ms (4.27 -> 4.12 back to back), the others unchanged (benchmarks/log/48).
 # The default; "0" waits on each copy.
 ONE_WAIT_ENV = "MULTILORA_LORA_ONE_WAIT"
-# "1": the next chunk's copies are started after this chunk's wait instead of before it. In a v5e
-# SmolLM2 decode step a chunk's math does not overlap the next chunk's copies (benchmarks/log/48);
-# if starting ~48 copies stalls until the DMA queue has room, i.e. until this chunk's copies have
-# drained, starting them once it is empty lets them run under the math. Off until timed on a chip
-# (tpu_steps.sh's part `copyorder`).
-START_AFTER_WAIT_ENV = "MULTILORA_LORA_START_AFTER_WAIT"
 # Copies of the pool's zero page (page 0: a padding entry's pages, and the pages past a lower
 # rank's in the row table) come from a block of zeros in VMEM instead of from HBM. A step's
 # adapters fill whole chunks of 8 (rank 16), so a decode step with 3 adapters reads 5 padding
 # entries' pages, more bytes than its own. On a v5e, SmolLM2's 64-adapter decode step 4.35 -> 4.23
 # ms back to back, alternating, the others unchanged (benchmarks/log/49). The default; "0" off.
 ZERO_LOCAL_ENV = "MULTILORA_LORA_ZERO_PAGE_LOCAL"
-# "0": a tile's float32 accumulators are zeroed at its first chunk and summed into at each (as
-# before c45ce9e), instead of starting as the first chunk's product with a one-chunk tile writing
-# its output straight from it. A measurement knob (tpu_steps.sh's part `addknobs`).
-FIRST_PRODUCT_ENV = "MULTILORA_LORA_FIRST_PRODUCT"
 
 
 def chunk_adapters(table_width: int, num_adapters: int = 0) -> int:
@@ -105,28 +95,17 @@ def one_wait_on() -> bool:
     return switch_knob(ONE_WAIT_ENV, default=True)
 
 
-def start_after_wait_on() -> bool:
-    """Whether the next chunk's copies start after this chunk's wait ($MULTILORA_LORA_START_AFTER_WAIT)."""
-    return switch_knob(START_AFTER_WAIT_ENV)
-
-
-def first_product_on() -> bool:
-    """Whether a tile's running sum starts as its first chunk's product ($MULTILORA_LORA_FIRST_PRODUCT)."""
-    return switch_knob(FIRST_PRODUCT_ENV, default=True)
-
-
 def zero_local_on() -> bool:
     """Whether the zero page's copies come from VMEM ($MULTILORA_LORA_ZERO_PAGE_LOCAL, on unless "0")."""
     return switch_knob(ZERO_LOCAL_ENV, default=True)
 
 
 def token_tile(num_tokens: int, d_in: int, d_out: int, itemsize: int) -> int:
-    """Rows per token tile: the whole step where its x block, f32 accumulators, base output and
-    output blocks (d_out: the features of every output of the call together; in and out blocks
-    double-buffered) fit the VMEM budget, else the largest power of two (>= 8) that does (the
-    step is padded to whole tiles)."""
+    """Rows per token tile: the whole step where its x block, f32 accumulators and output blocks
+    (d_out: the features of every output of the call together) fit the VMEM budget, else the
+    largest power of two (>= 8) that does (the step is padded to whole tiles)."""
     def fits(tm):
-        return tm * (2 * d_in * itemsize + 4 * d_out + 4 * d_out * itemsize) <= TOKEN_VMEM_BYTES
+        return tm * (2 * d_in * itemsize + 4 * d_out + 2 * d_out * itemsize) <= VMEM_BUDGET_BYTES // 2
     if fits(num_tokens):
         return num_tokens
     tm = 1 << (num_tokens.bit_length() - 1)
@@ -143,19 +122,16 @@ def _precision(operand):
 def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pages_per_chunk: int,
             a_offs: tuple, rank_cols: int, per_chunk: int, num_tiles: int, num_chunks: int,
             copy_loop: bool = False, chunk_copy: bool = False, one_wait: bool = True,
-            start_after_wait: bool = False, with_base: bool = False, zero_local: bool = False,
-            first_product: bool = True):
+            zero_local: bool = False):
     """layer_ref, meta_ref (SMEM): the layer; the plan's pages and runs, then the tile size's
     lo / n / start (lora_plan's "meta"; the chunks' runs after the entries' where chunk_copy).
     a_hbm: the A pool (L, U, D), a_offs the first rows of the call's outputs' blocks in it; refs:
     nb B pools (HBM), nb outputs, then the scratch: A's buffer (both slots, a block of W rows per
     output), nb B buffers, the DMA semaphores, nb accumulators. chunk_copy: a
     chunk whose pages are one run in one copy a pool. one_wait: a buffer's copies waited on at
-    once. start_after_wait: the next chunk's copies started after this chunk's wait, not before.
-    with_base: refs open with nb base output blocks (tm, O), each output their sum with its delta.
+    once.
     zero_local: the scratch ends with zero blocks (R rows) for A and each B, the source of the zero
     page's copies."""
-    base_refs, refs = (refs[:nb], refs[nb:]) if with_base else ((None,) * nb, refs)
     a_hbm, refs = refs[0], refs[1:]
     b_hbm, y_refs = refs[:nb], refs[nb:2 * nb]
     abuf, bbufs, sem, accs = refs[2 * nb], refs[2 * nb + 1:3 * nb + 1], refs[3 * nb + 1], refs[3 * nb + 2:4 * nb + 2]
@@ -254,18 +230,16 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
     def _():
         last_of_tile = j + 1 >= n_i
 
-        def start_next():
-            """The next active step's pages in flight while this step's math runs."""
-            @pl.when(jnp.logical_not(last_of_tile))
-            def _():
-                dmas(i, j + 1, 1 - slot, lambda cp: cp.start())
+        # the next active step's pages in flight while this step's math runs (started after this
+        # step's wait instead made no difference on a v5e: benchmarks/log/49)
+        @pl.when(jnp.logical_not(last_of_tile))
+        def _():
+            dmas(i, j + 1, 1 - slot, lambda cp: cp.start())
 
-            @pl.when(last_of_tile & (i + 1 < num_tiles))
-            def _():
-                dmas(i + 1, 0, 1 - slot, lambda cp: cp.start())
+        @pl.when(last_of_tile & (i + 1 < num_tiles))
+        def _():
+            dmas(i + 1, 0, 1 - slot, lambda cp: cp.start())
 
-        if not start_after_wait:
-            start_next()
         c = meta_ref[o_lo + i] + j
         if one_wait:   # one wait a buffer for its whole W rows (the semaphores count bytes,
             # whichever rows they came to)
@@ -274,19 +248,12 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
                 pltpu.make_async_copy(bbufs[k].at[slot], bbufs[k].at[slot], sem.at[1 + k, slot]).wait()
         else:
             dmas(i, j, slot, lambda cp: cp.wait())
-        if start_after_wait:
-            start_next()
 
-        # A tile's running sum starts as its first chunk's product (no zeros written first), and a
-        # tile of one chunk writes its output straight from the product: the accumulators are
-        # (tm, O) float32, a prefill tile's several MB a pass through VMEM. first_product=False:
-        # zeroed at the first chunk, summed into at each, written out at the last.
-        first, not_last = j == 0, jnp.logical_not(last_of_tile)
-        if not first_product:
-            @pl.when(first)
-            def _():
-                for acc in accs:
-                    acc[...] = jnp.zeros_like(acc)
+        @pl.when(j == 0)
+        def _():
+            for acc in accs:
+                acc[...] = jnp.zeros_like(acc)
+
         x = x_ref[...]
         col = c * per_chunk + jax.lax.broadcasted_iota(jnp.int32, (1, w), 1) // rank_cols
         mine, scale = local_ref[...] == col, scale_ref[c]
@@ -296,26 +263,12 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
                                     preferred_element_type=jnp.float32)                # (tm, W)
             h = jnp.where(mine, h * scale, 0.0)
             b = bbufs[k][slot]
-            y = jnp.dot(h.astype(b.dtype), b, precision=_precision(b), preferred_element_type=jnp.float32)
-            acc, y_ref, base_ref = accs[k], y_refs[k], base_refs[k]
+            accs[k][...] += jnp.dot(h.astype(b.dtype), b, precision=_precision(b), preferred_element_type=jnp.float32)
 
-            def out(total):
-                if base_ref is not None:
-                    total = total + base_ref[...].astype(jnp.float32)
-                y_ref[...] = total.astype(y_ref.dtype)
-
-            def keep(total):
-                acc[...] = total
-
-            # (each pl.when traces its branch at once: the closures see this k's values)
-            if not first_product:
-                keep(acc[...] + y)
-                pl.when(last_of_tile)(lambda: out(acc[...]))
-                continue
-            pl.when(first & last_of_tile)(lambda: out(y))
-            pl.when(first & not_last)(lambda: keep(y))
-            pl.when(jnp.logical_not(first) & not_last)(lambda: keep(acc[...] + y))
-            pl.when(jnp.logical_not(first) & last_of_tile)(lambda: out(acc[...] + y))
+        @pl.when(last_of_tile)
+        def _():
+            for y_ref, acc in zip(y_refs, accs):
+                y_ref[...] = acc[...].astype(y_ref.dtype)
 
 
 def lora_plan(step_slots_A, local_T, rows_SR, scalings_S, tiles) -> dict:
@@ -398,14 +351,12 @@ def by_pool_page(step_slots_A, local_T, rows_SR):
 
 def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, rows_SR, scalings_S,
                 a_block_ids=None, a_blocks: int = 1, interpret: bool = False, tile_rows: int | None = None,
-                plan: dict | None = None, base_outputs=None):
+                plan: dict | None = None):
     """The deltas of several projections over one input (q/k/v, gate/up), in one call: output k
     from A block a_block_ids[k] of the stacked A pool (default: block k) and B pool b_pools_LUO[k].
     One call reads x once and walks the step's adapters once for all of them, where separate calls
     each pay a call's fixed cost (its scalars, its first pages' wait, x read again): ~4 us on a
-    v5e, 210 calls a step of SmolLM2's shape. base_outputs (one (T, O_k) each, optional): each
-    output is then base + delta, summed in float32 and rounded once, in its base's dtype, so that
-    no delta is written out for an add of XLA's to read back. Arguments as lora_delta's."""
+    v5e, 210 calls a step of SmolLM2's shape. Arguments as lora_delta's."""
     t, d = x_TD.shape
     nb = len(b_pools_LUO)
     a_block_ids = tuple(range(nb)) if a_block_ids is None else tuple(a_block_ids)
@@ -420,21 +371,15 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
     nt = -(-t // tm)
     pad = nt * tm - t
     x_pad = jnp.pad(x_TD, ((0, pad), (0, 0))) if pad else x_TD
-    bases = [] if base_outputs is None else [jnp.pad(b, ((0, pad), (0, 0))) if pad else b for b in base_outputs]
-    if bases and [b.shape for b in bases] != [(nt * tm, o) for o in outs]:
-        raise ValueError(f"base outputs {[tuple(b.shape) for b in base_outputs]} do not match the LoRA outputs "
-                         f"{[(t, o) for o in outs]}")
     tile = plan["tiles"][tm]
-    out_dtypes = [b.dtype for b in bases] if bases else [x_TD.dtype] * nb
     block_rows = a_pool_LUD.shape[1] // a_blocks
     zero_local = zero_local_on()
     kernel = functools.partial(_kernel, nb=nb, pages_per_chunk=w // PAGE_ROWS,
                                a_offs=tuple(k * block_rows for k in a_block_ids), rank_cols=r,
                                per_chunk=per_chunk, num_tiles=nt, num_chunks=num_chunks,
                                copy_loop=os.environ.get(COPY_LOOP_ENV) != "0", chunk_copy=plan["chunk_runs"],
-                               one_wait=one_wait_on(), start_after_wait=start_after_wait_on(),
-                               with_base=bool(bases), zero_local=zero_local,
-                               first_product=first_product_on())
+                               one_wait=one_wait_on(),
+                               zero_local=zero_local)
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
@@ -443,8 +388,7 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
             pl.BlockSpec((tm, d), lambda i, j, *_: (i, 0)),
             pl.BlockSpec((tm, 1), lambda i, j, *_: (i, 0)),
             pl.BlockSpec((num_chunks, 1, w), lambda i, j, *_: (0, 0, 0)),
-        ] + ([pl.BlockSpec((tm, o), lambda i, j, *_: (i, 0)) for o in outs] if bases else [])
-        + [any_space] * (1 + nb),
+        ] + [any_space] * (1 + nb),
         out_specs=[pl.BlockSpec((tm, o), lambda i, j, *_: (i, 0)) for o in outs],
         scratch_shapes=[pltpu.VMEM((2, nb * w, d), a_pool_LUD.dtype)]
         + [pltpu.VMEM((2, w, o), b.dtype) for o, b in zip(outs, b_pools_LUO)]
@@ -456,12 +400,12 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
     ys = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((nt * tm, o), dt) for o, dt in zip(outs, out_dtypes)],
+        out_shape=[jax.ShapeDtypeStruct((nt * tm, o), x_TD.dtype) for o in outs],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
                                              vmem_limit_bytes=VMEM_LIMIT_BYTES),
         interpret=pltpu.InterpretParams() if interpret else False,
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), tile["meta"], x_pad, tile["local"], plan["scale"],
-      *bases, a_pool_LUD, *b_pools_LUO)
+      a_pool_LUD, *b_pools_LUO)
     return tuple(y[:t] if pad else y for y in ys)
 
 

@@ -21,17 +21,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from multilora.kernels.knobs import switch_knob
 from multilora.kernels.lora_pallas import lora_deltas, lora_plan, token_tile
 from multilora.lora.backend.base import BaseLoRABackend, add_base, add_bases, pool_layer, slot_rows
 from multilora.lora.backend.dense import onehot_expand, onehot_shrink
 from multilora.lora.batch import NO_ADAPTER, PAGE_ROWS, PER_TOKEN, LoRABatchInfo
-
-
-# "1": each call's base outputs go into the kernel, which writes base + delta (no delta written out
-# for an add of XLA's to read back); "0": the kernel writes the deltas and XLA adds them. A
-# measurement knob (tpu_steps.sh's part `addknobs`).
-BASE_IN_KERNEL_ENV = "MULTILORA_LORA_BASE_IN_KERNEL"
 
 
 def _paged(info: LoRABatchInfo) -> bool:
@@ -67,15 +60,13 @@ class PallasLoRABackend(BaseLoRABackend):
 
     def _deltas(self, x_TD, a, bs, info: LoRABatchInfo, base_outputs=None):
         """Every output of one A pool (its len(bs) blocks) in one kernel call, each added to its
-        base output inside the kernel where base_outputs are given (no delta written out and read
-        back by an add of XLA's)."""
+        base output where base_outputs are given (by XLA: the kernel's own add was slower on a
+        v5e, benchmarks/log/49)."""
         a = pool_layer(a)
         bs = [pool_layer(b).pool for b in bs]
-        in_kernel = switch_knob(BASE_IN_KERNEL_ENV, default=True)
         ys = lora_deltas(x_TD, a.pool, bs, a.layer, info.step_slots_A, info.local_T, info.rows_SR,
-                         info.scalings_S, a_blocks=len(bs), interpret=_interpret(), plan=info.kernel_plan,
-                         base_outputs=base_outputs if in_kernel else None)
-        return ys if in_kernel else add_bases(ys, base_outputs)
+                         info.scalings_S, a_blocks=len(bs), interpret=_interpret(), plan=info.kernel_plan)
+        return add_bases(ys, base_outputs)
 
     def run_lora(self, x_TD, lora_a_UD, lora_b_UO, info: LoRABatchInfo, base_output_TO=None):
         if not _paged(info):
