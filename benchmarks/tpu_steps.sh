@@ -3,7 +3,7 @@
 # issue's shapes (SmolLM2-135M, Llama-3.2-1B; random bf16 weights, rank-16 adapters on all seven
 # projections), 0 / 8 / 64 adapters, multilora's TPU backend beside `dense` (sglang-jax's one-hot
 # product over every slot). Raw output under $OUT. Parts (PARTS="..."): tests atests (the kernels'
-# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys), lanepack (kv heads two to a cache row, against one), chunkcopy (a chunk in one copy a pool), zerolocal (the zero page's copies from VMEM against HBM), lanes (the kernel at widths of whole lane tiles),
+# tests compiled on the chip), small slots big (LoRA backends), pa pa1b (XLA and Pallas attention), asweep (the Pallas attention's query block x chunk keys), lanepack (kv heads two to a cache row, against one), chunkcopy (a chunk in one copy a pool), zerolocal (the zero page's copies from VMEM against HBM), lanes (the kernel at widths of whole lane tiles), overlap (copies under math, a probe kernel),
 # trace, optrace, pprobe (the Pallas attention's prefill side), copyloop, families (issue 40's families on the chip), offline (the engine's throughput), startup (an
 # Engine with adapters compiled at start), stash and
 # agree (greedy tokens against the CPU's float32 record, benchmarks/tpu_agreement.py), cases
@@ -133,6 +133,10 @@ for part in $PARTS; do
                  echo "zero page local $zl: exit $? $(grep -E '^decode ' "$OUT/zerolocal_$zl.log" | awk '{print $6, $8, $11}' | tr '\n' ' ')" \
                    | tee -a "$OUT/zerolocal.txt"
                done ;;
+    # whether a kernel of the LoRA kernel's form runs its copies under its math at all: one copy a
+    # step against 16-row pages, with and without products (benchmarks/dma_overlap_probe.py)
+    overlap) timeout -k 5 ${CASE_LIMIT:-150} python3 benchmarks/dma_overlap_probe.py --dims 576 2048 --rows 128 512 \
+               --reps 1 4 --json "$OUT/overlap.json" 2>&1 | tee "$OUT/overlap.log" ;;
     # the LoRA kernel alone at SmolLM2's widths (576 and 192: 4.5 and 1.5 lane tiles) beside widths
     # of whole 128-lane tiles (640 / 256: more bytes; 512 / 128: fewer), 64 decode rows, a process each:
     # whether a pool's rows padded to whole tiles copy and multiply faster despite their bytes
