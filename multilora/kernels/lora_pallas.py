@@ -54,8 +54,9 @@ COPY_LOOP_ENV = "MULTILORA_LORA_COPY_LOOP"
 # "1": a chunk whose adapters' pages are one run of the pool comes in one copy a pool (W rows)
 # instead of a copy an adapter; a step whose calls are one token tile each (decode) orders its
 # adapters by pool page for it (a tile visits every chunk anyway), so that adapters loaded one
-# after another (the registry hands pages lowest first) make whole-chunk runs. Off until timed on a
-# chip (tpu_steps.sh's part `copyorder`).
+# after another (the registry hands pages lowest first) make whole-chunk runs. Off: on a v5e, on
+# a step whose adapters are consecutive slots, 11-21 % faster at 64 adapters and 9-17 % slower at
+# 8 (benchmarks/log/49; tpu_steps.sh's part `chunkcopy`).
 CHUNK_COPY_ENV = "MULTILORA_LORA_CHUNK_COPY"
 # A chunk's copies are waited on with one wait a buffer (a DMA semaphore counts the bytes that
 # arrived, and a chunk's copies into one buffer always total that buffer: W rows a pool) instead
