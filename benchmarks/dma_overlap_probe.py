@@ -9,7 +9,9 @@ copies of 16 rows from pages spread over the pool ("pages", as the LoRA kernel's
 none; the math is `--reps` products or none. Every combination is timed over `--loops` x
 `--calls` calls in one dispatch (medians of `--repeats`), us a call. Read: "both" against the
 larger of "copies alone" and "math alone" (overlapped) or their sum (serialised); "pages"
-against "one" (what a copy's issue costs the scalar core).
+against "one" (what a copy's issue costs the scalar core). Where both run, two more forms: the
+buffer's halves as two arrays (whether one array written by copies and read by the math orders
+them), and the math on another block (whether reading what the copies bring orders them).
 
     python3 benchmarks/dma_overlap_probe.py --dims 576 2048 --rows 512 --reps 1 4   # on a TPU
     JAX_PLATFORMS=cpu python3 benchmarks/dma_overlap_probe.py --quick               # the interpreter
@@ -34,27 +36,46 @@ from jax.experimental.pallas import tpu as pltpu
 PAGE_ROWS = 16
 
 
-def _kernel(pages_ref, x_ref, pool_hbm, out_ref, buf, sem, acc, *, rows: int, copies: str, reps: int,
-            steps: int):
+def _kernel(pages_ref, x_ref, pool_hbm, out_ref, *scratch, rows: int, copies: str, reps: int, steps: int,
+            buffers: str, operand: str):
     """pages_ref (SMEM): each step's page numbers (steps x rows / 16); x_ref (T, D); pool_hbm the
-    pool (U, D) in HBM; out_ref (T, R) float32: the products' sum (zeros without math)."""
+    pool (U, D) in HBM; out_ref (T, R) float32: the products' sum (zeros without math). scratch:
+    the double buffer (one (2, R, D) array, or two (R, D) arrays where buffers == "two"), the DMA
+    semaphores, the accumulator, and where operand == "other" an (R, D) block the math reads
+    instead of the buffer (the copies' bytes then never feed the math)."""
+    if buffers == "two":
+        buf0, buf1, sem, acc, *other = scratch
+    else:
+        buf, sem, acc, *other = scratch
     s = pl.program_id(0)
     slot = s % 2
     per_step = rows // PAGE_ROWS
 
+    def on_half(half, fn):
+        """fn(the buffer's half `half`, a ref of (R, D)), `half` a traced 0 or 1."""
+        if buffers == "two":
+            pl.when(half == 0)(lambda: fn(buf0))
+            pl.when(half == 1)(lambda: fn(buf1))
+        else:
+            fn(buf.at[half])
+
     def issue(step, to, act):
-        if copies == "one":
-            row = pl.multiple_of(pages_ref[step * per_step] * PAGE_ROWS, PAGE_ROWS)
-            act(pltpu.make_async_copy(pool_hbm.at[pl.ds(row, rows)], buf.at[to], sem.at[to]))
-            return
-        for p in range(per_step):
-            row = pl.multiple_of(pages_ref[step * per_step + p] * PAGE_ROWS, PAGE_ROWS)
-            act(pltpu.make_async_copy(pool_hbm.at[pl.ds(row, PAGE_ROWS)],
-                                      buf.at[to, pl.ds(p * PAGE_ROWS, PAGE_ROWS)], sem.at[to]))
+        def go(dst):
+            if copies == "one":
+                row = pl.multiple_of(pages_ref[step * per_step] * PAGE_ROWS, PAGE_ROWS)
+                act(pltpu.make_async_copy(pool_hbm.at[pl.ds(row, rows)], dst, sem.at[to]))
+                return
+            for p in range(per_step):
+                row = pl.multiple_of(pages_ref[step * per_step + p] * PAGE_ROWS, PAGE_ROWS)
+                act(pltpu.make_async_copy(pool_hbm.at[pl.ds(row, PAGE_ROWS)], dst.at[pl.ds(p * PAGE_ROWS, PAGE_ROWS)],
+                                          sem.at[to]))
+        on_half(to, go)
 
     @pl.when(s == 0)
     def _():
         acc[...] = jnp.zeros_like(acc)
+        for o in other:
+            o[...] = jnp.ones_like(o)
         if copies != "none":
             issue(0, 0, lambda cp: cp.start())
 
@@ -64,27 +85,38 @@ def _kernel(pages_ref, x_ref, pool_hbm, out_ref, buf, sem, acc, *, rows: int, co
             issue(s + 1, 1 - slot, lambda cp: cp.start())
 
         # one wait for the buffer's bytes (the semaphore counts them, whichever copies brought them)
-        pltpu.make_async_copy(buf.at[slot], buf.at[slot], sem.at[slot]).wait()
+        on_half(slot, lambda ref: pltpu.make_async_copy(ref, ref, sem.at[slot]).wait())
 
-    x = x_ref[...]
-    for _ in range(reps):
-        acc[...] += jax.lax.dot_general(x, buf[slot], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    def math(ref):
+        x = x_ref[...]
+        for _ in range(reps):
+            acc[...] += jax.lax.dot_general(x, ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    if reps:
+        if other:
+            math(other[0])
+        else:
+            on_half(slot, math)
 
     @pl.when(s == steps - 1)
     def _():
         out_ref[...] = acc[...]
 
 
-def probe_call(x_TD, pool_UD, pages, *, rows: int, copies: str, reps: int, steps: int, interpret: bool):
+def probe_call(x_TD, pool_UD, pages, *, rows: int, copies: str, reps: int, steps: int, interpret: bool,
+               buffers: str = "one", operand: str = "buffer"):
     t, d = x_TD.shape
-    kernel = functools.partial(_kernel, rows=rows, copies=copies, reps=reps, steps=steps)
+    kernel = functools.partial(_kernel, rows=rows, copies=copies, reps=reps, steps=steps, buffers=buffers,
+                               operand=operand)
+    halves = ([pltpu.VMEM((rows, d), pool_UD.dtype)] * 2 if buffers == "two"
+              else [pltpu.VMEM((2, rows, d), pool_UD.dtype)])
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(steps,),
         in_specs=[pl.BlockSpec((t, d), lambda s, *_: (0, 0)), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec((t, rows), lambda s, *_: (0, 0)),
-        scratch_shapes=[pltpu.VMEM((2, rows, d), pool_UD.dtype), pltpu.SemaphoreType.DMA((2,)),
-                        pltpu.VMEM((t, rows), jnp.float32)],
+        scratch_shapes=halves + [pltpu.SemaphoreType.DMA((2,)), pltpu.VMEM((t, rows), jnp.float32)]
+        + ([pltpu.VMEM((rows, d), pool_UD.dtype)] if operand == "other" else []),
     )
     return pl.pallas_call(
         kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((t, rows), jnp.float32),
@@ -108,6 +140,54 @@ def probe_reference(x_TD, pool_UD, pages, *, rows: int, reps: int, steps: int):
     rows_SRD = pool_UD.reshape(-1, PAGE_ROWS, pool_UD.shape[1])[pages.reshape(steps, -1)].reshape(steps, rows, -1)
     xf = x_TD.astype(jnp.float32)
     return reps * jnp.einsum("td,srd->tr", xf, rows_SRD.astype(jnp.float32))
+
+
+def cases(reps_list, first_rows: bool):
+    """(copies, reps, buffers, operand): every copy kind x math weight in one (2, R, D) buffer read
+    by the math, then with copies and math both: the halves as two arrays, and the math reading
+    another block (no copy's bytes feed it)."""
+    for copies in ("none", "one", "pages"):
+        for reps in [0] + list(reps_list):
+            if copies != "none" or reps or first_rows:
+                yield copies, reps, "one", "buffer"
+    for copies in ("one", "pages"):
+        for reps in reps_list:
+            yield copies, reps, "two", "buffer"
+            yield copies, reps, "one", "other"
+
+
+def time_case(args, x, pool, rows, copies, reps, buffers, operand, interpret) -> dict:
+    d = x.shape[1]
+    pages = jnp.asarray(page_table(np.random.default_rng(rows), args.pool_rows // PAGE_ROWS, args.steps, rows, copies))
+    call = functools.partial(probe_call, rows=rows, copies=copies, reps=reps, steps=args.steps, interpret=interpret,
+                             buffers=buffers, operand=operand)
+    n = args.calls * args.loops
+    what = f"D={d} rows={rows} copies={copies:5s} reps={reps} buffers={buffers} math on {operand}"
+    if args.quick and copies != "none" and reps and operand == "buffer":   # the probe's own kernel, checked
+        got = call(x, pool, pages)
+        want = probe_reference(x, pool, pages, rows=rows, reps=reps, steps=args.steps)
+        err = float(jnp.max(jnp.abs(got - want)))
+        if err > 1e-2 * max(1.0, float(jnp.max(jnp.abs(want)))):
+            raise SystemExit(f"{what}: max |kernel - reference| {err:.3g}")
+        print(f"# {what}: matches the reference (max |err| {err:.2g})", flush=True)
+
+    def loop(x, pool, pages):
+        return jax.lax.fori_loop(0, n, lambda i, a: a + call(x, pool, pages)[0, 0], jnp.float32(0))
+    t0 = time.perf_counter()
+    exe = jax.jit(loop).lower(x, pool, pages).compile()
+    jax.block_until_ready(exe(x, pool, pages))
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(exe(x, pool, pages))
+        times.append(time.perf_counter() - t0)
+    us = 1e6 * statistics.median(times) / n
+    kb = 2 * rows * d * args.steps / 1024 if copies != "none" else 0
+    n_copies = 0 if copies == "none" else args.steps * (1 if copies == "one" else rows // PAGE_ROWS)
+    print(f"{what}: {us:8.2f} us a call ({n_copies} copies, {kb:.0f} KB)", flush=True)
+    return dict(d=d, rows=rows, copies=copies, reps=reps, buffers=buffers, operand=operand, us_a_call=us,
+                kb_a_call=kb, copies_a_call=n_copies, compile_s=compile_s)
 
 
 def main(argv=None):
@@ -137,46 +217,11 @@ def main(argv=None):
         pool = (0.02 * jax.random.normal(key, (args.pool_rows, d))).astype(jnp.bfloat16)
         x = jax.random.normal(jax.random.fold_in(key, 1), (args.tokens, d)).astype(jnp.bfloat16)
         for rows in args.rows:
-            for copies in ("none", "one", "pages"):
-                for reps in [0] + list(args.reps):
-                    if copies == "none" and reps == 0 and rows != args.rows[0]:
-                        continue
-                    pages = jnp.asarray(page_table(np.random.default_rng(rows), args.pool_rows // PAGE_ROWS,
-                                                   args.steps, rows, copies))
-                    call = functools.partial(probe_call, rows=rows, copies=copies, reps=reps, steps=args.steps,
-                                             interpret=interpret)
-                    n = args.calls * args.loops
-
-                    def loop(x, pool, pages, call=call, n=n):
-                        return jax.lax.fori_loop(0, n, lambda i, a: a + call(x, pool, pages)[0, 0],
-                                                 jnp.float32(0))
-                    if args.quick and copies != "none" and reps:   # the probe's own kernel, checked
-                        got = call(x, pool, pages)
-                        want = probe_reference(x, pool, pages, rows=rows, reps=reps, steps=args.steps)
-                        err = float(jnp.max(jnp.abs(got - want)))
-                        if err > 1e-2 * max(1.0, float(jnp.max(jnp.abs(want)))):
-                            raise SystemExit(f"copies={copies} reps={reps}: max |kernel - reference| {err:.3g}")
-                        print(f"# copies={copies} reps={reps}: matches the reference (max |err| {err:.2g})", flush=True)
-                    t0 = time.perf_counter()
-                    exe = jax.jit(loop).lower(x, pool, pages).compile()
-                    jax.block_until_ready(exe(x, pool, pages))
-                    compile_s = time.perf_counter() - t0
-                    times = []
-                    for _ in range(args.repeats):
-                        t0 = time.perf_counter()
-                        jax.block_until_ready(exe(x, pool, pages))
-                        times.append(time.perf_counter() - t0)
-                    us = 1e6 * statistics.median(times) / n
-                    kb = 2 * rows * d * args.steps / 1024 if copies != "none" else 0
-                    row = dict(d=d, rows=rows, copies=copies, reps=reps, us_a_call=us, kb_a_call=kb,
-                               copies_a_call=0 if copies == "none" else args.steps * (1 if copies == "one" else rows // PAGE_ROWS),
-                               compile_s=compile_s)
-                    rows_out.append(row)
-                    print(f"D={d} rows={rows} copies={copies:5s} reps={reps}: {us:8.2f} us a call "
-                          f"({row['copies_a_call']} copies, {kb:.0f} KB)", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(device=jax.devices()[0].device_kind, args=vars(args),
-                                                   rows=rows_out), indent=1))
+            for case in cases(args.reps, rows == args.rows[0]):
+                rows_out.append(time_case(args, x, pool, rows, *case, interpret=interpret))
+                if args.json:   # as it goes: a cut run keeps what it measured
+                    Path(args.json).write_text(json.dumps(dict(device=jax.devices()[0].device_kind, args=vars(args),
+                                                               rows=rows_out), indent=1))
     return 0
 
 
