@@ -135,7 +135,7 @@ for part in $PARTS; do
                done ;;
     # whether a kernel of the LoRA kernel's form runs its copies under its math at all: one copy a
     # step against 16-row pages, with and without products (benchmarks/dma_overlap_probe.py)
-    overlap) timeout -k 5 ${CASE_LIMIT:-300} python3 benchmarks/dma_overlap_probe.py --dims 576 2048 --rows 128 512 \
+    overlap) timeout -k 5 ${CASE_LIMIT:-300} python3 benchmarks/dma_overlap_probe.py --dims 576 640 2048 --rows 128 512 \
                --reps 1 4 --json "$OUT/overlap.json" 2>&1 | tee "$OUT/overlap.log" ;;
     # the LoRA kernel alone at SmolLM2's widths (576 and 192: 4.5 and 1.5 lane tiles) beside widths
     # of whole 128-lane tiles (640 / 256: more bytes; 512 / 128: fewer), 64 decode rows, a process each:
