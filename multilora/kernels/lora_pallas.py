@@ -128,11 +128,9 @@ def _kernel(layer_ref, meta_ref, x_ref, local_ref, scale_ref, *refs, nb: int, pa
     lo / n / start (lora_plan's "meta"; the chunks' runs after the entries' where chunk_copy).
     a_hbm: the A pool (L, U, D), a_offs the first rows of the call's outputs' blocks in it; refs:
     nb B pools (HBM), nb outputs, then the scratch: A's buffer (both slots, a block of W rows per
-    output), nb B buffers, the DMA semaphores, nb accumulators. chunk_copy: a
-    chunk whose pages are one run in one copy a pool. one_wait: a buffer's copies waited on at
-    once.
-    zero_local: the scratch ends with zero blocks (R rows) for A and each B, the source of the zero
-    page's copies."""
+    output), nb B buffers, the DMA semaphores, nb accumulators. chunk_copy: a chunk whose pages
+    are one run in one copy a pool. one_wait: a buffer's copies waited on at once. zero_local: the
+    scratch ends with zero blocks (R rows) for A and each B, the source of the zero page's copies."""
     a_hbm, refs = refs[0], refs[1:]
     b_hbm, y_refs = refs[:nb], refs[nb:2 * nb]
     abuf, bbufs, sem, accs = refs[2 * nb], refs[2 * nb + 1:3 * nb + 1], refs[3 * nb + 1], refs[3 * nb + 2:4 * nb + 2]
@@ -379,8 +377,7 @@ def lora_deltas(x_TD, a_pool_LUD, b_pools_LUO, layer, step_slots_A, local_T, row
                                a_offs=tuple(k * block_rows for k in a_block_ids), rank_cols=r,
                                per_chunk=per_chunk, num_tiles=nt, num_chunks=num_chunks,
                                copy_loop=os.environ.get(COPY_LOOP_ENV) != "0", chunk_copy=plan["chunk_runs"],
-                               one_wait=one_wait_on(),
-                               zero_local=zero_local)
+                               one_wait=one_wait_on(), zero_local=zero_local)
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
