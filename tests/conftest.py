@@ -67,7 +67,7 @@ TIERS = {
     "unit": ["test_arrays", "test_packing", "test_attention", "test_batch_invariance", "test_attention_pallas", "test_backends", "test_capabilities", "test_docs",
              "test_imports", "test_cli", "test_kv_pages", "test_kv_write", "test_lora_pallas", "test_loader", "test_logits_process", "test_lora_slots",
              "test_pacing", "test_projections", "test_registry", "test_safetensors_views", "test_step_budget",
-             "test_sampler", "test_scheduler", "test_adapter_errors", "test_warmup", "test_tool_parsers"],
+             "test_sampler", "test_scheduler", "test_adapter_errors", "test_warmup", "test_tool_parsers", "test_tpu_probes"],
     "model": ["test_model_parity", "test_model_variants", "test_engine", "test_async_scheduling", "test_speculative", "test_prefix_cache", "test_structured",
               "test_demo_adapters", "test_gguf_default", "test_quantization", "test_adapter_tensors", "test_budgeted_steps",
               "test_moe", "test_moe_per_expert"],
