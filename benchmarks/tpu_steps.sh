@@ -197,4 +197,7 @@ for part in $PARTS; do
            timeout -k 5 400 python3 benchmarks/tpu_agreement.py check --ref benchmarks/results/agreement_cpu_f32.json \
              --gguf /tmp/model.gguf --dtype bfloat16 --json "$OUT/agreement_tpu_bf16.json" 2>&1 | tee "$OUT/agreement.log" ;;
   esac
+  # everything so far in one archive after each part, named to sort first: a call brings back 8
+  # files of $OUT, and one cut by its limit still brings back what its finished parts wrote
+  (cd "$OUT" && tar czf 00-all.tgz --exclude=00-all.tgz . 2>/dev/null)
 done
