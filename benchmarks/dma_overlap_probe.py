@@ -37,11 +37,11 @@ PAGE_ROWS = 16
 
 
 def _kernel(pages_ref, x_ref, pool_hbm, out_ref, *scratch, rows: int, copies: str, reps: int, steps: int,
-            buffers: str, operand: str):
+            buffers: str):
     """pages_ref (SMEM): each step's page numbers (steps x rows / 16); x_ref (T, D); pool_hbm the
     pool (U, D) in HBM; out_ref (T, R) float32: the products' sum (zeros without math). scratch:
     the double buffer (one (2, R, D) array, or two (R, D) arrays where buffers == "two"), the DMA
-    semaphores, the accumulator, and where operand == "other" an (R, D) block the math reads
+    semaphores, the accumulator, and (probe_call's operand "other") an (R, D) block the math reads
     instead of the buffer (the copies' bytes then never feed the math)."""
     if buffers == "two":
         buf0, buf1, sem, acc, *other = scratch
@@ -106,8 +106,7 @@ def _kernel(pages_ref, x_ref, pool_hbm, out_ref, *scratch, rows: int, copies: st
 def probe_call(x_TD, pool_UD, pages, *, rows: int, copies: str, reps: int, steps: int, interpret: bool,
                buffers: str = "one", operand: str = "buffer"):
     t, d = x_TD.shape
-    kernel = functools.partial(_kernel, rows=rows, copies=copies, reps=reps, steps=steps, buffers=buffers,
-                               operand=operand)
+    kernel = functools.partial(_kernel, rows=rows, copies=copies, reps=reps, steps=steps, buffers=buffers)
     halves = ([pltpu.VMEM((rows, d), pool_UD.dtype)] * 2 if buffers == "two"
               else [pltpu.VMEM((2, rows, d), pool_UD.dtype)])
     grid_spec = pltpu.PrefetchScalarGridSpec(

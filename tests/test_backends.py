@@ -176,7 +176,7 @@ def _all_ops(backend):
                     expand_base=be.run_lora_b_gemm(h_in, b, info, base),
                     qkv=be.run_qkv_lora(x, qkv_a, qkv_b, info),
                     gate_up=be.run_gate_up_lora(x, gu_a, gu_b, info),
-                    # each added to a base output (the Pallas kernel sums them itself)
+                    # each added to a base output (sglang-jax's base_output)
                     one_base=be.run_lora(x, a, b, info, base),
                     qkv_base=be.run_qkv_lora(x, qkv_a, qkv_b, info, qkv_bases(base, qkv_b)),
                     gate_up_base=be.run_gate_up_lora(x, gu_a, gu_b, info, (base, -2 * base)))

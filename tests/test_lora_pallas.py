@@ -226,30 +226,24 @@ def test_stacked_outputs_in_one_call_match_each_projection(dtype, chunk, ids, on
 
 @pytest.mark.parametrize("dtype,one_wait", [("float32", True), ("bfloat16", False)])
 def test_zero_page_copies_come_from_vmem(dtype, one_wait, trace_time_knob):
-    """MULTILORA_LORA_ZERO_PAGE_LOCAL (on unless "0"): the zero page's copies (padding entries: a step of 5
-    adapters in chunks of 8; pages past a rank-8 adapter's in a 16-wide table) come from zero
-    blocks in VMEM. The pool's page 0 holds NaN here, so a read of it would show; against the
-    per-token definition, over two token tiles."""
+    """MULTILORA_LORA_ZERO_PAGE_LOCAL (on unless "0"): the zero page's copies (padding entries: a
+    step of 5 adapters in chunks of 8; pages past a rank-8 adapter's in a 16-wide table) come
+    from zero blocks in VMEM. The pool's page 0 holds NaN here, so a read of it would show;
+    against the per-token definition, over two token tiles."""
     from multilora.kernels.lora_pallas import ONE_WAIT_ENV, ZERO_LOCAL_ENV, lora_deltas
     trace_time_knob(ZERO_LOCAL_ENV, "1")
     trace_time_knob(ONE_WAIT_ENV, "1" if one_wait else "0")
-    rng = np.random.default_rng(23)
-    ranks = [0, 16, 8, 16, 8, 16, 16]
-    t, d, outs, layers = 24, 128, (128, 256), 2
-    a_pool, rows, a_dense = paged_pool(rng, layers, len(outs), ranks, d, dtype, 16)
+    ranks, t, outs = [0, 16, 8, 16, 8, 16, 16], 24, (128, 256)
+    a_pool, rows, a_dense, bs, scalings, _, _, x = stacked_case(23, ranks, t, outs, dtype, 50, max_grouped=8)
     u = a_pool.shape[1] // len(outs)
-    bs = [b_pool_by_table(np.random.default_rng(50 + k), layers, ranks, rows, u, o, dtype) for k, o in enumerate(outs)]
     a_np = np.array(a_pool.astype(jnp.float32))
     for blk in range(len(outs)):
         a_np[:, blk * u:blk * u + PAGE_ROWS] = np.nan
     a_pool = jnp.asarray(a_np).astype(dtype)
     b_pools = [jnp.asarray(np.asarray(b.astype(jnp.float32))).at[:, :PAGE_ROWS].set(np.nan).astype(dtype)
                for b, _ in bs]
-    scalings = rng.uniform(0.25, 2.0, len(ranks)).astype(np.float32)
-    scalings[NO_ADAPTER] = 0.0
-    slot_T = rng.choice([0, 1, 2, 3, 4, 6], t).astype(np.int32)   # 5 adapters, two of rank 8
+    slot_T = np.random.default_rng(24).choice([0, 1, 2, 3, 4, 6], t).astype(np.int32)   # 5 adapters, two of rank 8
     info = make_lora_batch_info(slot_T, scalings, np.asarray(ranks, np.int32), rows, max_grouped=8)
-    x = jnp.asarray(rng.standard_normal((t, d)).astype(np.float32)).astype(dtype)
     got = jax.jit(lora_deltas, static_argnames=("a_block_ids", "a_blocks", "interpret", "tile_rows"))(
         x, a_pool, b_pools, jnp.int32(1), info.step_slots_A, info.local_T, rows, scalings,
         a_blocks=len(outs), interpret=not ON_TPU, tile_rows=16)

@@ -415,12 +415,12 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     # at run time, so they cost no extra compiled shapes.
 
     def with_lora(fn, idx, *base):
-        # fn(pools, backend, base): base + its LoRA deltas (the backend adds them, inside its kernel
-        # where it can), or base itself in a step without adapters (a branch of zeros added
-        # outside cost a prefill step ~10 %: every projection's output written as zeros, then
-        # read and added). The pools enter the branch whole and the layer is picked
-        # inside it, where the pick fuses into the backend's gathers: a layer slice taken outside
-        # was copied out whole (the entire pool, every step) to be handed to the branch.
+        # fn(pools, backend, base): base + its LoRA deltas (the backend adds them), or base itself
+        # in a step without adapters (a branch of zeros added outside cost a prefill step ~10 %:
+        # every projection's output written as zeros, then read and added). The pools enter the
+        # branch whole and the layer is picked inside it, where the pick fuses into the backend's
+        # gathers: a layer slice taken outside was copied out whole (the entire pool, every step)
+        # to be handed to the branch.
         def run(b):
             if getattr(b, "reads_pool_in_place", False):  # its kernel indexes the layer itself
                 pools = lambda: jax.tree.map(lambda a: PoolLayer(a, idx), lora)  # noqa: E731

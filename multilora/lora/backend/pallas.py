@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from multilora.kernels.lora_pallas import lora_deltas, lora_plan, token_tile
-from multilora.lora.backend.base import BaseLoRABackend, add_base, add_bases, pool_layer, slot_rows
+from multilora.lora.backend.base import BaseLoRABackend, add_base, pool_layer, slot_rows
 from multilora.lora.backend.dense import onehot_expand, onehot_shrink
 from multilora.lora.batch import NO_ADAPTER, PAGE_ROWS, PER_TOKEN, LoRABatchInfo
 
@@ -58,34 +58,24 @@ class PallasLoRABackend(BaseLoRABackend):
         plan = lora_plan(info.step_slots_A, info.local_T, info.rows_SR, info.scalings_S, tuple(tiles))
         return dataclasses.replace(info, kernel_plan=plan)
 
-    def _deltas(self, x_TD, a, bs, info: LoRABatchInfo, base_outputs=None):
-        """Every output of one A pool (its len(bs) blocks) in one kernel call, each added to its
-        base output where base_outputs are given (by XLA: the kernel's own add was slower on a
-        v5e, benchmarks/log/49)."""
+    def _deltas(self, x_TD, a, bs, info: LoRABatchInfo):
+        """Every output of one A pool (its len(bs) blocks) in one kernel call. The callers add the
+        base outputs with XLA (the kernel's own add was slower on a v5e, benchmarks/log/49)."""
         a = pool_layer(a)
         bs = [pool_layer(b).pool for b in bs]
-        ys = lora_deltas(x_TD, a.pool, bs, a.layer, info.step_slots_A, info.local_T, info.rows_SR,
-                         info.scalings_S, a_blocks=len(bs), interpret=_interpret(), plan=info.kernel_plan)
-        return add_bases(ys, base_outputs)
+        return lora_deltas(x_TD, a.pool, bs, a.layer, info.step_slots_A, info.local_T, info.rows_SR,
+                           info.scalings_S, a_blocks=len(bs), interpret=_interpret(), plan=info.kernel_plan)
 
     def run_lora(self, x_TD, lora_a_UD, lora_b_UO, info: LoRABatchInfo, base_output_TO=None):
         if not _paged(info):
             return super().run_lora(x_TD, lora_a_UD, lora_b_UO, info, base_output_TO)
-        bases = None if base_output_TO is None else (base_output_TO,)
-        return self._deltas(x_TD, lora_a_UD, (lora_b_UO,), info, bases)[0]
+        return add_base(self._deltas(x_TD, lora_a_UD, (lora_b_UO,), info)[0], base_output_TO)
 
-    def run_qkv_lora(self, x_TD, qkv_a_UD, lora_b, info: LoRABatchInfo, base_outputs=None):
-        return self._grouped(x_TD, qkv_a_UD, lora_b, info, base_outputs)
-
-    def run_gate_up_lora(self, x_TD, gate_up_a_UD, lora_b, info: LoRABatchInfo, base_outputs=None):
-        return self._grouped(x_TD, gate_up_a_UD, lora_b, info, base_outputs)
-
-    def _grouped(self, x_TD, a_UD, lora_b, info, base_outputs):
+    def _stacked(self, x_TD, a_UD, lora_b, info):
+        """run_qkv_lora / run_gate_up_lora's deltas (the base class adds their base outputs)."""
         if not _paged(info):
-            return add_bases(super()._stacked(x_TD, a_UD, lora_b, info), base_outputs)
-        if base_outputs is not None and len(base_outputs) != len(lora_b):
-            raise ValueError(f"{len(base_outputs)} base outputs for {len(lora_b)} LoRA outputs")
-        return self._deltas(x_TD, a_UD, lora_b, info, base_outputs)
+            return super()._stacked(x_TD, a_UD, lora_b, info)
+        return self._deltas(x_TD, a_UD, lora_b, info)
 
     # The interface's separate shrink and expand: dense's one-hot arithmetic over the step's
     # adapters (padding entries, slot 0, read as zeros).
