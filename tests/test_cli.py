@@ -39,3 +39,19 @@ def test_help_shows_each_default_once(command, capsys):
     twice = {opt: t for opt, t in entries.items() if t.lower().count("default:") > 1}
     assert not twice
     assert "(default: 64)" in entries["--max-num-seqs"]
+
+
+def test_every_lora_backend_is_a_choice(capsys):
+    """--lora-backend offers each backend the engine has (the TPU's `pallas` too), and no other."""
+    from multilora.lora.backend import BACKENDS
+    text = _help("serve", capsys)
+    listed = re.search(r"--lora-backend \{([\w,]+)\}", text).group(1).split(",")
+    assert sorted(listed) == sorted(["auto", *BACKENDS])
+
+
+def test_a_served_name_an_adapter_has_is_refused_before_the_model_loads(tmp_path):
+    """`serve --served-model-name` clashing with a --lora-modules name ends the command with the
+    reason before any model is read (the folder here does not even exist)."""
+    missing = str(tmp_path / "no-model")
+    with pytest.raises(SystemExit, match="'a' names both the base model and a LoRA adapter"):
+        main(["serve", "--model", missing, "--lora-modules", f"a={missing}", "--served-model-name", "base", "a"])

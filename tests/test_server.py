@@ -350,6 +350,35 @@ def test_unknown_model_is_404(served):
     assert err["param"] == "model" and err["code"] == "model_not_found"
 
 
+def test_served_model_names_replace_the_folder_name(served):
+    """--served-model-name (vLLM's): the first name is listed and any is taken as the base model, the
+    folder's name no longer is; a name an adapter has, none, or one twice is refused before serving.
+    A second app over the same running engine (TestClient without its lifespan: no second start)."""
+    from starlette.testclient import TestClient
+
+    from multilora.server.app import build_app
+    from multilora.server.service import check_served_names
+    metrics = served.aengine.metrics
+    label = metrics.base_name
+    try:
+        c = TestClient(build_app(served.aengine, served_model_names=["my-base", "org/my-base"]))
+        ids = [m["id"] for m in c.get("/v1/models").json()["data"]]
+        assert ids[0] == "my-base" and set(ids) == {"my-base", "a", "b"}, ids
+        body = dict(prompt=PROMPTS[1], max_tokens=10, temperature=0.0, ignore_eos=True)
+        out = {name: c.post("/v1/completions", json=dict(body, model=name)).json() for name in ("my-base", "org/my-base")}
+        assert out["my-base"]["model"] == "my-base" and out["org/my-base"]["model"] == "org/my-base"
+        want = served.refs[ref_key(PROMPTS[1], None, 10)].text
+        assert out["my-base"]["choices"][0]["text"] == out["org/my-base"]["choices"][0]["text"] == want
+        err = assert_error(c.post("/v1/completions", json=dict(body, model=served.engine.model_name)), 404)
+        assert "my-base" in err["message"], err
+    finally:
+        metrics.base_name = label
+    for names, words in ((["a"], "names both the base model and a LoRA adapter"), ([], "one or more"),
+                         (["x", ""], "one or more"), (["x", "x"], "repeats")):
+        with pytest.raises(ValueError, match=words):
+            check_served_names(names, ["a", "b"])
+
+
 def test_load_and_unload_at_run_time(served):
     client = served.client()
     with served.http() as c:
@@ -785,6 +814,15 @@ def test_nothing_is_silently_ignored(served):
             assert err["param"] == param and param in err["message"], (body, err)
         err = assert_error(c.post("/v1/completions", json=dict(ok, logit_bias={"99999": 1.0})), 400)
         assert "logit_bias" in err["message"] and "vocabulary" in err["message"], err
+        # where the field is, as the client wrote it (no pydantic union tags); a part not of text by its type
+        image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+        err = assert_error(c.post("/v1/chat/completions", json=dict(chat, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "see"}, image]}])), 400)
+        assert err["message"].startswith("messages[0].content[1]: type 'image_url' is not supported"), err
+        assert "text only" in err["message"] and err["param"] == "type", err
+        err = assert_error(c.post("/v1/chat/completions", json=dict(chat, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "see", "x": 1}]}])), 400)
+        assert err["message"].startswith("unknown field messages[0].content[0].x:"), err
         off = dict(chat, response_format={"type": "text"}, tool_choice="none", tools=[], n=1, store=False,
                    parallel_tool_calls=True, user="u", metadata={"k": "v"}, skip_special_tokens=True,
                    messages=CHAT + [{"role": "assistant", "content": "x", "tool_calls": None, "refusal": None},

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from multilora.config import EngineConfig
+from multilora.config import LORA_BACKEND_CHOICES, EngineConfig
 
 
 def parse_lora_modules(items) -> dict[str, str]:
@@ -66,7 +66,7 @@ _HELP = {
     "compilation_cache_dir": "JAX's persistent compilation cache (default: $MULTILORA_COMPILATION_CACHE, "
                              "else under the user cache)",
 }
-_CHOICES = {"lora_backend": ["auto", "bgmv", "sgmv", "dense", "native", "reference"],
+_CHOICES = {"lora_backend": list(LORA_BACKEND_CHOICES),
             "dtype": ["float32", "bfloat16", "float16"], "projection_dtype": ["auto", "float32", "bfloat16"],
             "lora_dtype": ["auto", "float32", "bfloat16"], "quantization": ["int8"]}
 

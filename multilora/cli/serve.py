@@ -11,10 +11,10 @@ import signal
 import sys
 from pathlib import Path
 
-from multilora.cli.args import add_distributed_args, add_engine_args, engine_kwargs
+from multilora.cli.args import add_distributed_args, add_engine_args, engine_kwargs, parse_lora_modules
 from multilora.server.app import DEFAULT_MAX_BODY_BYTES, build_app, serve
 from multilora.server.reasoning import REASONING_PARSERS
-from multilora.server.service import TOOL_PARSER_CHOICES
+from multilora.server.service import TOOL_PARSER_CHOICES, check_served_names
 from multilora.server.async_engine import AsyncEngine
 from multilora.server.heap import freeze_startup_heap
 
@@ -50,6 +50,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds SIGTERM waits for running requests before aborting them")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="what the server logs")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the base model's names in requests (vLLM's flag): the first is the one "
+                        "/v1/models lists and responses name (default: the model folder's name, its "
+                        "path also taken; for the embedded default also its Hugging Face id)")
     add_chat_args(g)
     add_distributed_args(parser)
     return parser
@@ -90,6 +94,17 @@ def with_demo_adapters(args) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "lora_modules": [f"{n}={p}" for n, p in demos.items()]})
 
 
+def served_model_names(args) -> "list[str] | None":
+    """--served-model-name; for the embedded default model without it, its name and Hugging Face
+    id (a client written for the hub's name works unchanged); None: the model folder's names."""
+    if args.served_model_name is not None:
+        return list(args.served_model_name)
+    if args.model is None:
+        from multilora.default_model import DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPO
+        return [DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPO]
+    return None
+
+
 def run_serve(args) -> int:
     # force: `multilora serve` configured logging before parsing reached here; --log-level rules
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -100,13 +115,20 @@ def run_serve(args) -> int:
     if args.max_queue < 0:
         raise SystemExit("--max-queue must be >= 0")
     api_key = args.api_key or os.environ.get("MULTILORA_API_KEY") or None
+    names = served_model_names(args)
+    if names is not None:   # before the engine: a bad name costs no model load
+        try:
+            check_served_names(names, list(parse_lora_modules(args.lora_modules)))
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     engine = engine_from_args(args)
     if not engine.is_leader:
         return follow(engine)
     aengine = AsyncEngine(engine, max_queue=args.max_queue)
     app = build_app(aengine, api_key=api_key, lora_root=args.lora_root, max_body_bytes=args.max_body_bytes,
                     allow_any_lora_path=args.allow_any_lora_path, drain_timeout=args.drain_timeout,
-                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                    served_model_names=names)
     freeze_startup_heap()  # full collections then skip the start-up heap (multilora.server.heap)
     if engine.num_processes > 1:  # a process gone: stop serving (with one, a dead engine thread is a 503)
         def _stop(message: str) -> None:

@@ -24,6 +24,14 @@ def config_from_args(args) -> RayServeConfig:
     if kw.pop("distributed", None):
         raise SystemExit("serve-ray runs one engine per replica: --coordinator-address/--num-processes "
                          "do not apply")
+    from multilora.cli.serve import served_model_names
+    from multilora.server.service import check_served_names
+    names = served_model_names(args)
+    if names is not None:
+        try:
+            check_served_names(names, list(kw["lora_modules"]))
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     if kw["model"] is None:  # fetched and converted once, here, not by R replicas at once
         from multilora.default_model import default_model_dir
         kw["model"] = str(default_model_dir())
@@ -37,7 +45,8 @@ def config_from_args(args) -> RayServeConfig:
             api_key=args.api_key or os.environ.get("MULTILORA_API_KEY") or None, lora_root=args.lora_root,
             allow_any_lora_path=args.allow_any_lora_path, max_body_bytes=args.max_body_bytes,
             max_queue=args.max_queue, drain_timeout=args.drain_timeout, app_name=args.app_name,
-            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+            served_model_names=names)
     except ValueError as e:
         raise SystemExit(str(e))
 
@@ -103,7 +112,7 @@ def build(args: dict):
         flag = "--" + key.replace("_", "-")
         if str(value).lower() == "true":
             argv.append(flag)
-        elif flag == "--lora-modules":
+        elif flag in ("--lora-modules", "--served-model-name"):
             argv += [flag, *str(value).split()]
         else:
             argv += [flag, str(value)]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -91,11 +91,14 @@ class _Guard:
 def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_root: Optional[str] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allow_any_lora_path: bool = False,
               drain_timeout: float = 30.0, tool_call_parser: str = "auto",
-              reasoning_parser: Optional[str] = None) -> FastAPI:
+              reasoning_parser: Optional[str] = None,
+              served_model_names: Optional[Sequence[str]] = None) -> FastAPI:
     """The FastAPI app. Its lifespan starts the engine thread and, at shutdown, lets running
     requests finish (up to drain_timeout seconds) before stopping it. tool_call_parser and
-    reasoning_parser: --tool-call-parser and --reasoning-parser (docs/server.md)."""
-    srv = Server(async_engine, lora_root, allow_any_lora_path, tool_call_parser, reasoning_parser)
+    reasoning_parser: --tool-call-parser and --reasoning-parser (docs/server.md); served_model_names:
+    --served-model-name (the base model's names; default: its folder's name and path)."""
+    srv = Server(async_engine, lora_root, allow_any_lora_path, tool_call_parser, reasoning_parser,
+                 served_model_names)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -4,6 +4,7 @@ engine calls whose "stopped" becomes a 503."""
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 from fastapi import Request
@@ -26,28 +27,39 @@ def error_response(status: int, message: str, param: Optional[str] = None,
 
 
 # ---- guards: API key and body size (a plain ASGI middleware, so that it sees the raw stream) -----
+def field_path(loc) -> str:
+    """A pydantic error's location as a client wrote the field: `messages[0].content[1].text`
+    (pydantic's union and type tags, such as `list[...]` or `str`, left out)."""
+    out = ""
+    for x in loc:
+        if isinstance(x, int):
+            out += f"[{x}]"
+        elif not ("[" in x or x in ("str", "int", "float", "bool")):
+            out += f".{x}" if out else x
+    return out
+
+
 def describe_validation(e: ValidationError) -> tuple[str, Optional[str]]:
     errs = e.errors()
     if errs and errs[0]["type"] == "json_invalid":
         return f"the body is not valid JSON: {errs[0].get('ctx', {}).get('error', errs[0]['msg'])}", None
     for err in errs:  # ours first: a field not taken, or not acted on (protocol.OFF_ONLY)
         if err["type"] == "extra_forbidden":
-            where = ".".join(str(x) for x in err["loc"])
+            where = field_path(err["loc"])
             return (f"unknown field {where}: this server does not take it (/openapi.json lists the "
                     "fields of each route)", str(err["loc"][-1]))
         if err["type"] == "value_error" and "is not supported by this server" in err["msg"]:
             msg = err["msg"].removeprefix("Value error, ")
-            where = ".".join(str(x) for x in err["loc"])
+            where = field_path(err["loc"])
             return (f"{where}: {msg}" if where else msg), msg.split(" ", 1)[0]
     parts, param = [], None
     seen = set()
     for err in errs:
-        loc = [str(x) for x in err["loc"] if not (isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool")))]
-        where = ".".join(loc)
-        if err["type"] == "model_type" and not loc:
+        where = field_path(err["loc"])
+        if err["type"] == "model_type" and not where:
             return "the body must be a JSON object", None
-        if param is None and loc:
-            param = loc[0]
+        if param is None and where:
+            param = re.split(r"[.\[]", where, maxsplit=1)[0]
         if where in seen:
             continue
         seen.add(where)

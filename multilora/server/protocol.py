@@ -186,6 +186,16 @@ class ChatContentPart(_Request):
     type: str
     text: Optional[str] = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data):
+        """A part of another kind (image_url, input_audio, file, ...) is refused by its type, before
+        its own fields are read as unknown ones: the models served take text only."""
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] != "text":
+            raise ValueError(f"type {data['type']!r} is not supported by this server: the models it serves "
+                             "take text only (send parts of type 'text')")
+        return data
+
 
 # ---- tools (multilora.server.tools) ---------------------------------------------------------------
 class FunctionDefinition(_Request):

@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from fastapi import Request
 
@@ -61,11 +61,39 @@ class Collected:
         return sum(lp.logprob for lp in self.logprobs)
 
 
+def base_model_names(engine, served_model_names: Optional[Sequence[str]] = None) -> tuple[str, set[str]]:
+    """The base model's name in responses and /v1/models, and every name a request may call it by:
+    served_model_names (vLLM's --served-model-name: the first is the one shown) where given, else
+    the model folder's name and its path. ValueError for an empty or repeated name."""
+    if served_model_names is None:
+        names = {engine.model_name, str(engine.model_path)}
+        with contextlib.suppress(OSError):
+            names.add(str(Path(engine.model_path).resolve()))
+        return engine.model_name, names
+    names = check_served_names(served_model_names, [a["name"] for a in engine.list_lora_adapters()])
+    return names[0], set(names)
+
+
+def check_served_names(served_model_names: Sequence[str], adapter_names: Sequence[str] = ()) -> list[str]:
+    """The names as a list, or ValueError for none, an empty or repeated one, or one an adapter has."""
+    names = list(served_model_names)
+    if not names or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ValueError(f"--served-model-name takes one or more non-empty names, got {names!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--served-model-name repeats a name: {names!r}")
+    clash = sorted(set(names) & set(adapter_names))
+    if clash:
+        raise ValueError(f"{clash[0]!r} names both the base model and a LoRA adapter: serve the adapter "
+                         "under another name, or the base model under another --served-model-name")
+    return names
+
+
 class Server:
     """The routes' shared state: the engine, its names and the adapter path policy."""
 
     def __init__(self, aengine: AsyncEngine, lora_root: Optional[str], allow_any_lora_path: bool,
-                 tool_call_parser: str = "auto", reasoning_parser: Optional[str] = None):
+                 tool_call_parser: str = "auto", reasoning_parser: Optional[str] = None,
+                 served_model_names: Optional[Sequence[str]] = None):
         if tool_call_parser not in TOOL_PARSER_CHOICES:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSER_CHOICES)}, "
                              f"got {tool_call_parser!r}")
@@ -77,10 +105,8 @@ class Server:
         self.aengine = aengine
         eng = aengine.engine
         self.engine = eng
-        self.base_name = eng.model_name
-        self.base_names = {eng.model_name, str(eng.model_path)}
-        with contextlib.suppress(OSError):
-            self.base_names.add(str(Path(eng.model_path).resolve()))
+        self.base_name, self.base_names = base_model_names(eng, served_model_names)
+        aengine.metrics.base_name = self.base_name   # the base model's `model` label
         self.lora_root = Path(lora_root).resolve() if lora_root else None
         self.allow_any_lora_path = allow_any_lora_path
         self._resolving: dict[str, asyncio.Future] = {}   # adapter name -> its first-use load

@@ -5,6 +5,7 @@ import jax
 from multilora.lora.backend.base import BaseLoRABackend
 from multilora.lora.backend.bgmv import BgmvLoRABackend
 from multilora import kernels
+from multilora.config import LORA_BACKEND_CHOICES
 from multilora.lora.backend.dense import DenseLoRABackend
 from multilora.lora.backend.native import NativeLoRABackend
 from multilora.lora.backend.pallas import PallasLoRABackend
@@ -20,7 +21,9 @@ BACKENDS: dict[str, type[BaseLoRABackend]] = {
     "pallas": PallasLoRABackend,
     "reference": ReferenceLoRABackend,
 }
-BACKEND_CHOICES = ("auto", *BACKENDS)
+BACKEND_CHOICES = LORA_BACKEND_CHOICES   # the names, in multilora.config for the CLI (no jax there)
+if set(BACKEND_CHOICES) != {"auto", *BACKENDS}:
+    raise ImportError(f"multilora.config.LORA_BACKEND_CHOICES {BACKEND_CHOICES} does not name the backends {tuple(BACKENDS)}")
 
 
 # A compiled shape may carry two backends, "grouped|per_token", picked at run time by the step's

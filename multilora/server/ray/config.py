@@ -44,6 +44,7 @@ class RayServeConfig:
     route_by_adapter: bool = True          # False: no multiplexed id (the benchmark's baseline)
     tool_call_parser: str = "auto"         # --tool-call-parser (docs/server.md)
     reasoning_parser: Optional[str] = None  # --reasoning-parser
+    served_model_names: Optional[list[str]] = None  # --served-model-name (None: the folder's name and path)
 
     def __post_init__(self):
         check_config(self)
