@@ -45,6 +45,7 @@ from benchmarks.common import SHAPES, machine_info, save_json  # noqa: E402
 from benchmarks.serving import measure_peak_flops, step_flops  # noqa: E402
 from multilora.config import ModelConfig  # noqa: E402
 from multilora.engine.batching import SeqChunk, build_batch, pages_needed  # noqa: E402
+from multilora.engine.build import kv_cache_dtype  # noqa: E402
 from multilora.adapters.pool import (blocks_of, lora_feature_dims, rows_major, slot_major_pool,  # noqa: E402
                                  slot_major_rows)
 from multilora.model.llama import (KV_WRITES, KVCache, LayerWeights, LoRAWeights, Weights, forward_packed,  # noqa: E402
@@ -359,8 +360,9 @@ def main(argv=None):
         num_cache_pages = max(1 + max(max(c.block_table) for c in chunks), args.cache_pages or 0)
         # kv heads a cache row as an engine would make them ($MULTILORA_KV_LANE_PACK, Pallas attention only)
         lanes = kv_lanes.lane_pack_for(cfg, jax.devices()[0].platform) if pa else 1
-        kv = (make_kv_cache(cfg, num_cache_pages, page_size, dtype, one, True, lane_pack=lanes) if hm
-              else init_kv_cache(cfg, num_cache_pages, page_size, dtype))
+        kv_dtype = kv_cache_dtype(dtype, jax.devices()[0].platform)   # as an engine makes it
+        kv = (make_kv_cache(cfg, num_cache_pages, page_size, kv_dtype, one, True, lane_pack=lanes) if hm
+              else init_kv_cache(cfg, num_cache_pages, page_size, kv_dtype))
         fwd = fwds[hm]
         what = f"{mode} {k} adapters {backend} {'pallas' if pa else 'xla'} attention {lay}"
         print(f"# compiling {what} ...", flush=True)

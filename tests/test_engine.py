@@ -192,6 +192,33 @@ def test_bf16_projections_greedy_within_tolerance(isa, model_dir, spec_dirs, pef
     assert exact >= 0.9 * total, f"only {exact} of {total} tokens are PEFT's argmax"
 
 
+def test_bf16_activations_on_a_cpu_keep_a_float32_cache(model_dir, spec_dirs, peft_refs):
+    """dtype="bfloat16" on a CPU: the KV cache is float32 (XLA's CPU backend converted a bfloat16
+    cache whole, to float32 and back, around every layer's K/V write: O(cache) a layer), the
+    pages it holds are counted at float32's bytes, and the greedy tokens are PEFT's float32
+    argmax given the same prefix or within bfloat16's tolerance of it, as the bf16 projections'."""
+    import jax.numpy as jnp
+
+    from multilora.engine.build import kv_cache_dtype
+    from tests.test_model_parity import BF16_RTOL
+    assert kv_cache_dtype(jnp.bfloat16, "cpu") == np.float32 and kv_cache_dtype(jnp.float16, "cpu") == np.float32
+    assert kv_cache_dtype(jnp.bfloat16, "tpu") == jnp.bfloat16 and kv_cache_dtype(jnp.float32, "cpu") == np.float32
+    eng = make_engine(model_dir, {"a": spec_dirs[SPEC[0]], "b": spec_dirs[SPEC[1]]}, dtype="bfloat16")
+    from multilora import kernels
+    assert eng.runner.kv.k_LPpKH.dtype == jnp.float32 and eng.runner.native_attention == kernels.available()
+    prompts = prompts_of(2, MIXED_LENGTHS[:8])
+    loras = [[None, "a", "b"][i % 3] for i in range(len(prompts))]
+    outs = gen(eng, prompts, GREEDY, loras)
+    names = {None: None, "a": SPEC[0], "b": SPEC[1]}
+    worst = 0.0
+    for i, (p, l, o) in enumerate(zip(prompts, loras, outs)):
+        logits = peft_refs["llama"].logits(names[l], p + o.token_ids)
+        for j, tok in enumerate(o.token_ids):
+            row = logits[len(p) + j - 1]
+            worst = max(worst, (row.max() - row[tok]) / np.abs(row).max())
+    assert worst <= BF16_RTOL, worst
+
+
 @pytest.mark.parametrize("max_loaded_loras", [None, 3])
 def test_twelve_adapters_through_four_slots(max_loaded_loras, model_dir, extra_dirs, short_dirs,
                                             peft_greedy_cache):

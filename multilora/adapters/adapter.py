@@ -183,7 +183,8 @@ def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: M
                                      f"{f', {experts} experts' if experts > 1 else ''}); "
                                      "an adapter for another model?")
         if r > max_lora_rank:
-            raise AdapterError(name, f"rank {r} ({module}) exceeds max_lora_rank={max_lora_rank}")
+            raise AdapterError(name, f"rank {r} ({module}) exceeds max_lora_rank={max_lora_rank}: serve it with "
+                                     f"--max-lora-rank {r} or more (an adapter's pool rows follow its own rank)")
         module_key = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
         if module == ROUTER_LORA_MODULE and any(map(is_router_parameter, cfg.get("target_parameters") or ())):
             module_key += ".weight"  # PEFT's key of a targeted parameter, as its patterns see it

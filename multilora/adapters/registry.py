@@ -162,7 +162,8 @@ class AdapterRegistry:
             raise AdapterConflictError(f"LoRA adapter {name!r} is pinned; an in-place load of a pinned "
                                        "adapter is not supported: unload it first")
         if self.max_rank is not None and adapter.rank > self.max_rank:
-            raise AdapterConflictError(f"LoRA adapter {name!r}: rank {adapter.rank} exceeds max_lora_rank={self.max_rank}")
+            raise AdapterConflictError(f"LoRA adapter {name!r}: rank {adapter.rank} exceeds max_lora_rank={self.max_rank}: "
+                                       f"serve it with --max-lora-rank {adapter.rank} or more")
         freed = self.retire(name)
         self.register(name, path, adapter=adapter, held=held, version=old.version + 1)
         return old, freed

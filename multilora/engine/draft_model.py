@@ -48,6 +48,7 @@ class DraftModel:
         import jax
 
         from multilora.config import ModelConfig
+        from multilora.engine.build import kv_cache_dtype
         from multilora.model import projections
         from multilora.model.llama import make_kv_cache
         from multilora.model.loader import load_weights, resolve_dtype
@@ -64,7 +65,8 @@ class DraftModel:
         _, weights = load_weights(path, cfg, dtype, mesh)
         mode = projections.resolve(projection_dtype, resolve_dtype(dtype), weights.embed_VD)
         weights = projections.convert(weights, mode)
-        kv = make_kv_cache(cfg, num_pages, page_size, resolve_dtype(dtype), sharding(mesh, rules_for(cfg, mesh), KV_AXES),
+        kv_dtype = kv_cache_dtype(resolve_dtype(dtype), jax.devices()[0].platform)
+        kv = make_kv_cache(cfg, num_pages, page_size, kv_dtype, sharding(mesh, rules_for(cfg, mesh), KV_AXES),
                            heads_major=False)
         log.info("draft model %s: %d layers, projections %s (%s)", path, cfg.num_layers, mode,
                  jax.devices()[0].platform)

@@ -38,7 +38,7 @@ import numpy as np
 from multilora.config import EngineConfig, ModelConfig
 from multilora.engine.adapter_api import AdapterAPI, version_tag
 from multilora.engine.batching import SeqChunk
-from multilora.engine.build import default_max_rank, generation_eos, kv_cache_pages, kv_layout, lora_sizing, prepare_process
+from multilora.engine.build import default_max_rank, generation_eos, kv_cache_dtype, kv_cache_pages, kv_layout, lora_sizing, prepare_process
 from multilora.engine.commands import AbortRequest, AddRequest, Command, StopFollowers
 from multilora.engine.kv_pages import PagePool
 from multilora.engine.outputs import (Logprob, PromptTooLongError, RequestOutput, StreamDelta,  # noqa: F401
@@ -117,11 +117,12 @@ class Engine(AdapterAPI):
         max_num_batched_tokens = max(c.max_num_batched_tokens, 16)
         max_prefill_seqs = min(c.max_prefill_seqs, max_num_seqs)
         kv_heads_major, lane_pack = kv_layout(self.cfg, c, jax.devices()[0].platform)
-        num_pages = kv_cache_pages(self.cfg, c, self.max_model_len, self.dtype, kv_heads_major, lane_pack)
+        kv_dtype = kv_cache_dtype(self.dtype, jax.devices()[0].platform)
+        num_pages = kv_cache_pages(self.cfg, c, self.max_model_len, kv_dtype, kv_heads_major, lane_pack)
         self.pages = PagePool(num_pages, page_size, enable_prefix_caching=c.enable_prefix_caching)
         # Split by KV heads (replicated when tp does not divide them), created in place.
         kv_sharding = sharding(self.mesh, self.rules, KV_AXES)
-        kv = make_kv_cache(self.cfg, num_pages, page_size, self.dtype, kv_sharding, kv_heads_major, lane_pack)
+        kv = make_kv_cache(self.cfg, num_pages, page_size, kv_dtype, kv_sharding, kv_heads_major, lane_pack)
 
         self.lora_cfg = lora_sizing(self.cfg, c, self.lora_dtype, max_lora_rank, jax.devices()[0])
         max_loras_per_batch, pool_rows = self.lora_cfg.max_loras_per_batch, self.lora_cfg.pool_rows
