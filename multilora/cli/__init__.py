@@ -10,11 +10,10 @@ import logging
 import os
 import sys
 
-from multilora.cli.args import add_distributed_args, add_engine_args, engine_kwargs
+from multilora.cli.args import add_distributed_args, add_engine_args, build_engine
 
 
 def cmd_generate(args) -> int:
-    from multilora.engine.engine import Engine
     from multilora.engine.request import SamplingParams
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -23,7 +22,7 @@ def cmd_generate(args) -> int:
                         for line in f if line.strip()]
     if not prompts:
         raise SystemExit("give at least one --prompt or a --prompts-file")
-    engine = Engine(progress=True, **engine_kwargs(args))
+    engine = build_engine(args)
     if not engine.is_leader:  # several processes: process 0 drives, this one mirrors its steps
         engine.follow()
         sys.stdout.flush()

@@ -109,6 +109,21 @@ def distributed_kwargs(args) -> dict | None:
                 process_id=args.process_id)
 
 
+def build_engine(args, **extra):
+    """Engine(**engine_kwargs(args), **extra). What a user got wrong at launch (a model or adapter
+    folder missing or unreadable, a model or adapter not supported, a budget the machine cannot
+    hold, more devices than it has) ends the command with its message, not a traceback
+    (--log-level debug keeps the traceback)."""
+    from multilora.engine.engine import Engine
+    kwargs = engine_kwargs(args)
+    try:
+        return Engine(progress=True, **kwargs, **extra)
+    except (ValueError, OSError) as e:
+        if getattr(args, "log_level", None) == "debug":
+            raise
+        raise SystemExit(f"error: {e}") from None
+
+
 def engine_kwargs(args) -> dict:
     """Engine(**engine_kwargs(args)): the model, its adapters, the config and the processes. A bad
     option ends the command with its message (a launch error, not a traceback)."""

@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from multilora.cli.args import add_distributed_args, add_engine_args, engine_kwargs, parse_lora_modules
+from multilora.cli.args import add_distributed_args, add_engine_args, build_engine, parse_lora_modules
 from multilora.server.app import DEFAULT_MAX_BODY_BYTES, build_app, serve
 from multilora.server.reasoning import REASONING_PARSERS
 from multilora.server.service import TOOL_PARSER_CHOICES, check_served_names
@@ -74,9 +74,8 @@ def add_chat_args(g) -> None:
 
 
 def engine_from_args(args):
-    from multilora.engine.engine import Engine
     warmup = True if getattr(args, "compile_all_first", True) else "background"
-    return Engine(progress=True, warmup=warmup, **engine_kwargs(args))
+    return build_engine(args, warmup=warmup)
 
 
 def with_demo_adapters(args) -> argparse.Namespace:

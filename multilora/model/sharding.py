@@ -78,8 +78,10 @@ def make_mesh(tensor_parallel_size: int = 1, devices=None, num_kv_heads: int | N
     devices = list(devices if devices is not None else jax.devices())
     tp = tensor_parallel_size
     if not isinstance(tp, int) or tp < 1 or tp > len(devices):
+        hint = ("; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N set before the start "
+                "gives N devices (docs/distributed.md)" if devices[0].platform == "cpu" else "")
         raise ValueError(f"tensor_parallel_size={tp} needs that many devices; "
-                         f"{len(devices)} available ({devices[0].platform})")
+                         f"{len(devices)} available ({devices[0].platform}){hint}")
     if jax.process_count() > 1 and tp != len(devices):
         raise ValueError(f"with {jax.process_count()} processes, tensor_parallel_size must equal the "
                          f"total device count {len(devices)}, got {tp}")
