@@ -88,6 +88,9 @@ def test_config_is_checked():
         RS.RayServeConfig(engine_kwargs={}, max_adapters_per_replica=0)
     with pytest.raises(ValueError, match="max_attempts"):
         RS.RayServeConfig(engine_kwargs={}, max_attempts=0)
+    with pytest.raises(ValueError, match="'a' names both the base model and a LoRA adapter"):
+        RS.RayServeConfig(engine_kwargs={"lora_modules": {"a": "/p/a"}}, served_model_names=["base", "a"])
+    assert RS.RayServeConfig(engine_kwargs={}, served_model_names=["base"]).served_model_names == ["base"]
 
 
 class _Died(Exception):
