@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -404,3 +405,64 @@ def test_the_native_tensor_copier_reads_what_numpy_reads(monkeypatch, tmp_path, 
                 np.testing.assert_array_equal(x, y, err_msg=f"{key} {m}")
     # a bfloat16 file's values are what a float32 pool reads exactly, and a bfloat16 one copies
     assert native[("bf16", "float32")][2] != native[("bf16", "bfloat16")][2]
+
+
+def _as_torch_bin(src: Path, dst: Path, **save_kw) -> Path:
+    """The PEFT folder src with its weights as torch.save wrote them before safetensors
+    (adapter_model.bin; bfloat16 and a transposed view among them, as a training loop may leave)."""
+    import torch
+    folder = _copy(src, dst)
+    tensors = {k: torch.from_numpy(np.array(v)) for k, v in load_file(folder / WEIGHTS).items()}
+    first = sorted(tensors)[0]
+    tensors[first] = tensors[first].t().contiguous().t()   # a strided view of its own transpose
+    (folder / WEIGHTS).unlink()
+    torch.save(tensors, folder / "adapter_model.bin", **save_kw)
+    return folder
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.dtype(ml_dtypes.bfloat16)])
+def test_a_torch_bin_adapter_is_its_safetensors_twin(dtype, tmp_path, tiny_adapters, llama_cfg):
+    """adapter_model.bin (torch.save's zip format, read without torch) gives the host copy, rank,
+    size and content hash of the same tensors in safetensors; the probe agrees with the read."""
+    folder = _as_torch_bin(tiny_adapters[GOOD], tmp_path / "bin")
+    want = load_adapter("x", tiny_adapters[GOOD], llama_cfg, MAX_RANK, dtype)
+    got = load_adapter("x", folder, llama_cfg, MAX_RANK, dtype)
+    assert got.content_hash == want.content_hash and (got.rank, got.nbytes) == (want.rank, want.nbytes)
+    for m, (a, b) in want.modules.items():
+        np.testing.assert_array_equal(got.modules[m][0], a)
+        np.testing.assert_array_equal(got.modules[m][1], b)
+    probe = probe_adapter("x", folder, llama_cfg, MAX_RANK, dtype)
+    assert (probe.rank, probe.nbytes) == (got.rank, got.nbytes)
+
+
+def test_a_torch_bin_that_is_not_a_plain_state_dict_is_refused_unrun(tmp_path, tiny_adapters, llama_cfg):
+    """A pickle naming anything but tensors (code above all) is refused, not run; so is
+    torch.save's format before torch 1.6 and a storage missing from the archive."""
+    import os
+    import zipfile
+
+    import torch
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    evil = _copy(tiny_adapters[GOOD], tmp_path / "evil")
+    (evil / WEIGHTS).unlink()
+    torch.save({"x": Payload()}, evil / "adapter_model.bin")
+    legacy = _as_torch_bin(tiny_adapters[GOOD], tmp_path / "legacy", _use_new_zipfile_serialization=False)
+    cut = _as_torch_bin(tiny_adapters[GOOD], tmp_path / "cut")
+    with zipfile.ZipFile(cut / "adapter_model.bin") as z:
+        kept = {n: z.read(n) for n in z.namelist() if not n.endswith("/data/0")}
+    with zipfile.ZipFile(cut / "adapter_model.bin", "w") as z:
+        for n, data in kept.items():
+            z.writestr(n, data)
+    for folder, words in ((evil, "system is not a tensor or a float storage: refused"),
+                          (legacy, "format before torch 1.6 is not read"), (cut, "storage '0' is missing")):
+        for read in (load_adapter, probe_adapter):
+            with pytest.raises(AdapterError, match="adapter_model.bin is not readable") as e:
+                read("x", folder, llama_cfg, MAX_RANK)
+            assert words in str(e.value), str(e.value)
+    assert not marker.exists()

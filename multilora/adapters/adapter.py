@@ -27,7 +27,8 @@ from multilora.adapters.adapter_config import check_config, is_router_parameter,
 from multilora.adapters.errors import AdapterError  # noqa: F401  (callers import it from here)
 from multilora.adapters.pacing import checkpoint
 from multilora.adapters.per_expert import PER_EXPERT_RE, Fused, fuse, plan as per_expert_plan
-from multilora.adapters.safetensors_views import Scratch, read_header, read_tensors, views
+from multilora.adapters.safetensors_views import Scratch, parse_tensors, read_header, read_tensors, views
+from multilora.adapters.torch_bin import bin_as_safetensors
 
 _KEY_RE = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.(?:[\w-]+\.)?weight$")
 # PEFT's LoRA on a Qwen3-MoE layer's experts (target_parameters on transformers 5's fused
@@ -106,11 +107,19 @@ class AdapterProbe:
 
 
 def _weights_file(name: str, folder: Path) -> Path:
-    weights_file = folder / "adapter_model.safetensors"
-    if not weights_file.is_file():
-        other = " (adapter_model.bin is not read: convert it to safetensors)" if (folder / "adapter_model.bin").exists() else ""
-        raise AdapterError(name, f"no adapter_model.safetensors in {str(folder)!r}{other}")
-    return weights_file
+    """adapter_model.safetensors, else the adapter_model.bin older PEFT wrote (torch_bin reads it)."""
+    for weights_file in (folder / "adapter_model.safetensors", folder / "adapter_model.bin"):
+        if weights_file.is_file():
+            return weights_file
+    raise AdapterError(name, f"no adapter_model.safetensors (nor adapter_model.bin) in {str(folder)!r}")
+
+
+def _tensors_of(weights_file: Path, scratch: Optional[Scratch] = None):
+    """read_tensors' (bytes, entries, header) of the weights file; a .bin as the safetensors file
+    of its tensors (converted in memory, once a read: the loader's paths are the same after)."""
+    if weights_file.suffix == ".bin":
+        return parse_tensors(memoryview(bin_as_safetensors(weights_file)).toreadonly())
+    return read_tensors(weights_file, scratch)
 
 
 def _plan(name: str, cfg: dict, shapes: dict[str, tuple[int, ...]], model_cfg: ModelConfig,
@@ -256,10 +265,12 @@ def probe_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_lora_
     weights; what only the weights can tell (NaN or Inf) is checked when load_adapter reads them."""
     folder, cfg, weights_file = _checked_folder(name, path)
     try:
-        shapes = {k: shape for k, (_, shape) in read_header(weights_file).items()}
+        shapes = ({k: shape for k, (_, shape, _) in _tensors_of(weights_file)[1].items()}
+                  if weights_file.suffix == ".bin" else
+                  {k: shape for k, (_, shape) in read_header(weights_file).items()})
         st = weights_file.stat()
     except (OSError, ValueError) as e:
-        raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
+        raise AdapterError(name, f"{weights_file.name} is not readable ({e})") from None
     plan, rank, _ = _plan(name, cfg, shapes, model_cfg, max_lora_rank)
     h = hashlib.sha256(b"multilora:lora-unread:v1")
     h.update(json.dumps(cfg, sort_keys=True).encode())
@@ -279,9 +290,9 @@ def _read_weights(name: str, weights_file: Path):
     if not hasattr(_scratch, "buf"):
         _scratch.buf = Scratch()
     try:
-        return read_tensors(weights_file, _scratch.buf)
+        return _tensors_of(weights_file, _scratch.buf)
     except (OSError, ValueError) as e:
-        raise AdapterError(name, f"adapter_model.safetensors is not readable ({e})") from None
+        raise AdapterError(name, f"{weights_file.name} is not readable ({e})") from None
 
 
 def _checked_folder(name: str, path: str | Path) -> tuple[Path, dict, Path]:

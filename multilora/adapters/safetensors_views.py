@@ -148,6 +148,11 @@ def read_tensors(path: str | Path, scratch: Optional[Scratch] = None
                     break
                 got += n
         data = buf[:got].toreadonly()
+    return parse_tensors(data)
+
+
+def parse_tensors(data: memoryview) -> tuple[memoryview, dict[str, tuple[np.dtype, tuple[int, ...], int]], bytes]:
+    """read_tensors' result for a safetensors file's bytes already in memory."""
     n = _header_length(data, len(data))
     header = bytes(data[8:8 + n])
     entries = _entries_cached(header, len(data) - 8 - n)
