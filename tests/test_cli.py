@@ -66,3 +66,27 @@ def test_a_launch_mistake_is_one_line_not_a_traceback(command, tmp_path):
         main([command, "--model", str(tmp_path / "no-model"), *extra])
     with pytest.raises(SystemExit, match=r"^error: LoRA adapter 'x': adapter folder .* does not exist"):
         main([command, "--lora-modules", f"x={tmp_path / 'none'}", *extra])
+
+
+def test_generate_prints_the_engines_tokens(tiny_models, tiny_adapters, tmp_path, capsys):
+    """`multilora generate --json` over a tiny tokenized Llama and one of its adapters prints, per
+    prompt, what Engine.generate gives for it (greedy), base and adapter rows in one run."""
+    import json
+
+    from multilora import Engine, SamplingParams
+    from tests import reference
+    model_dir, adapters = reference.tokenized_llama(tiny_models, tiny_adapters, tmp_path)
+    prompts = ["hello world", "the cat sat"]
+    tokens = {}
+    for lora in (None, "a"):
+        argv = ["generate", "--model", str(model_dir), "--lora-modules", f"a={adapters['a']}", "--json",
+                "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--max-model-len", "128"]
+        argv += [x for p in prompts for x in ("--prompt", p)] + (["--lora", lora] if lora else [])
+        assert main(argv) == 0
+        printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+        eng = Engine(str(model_dir), {"a": str(adapters["a"])}, max_model_len=128, warmup=False)
+        want = eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), lora=lora)
+        assert [p["token_ids"] for p in printed] == [o.token_ids for o in want], lora
+        assert [p["lora"] for p in printed] == [lora, lora] and all(len(p["token_ids"]) == 6 for p in printed)
+        tokens[lora] = [p["token_ids"] for p in printed]
+    assert tokens[None] != tokens["a"]   # the adapter was applied
