@@ -302,7 +302,8 @@ def main(argv=None):
         for k in args.adapters:
             for nat in natives:
                 for lay, (_, dt, _, hm, _, _) in layouts.items():
-                    on = nat and dt == "float32" and not hm  # the attention kernel reads float32 (L, P, p, K, H) caches
+                    # the attention kernel reads float32 (L, P, p, K, H) caches (a CPU's for every dtype)
+                    on = nat and kv_cache_dtype(dt, jax.devices()[0].platform) == np.float32 and not hm
                     if k == 0 and "+" in lay:
                         continue  # the pool's dtype does not matter without adapters
                     for be in (["-"] if k == 0 else args.backends):
