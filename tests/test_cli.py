@@ -90,3 +90,15 @@ def test_generate_prints_the_engines_tokens(tiny_models, tiny_adapters, tmp_path
         assert [p["lora"] for p in printed] == [lora, lora] and all(len(p["token_ids"]) == 6 for p in printed)
         tokens[lora] = [p["token_ids"] for p in printed]
     assert tokens[None] != tokens["a"]   # the adapter was applied
+
+
+def test_lora_modules_take_vllms_json_form_too():
+    from multilora.cli.args import parse_lora_modules
+    got = parse_lora_modules(["a=/p/a", '{"name": "b", "path": "/p/b", "base_model_name": "m"}'])
+    assert got == {"a": "/p/a", "b": "/p/b"}
+    for item, words in (('{"name": "b"}', "JSON object with"), ('{"name": "b", "path": "/p", "x": 1}', "JSON object"),
+                        ("{oops", "not valid JSON"), ("nopath", "name=path")):
+        with pytest.raises(SystemExit, match=words):
+            parse_lora_modules([item])
+    with pytest.raises(SystemExit, match="names 'a' twice"):
+        parse_lora_modules(["a=/p/a", '{"name": "a", "path": "/p/b"}'])

@@ -5,16 +5,34 @@ and the server import this module (neither imports the other)."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from multilora.config import LORA_BACKEND_CHOICES, EngineConfig
 
 
 def parse_lora_modules(items) -> dict[str, str]:
+    """--lora-modules: each `name=path`, or vLLM's JSON form `{"name": ..., "path": ...}` (an
+    optional "base_model_name" is taken and not acted on: the adapter's fit to the base model is
+    checked from its tensors). A name given twice, or a malformed item, ends the command naming it."""
     out = {}
     for item in items or []:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"--lora-modules expects name=path, got {item!r}")
+        if item.lstrip().startswith("{"):
+            try:
+                obj = json.loads(item)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"--lora-modules: {item!r} is not valid JSON ({e})") from None
+            extra = set(obj) - {"name", "path", "base_model_name"} if isinstance(obj, dict) else set()
+            if not isinstance(obj, dict) or extra or not all(isinstance(obj.get(k), str) and obj[k]
+                                                             for k in ("name", "path")):
+                raise SystemExit(f"--lora-modules expects name=path or a JSON object with \"name\" and "
+                                 f"\"path\" (and optionally \"base_model_name\"), got {item!r}")
+            name, path = obj["name"], obj["path"]
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise SystemExit(f"--lora-modules expects name=path, got {item!r}")
+        if name in out:
+            raise SystemExit(f"--lora-modules names {name!r} twice")
         out[name] = path
     return out
 
