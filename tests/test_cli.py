@@ -102,3 +102,17 @@ def test_lora_modules_take_vllms_json_form_too():
             parse_lora_modules([item])
     with pytest.raises(SystemExit, match="names 'a' twice"):
         parse_lora_modules(["a=/p/a", '{"name": "a", "path": "/p/b"}'])
+
+
+def test_a_vllm_command_line_parses_to_the_same_config():
+    """vLLM's LoRA flags (--enable-lora, --max-loras, --max-cpu-loras) mean multilora's own."""
+    import argparse
+
+    from multilora.cli.args import engine_config_from_args
+    from multilora.cli.serve import add_serve_args
+    parse = add_serve_args(argparse.ArgumentParser()).parse_args
+    vllm = engine_config_from_args(parse(["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "9",
+                                          "--max-lora-rank", "32", "--served-model-name", "m"]))
+    ours = engine_config_from_args(parse(["--max-loras-per-batch", "4", "--max-loaded-loras", "9",
+                                          "--max-lora-rank", "32"]))
+    assert vllm == ours and (ours.max_loras_per_batch, ours.max_loaded_loras) == (4, 9)

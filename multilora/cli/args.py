@@ -89,10 +89,16 @@ _CHOICES = {"lora_backend": list(LORA_BACKEND_CHOICES),
             "lora_dtype": ["auto", "float32", "bfloat16"], "quantization": ["int8"]}
 
 
+# vLLM's names for the same flags, so that a vLLM command line runs as it is
+_VLLM_ALIASES = {"max_loras_per_batch": ["--max-loras"], "max_loaded_loras": ["--max-cpu-loras"]}
+
+
 def add_engine_args(p) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
                    help="adapters registered at start: PEFT folders under the names requests use")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="accepted for vLLM's command lines: LoRA is on unless --max-loras-per-batch is 0")
     defaults = EngineConfig()
     for f in EngineConfig.__dataclass_fields__.values():
         flag = "--" + f.name.replace("_", "-")
@@ -102,8 +108,8 @@ def add_engine_args(p) -> None:
             continue
         kind = {"int": int, "float": float, "str": str}.get(
             str(f.type).replace("Optional[", "").rstrip("]"), str)
-        p.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(f.name),
-                       help=_HELP.get(f.name))
+        p.add_argument(flag, *_VLLM_ALIASES.get(f.name, []), type=kind, default=default,
+                       choices=_CHOICES.get(f.name), help=_HELP.get(f.name))
 
 
 def engine_config_from_args(args) -> EngineConfig:
