@@ -116,3 +116,21 @@ def test_a_vllm_command_line_parses_to_the_same_config():
     ours = engine_config_from_args(parse(["--max-loras-per-batch", "4", "--max-loaded-loras", "9",
                                           "--max-lora-rank", "32"]))
     assert vllm == ours and (ours.max_loras_per_batch, ours.max_loaded_loras) == (4, 9)
+
+
+def test_chat_template_is_a_file_or_a_template_and_compiles(tmp_path):
+    """--chat-template: a file's text, or the argument itself where it is a template; anything else,
+    or a template that does not compile, ends the start naming it."""
+    import argparse
+
+    from multilora.cli.serve import chat_template_of
+    t = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    f = tmp_path / "t.jinja"
+    f.write_text(t)
+    assert chat_template_of(argparse.Namespace(chat_template=str(f))) == t
+    assert chat_template_of(argparse.Namespace(chat_template=t)) == t
+    assert chat_template_of(argparse.Namespace(chat_template=None)) is None
+    with pytest.raises(SystemExit, match="neither a file nor a Jinja template"):
+        chat_template_of(argparse.Namespace(chat_template=str(tmp_path / "missing.jinja")))
+    with pytest.raises(SystemExit, match="does not compile as Jinja"):
+        chat_template_of(argparse.Namespace(chat_template="{% for m in messages %}{{ m }}"))

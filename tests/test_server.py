@@ -373,6 +373,14 @@ def test_served_model_names_replace_the_folder_name(served):
         assert "my-base" in err["message"], err
     finally:
         metrics.base_name = label
+    # --chat-template: the base model's requests render with it (an adapter with no template of its own too)
+    try:
+        c = TestClient(build_app(served.aengine, chat_template="{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"))
+        for model in (served.engine.model_name, "a"):
+            got = c.post("/v1/tokenize", json=dict(model=model, messages=[{"role": "user", "content": "hi"}])).json()
+            assert got["tokens"] == served.engine.tokenizer.encode("<<hi>>", add_special_tokens=False), (model, got)
+    finally:
+        metrics.base_name = label
     for names, words in ((["a"], "names both the base model and a LoRA adapter"), ([], "one or more"),
                          (["x", ""], "one or more"), (["x", "x"], "repeats")):
         with pytest.raises(ValueError, match=words):

@@ -69,6 +69,9 @@ def add_chat_args(g) -> None:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is on whenever a "
                         "--tool-call-parser is (by default)")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) in place of the model's "
+                        "own, as vLLM's flag (an adapter folder's own template still wins for its requests)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split <think>...</think> into message.reasoning_content (default: no split)")
 
@@ -104,6 +107,28 @@ def served_model_names(args) -> "list[str] | None":
     return None
 
 
+def chat_template_of(args) -> "str | None":
+    """--chat-template's text: a file's contents, or the argument itself where it is a template
+    (holds `{{` or `{%`); SystemExit naming the argument otherwise (vLLM's rule)."""
+    value = getattr(args, "chat_template", None)
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        text = path.read_text() if path.is_file() else None
+    except OSError as e:
+        raise SystemExit(f"error: --chat-template {value!r} cannot be read ({e})") from None
+    if text is None and not ("{{" in value or "{%" in value):
+        raise SystemExit(f"error: --chat-template {value!r} is neither a file nor a Jinja template")
+    text = value if text is None else text
+    from multilora.engine.tokenizer import template_has_tools
+    try:
+        template_has_tools(text)   # compiled now: a broken template fails the start, not each request
+    except Exception as e:         # jinja2's TemplateSyntaxError
+        raise SystemExit(f"error: --chat-template does not compile as Jinja ({e})") from None
+    return text
+
+
 def run_serve(args) -> int:
     # force: `multilora serve` configured logging before parsing reached here; --log-level rules
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -114,7 +139,7 @@ def run_serve(args) -> int:
     if args.max_queue < 0:
         raise SystemExit("--max-queue must be >= 0")
     api_key = args.api_key or os.environ.get("MULTILORA_API_KEY") or None
-    names = served_model_names(args)
+    names, template = served_model_names(args), chat_template_of(args)
     if names is not None:   # before the engine: a bad name costs no model load
         try:
             check_served_names(names, list(parse_lora_modules(args.lora_modules)))
@@ -127,7 +152,7 @@ def run_serve(args) -> int:
     app = build_app(aengine, api_key=api_key, lora_root=args.lora_root, max_body_bytes=args.max_body_bytes,
                     allow_any_lora_path=args.allow_any_lora_path, drain_timeout=args.drain_timeout,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                    served_model_names=names)
+                    served_model_names=names, chat_template=template)
     freeze_startup_heap()  # full collections then skip the start-up heap (multilora.server.heap)
     if engine.num_processes > 1:  # a process gone: stop serving (with one, a dead engine thread is a 503)
         def _stop(message: str) -> None:

@@ -93,7 +93,7 @@ class Server:
 
     def __init__(self, aengine: AsyncEngine, lora_root: Optional[str], allow_any_lora_path: bool,
                  tool_call_parser: str = "auto", reasoning_parser: Optional[str] = None,
-                 served_model_names: Optional[Sequence[str]] = None):
+                 served_model_names: Optional[Sequence[str]] = None, chat_template: Optional[str] = None):
         if tool_call_parser not in TOOL_PARSER_CHOICES:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSER_CHOICES)}, "
                              f"got {tool_call_parser!r}")
@@ -106,6 +106,7 @@ class Server:
         eng = aengine.engine
         self.engine = eng
         self.base_name, self.base_names = base_model_names(eng, served_model_names)
+        self.chat_template_override = chat_template   # --chat-template
         aengine.metrics.base_name = self.base_name   # the base model's `model` label
         self.lora_root = Path(lora_root).resolve() if lora_root else None
         self.allow_any_lora_path = allow_any_lora_path
@@ -184,8 +185,9 @@ class Server:
 
     async def chat_template(self, lora: Optional[str]) -> Optional[str]:
         """The chat template a request renders with: its adapter folder's own (tokenizer_config.json
-        or chat_template.jinja beside the weights), else the model's."""
-        base = self.engine.tokenizer.chat_template if self.engine.tokenizer is not None else None
+        or chat_template.jinja beside the weights), else --chat-template's, else the model's."""
+        base = self.chat_template_override or (
+            self.engine.tokenizer.chat_template if self.engine.tokenizer is not None else None)
         entry = self.engine.registry.entries.get(lora) if lora is not None and self.engine.slots is not None else None
         if entry is None:
             return base

@@ -45,6 +45,7 @@ class RayServeConfig:
     tool_call_parser: str = "auto"         # --tool-call-parser (docs/server.md)
     reasoning_parser: Optional[str] = None  # --reasoning-parser
     served_model_names: Optional[list[str]] = None  # --served-model-name (None: the folder's name and path)
+    chat_template: Optional[str] = None    # --chat-template's text (None: the model's own)
 
     def __post_init__(self):
         check_config(self)
