@@ -134,3 +134,21 @@ def test_chat_template_is_a_file_or_a_template_and_compiles(tmp_path):
         chat_template_of(argparse.Namespace(chat_template=str(tmp_path / "missing.jinja")))
     with pytest.raises(SystemExit, match="does not compile as Jinja"):
         chat_template_of(argparse.Namespace(chat_template="{% for m in messages %}{{ m }}"))
+
+
+def test_generation_config_defaults_are_read_and_checked(tmp_path, caplog):
+    """generation_config.json's sampling values (those it names; top_k 0 as off), a bad one left
+    out with a warning; --generation-config takes auto, vllm or a folder holding one."""
+    import json
+
+    from multilora.cli.serve import check_generation_config
+    from multilora.engine.build import generation_sampling_defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "repetition_penalty": "x", "do_sample": True, "eos_token_id": 2}))
+    assert generation_sampling_defaults(str(tmp_path)) == {"temperature": 0.6, "top_p": 0.9, "top_k": -1}
+    assert "repetition_penalty='x' is not a valid default" in caplog.text
+    assert generation_sampling_defaults(str(tmp_path / "none")) == {}
+    for ok in ("auto", "vllm", str(tmp_path)):
+        check_generation_config(ok)
+    with pytest.raises(SystemExit, match="expected auto, vllm or a folder"):
+        check_generation_config(str(tmp_path / "none"))

@@ -387,6 +387,29 @@ def test_served_model_names_replace_the_folder_name(served):
             check_served_names(names, ["a", "b"])
 
 
+def test_generation_config_gives_the_defaults_of_unset_sampling_fields(served, tmp_path):
+    """--generation-config (vLLM's): a folder whose generation_config.json sets temperature 0 makes
+    a request without a temperature greedy (the offline reference's tokens); its own temperature
+    still wins; "vllm" keeps OpenAI's default (1.0: sampled, not the greedy tokens)."""
+    from starlette.testclient import TestClient
+
+    from multilora.server.app import build_app
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 0}))
+    label = served.aengine.metrics.base_name
+    try:
+        greedy_default = TestClient(build_app(served.aengine, generation_config=str(tmp_path)))
+        openai_default = TestClient(build_app(served.aengine, generation_config="vllm"))
+        assert greedy_default.app.state.server.sampling_defaults == {"temperature": 0.0, "top_k": -1}
+        body = dict(model=served.engine.model_name, prompt=PROMPTS[1], max_tokens=10, ignore_eos=True, seed=7)
+        want = served.refs[ref_key(PROMPTS[1], None, 10)].text
+        assert greedy_default.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+        sampled = [c.post("/v1/completions", json=dict(body, **kw)).json()["choices"][0]["text"]
+                   for c, kw in ((openai_default, {}), (greedy_default, {"temperature": 1.0}))]
+        assert sampled[0] == sampled[1] != want   # the same seed and temperature 1.0: the same draw
+    finally:
+        served.aengine.metrics.base_name = label
+
+
 def test_load_and_unload_at_run_time(served):
     client = served.client()
     with served.http() as c:

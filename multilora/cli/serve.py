@@ -69,6 +69,10 @@ def add_chat_args(g) -> None:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is on whenever a "
                         "--tool-call-parser is (by default)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="the defaults of a request's unset temperature, top_p, top_k and "
+                        "repetition_penalty, as vLLM's flag: auto, the model's generation_config.json; "
+                        "vllm, OpenAI's (1, 1, off, 1); or a folder's generation_config.json")
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) in place of the model's "
                         "own, as vLLM's flag (an adapter folder's own template still wins for its requests)")
@@ -129,6 +133,13 @@ def chat_template_of(args) -> "str | None":
     return text
 
 
+def check_generation_config(value: str) -> None:
+    """--generation-config: auto, vllm, or a folder holding generation_config.json (else SystemExit)."""
+    if value not in ("auto", "vllm") and not (Path(value) / "generation_config.json").is_file():
+        raise SystemExit(f"error: --generation-config {value!r}: expected auto, vllm or a folder holding "
+                         "generation_config.json")
+
+
 def run_serve(args) -> int:
     # force: `multilora serve` configured logging before parsing reached here; --log-level rules
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -140,6 +151,7 @@ def run_serve(args) -> int:
         raise SystemExit("--max-queue must be >= 0")
     api_key = args.api_key or os.environ.get("MULTILORA_API_KEY") or None
     names, template = served_model_names(args), chat_template_of(args)
+    check_generation_config(args.generation_config)
     if names is not None:   # before the engine: a bad name costs no model load
         try:
             check_served_names(names, list(parse_lora_modules(args.lora_modules)))
@@ -152,7 +164,7 @@ def run_serve(args) -> int:
     app = build_app(aengine, api_key=api_key, lora_root=args.lora_root, max_body_bytes=args.max_body_bytes,
                     allow_any_lora_path=args.allow_any_lora_path, drain_timeout=args.drain_timeout,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                    served_model_names=names, chat_template=template)
+                    served_model_names=names, chat_template=template, generation_config=args.generation_config)
     freeze_startup_heap()  # full collections then skip the start-up heap (multilora.server.heap)
     if engine.num_processes > 1:  # a process gone: stop serving (with one, a dead engine thread is a 503)
         def _stop(message: str) -> None:

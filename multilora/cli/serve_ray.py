@@ -24,7 +24,7 @@ def config_from_args(args) -> RayServeConfig:
     if kw.pop("distributed", None):
         raise SystemExit("serve-ray runs one engine per replica: --coordinator-address/--num-processes "
                          "do not apply")
-    from multilora.cli.serve import chat_template_of, served_model_names
+    from multilora.cli.serve import chat_template_of, check_generation_config, served_model_names
     from multilora.server.service import check_served_names
     names = served_model_names(args)
     if names is not None:
@@ -46,7 +46,8 @@ def config_from_args(args) -> RayServeConfig:
             allow_any_lora_path=args.allow_any_lora_path, max_body_bytes=args.max_body_bytes,
             max_queue=args.max_queue, drain_timeout=args.drain_timeout, app_name=args.app_name,
             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-            served_model_names=names, chat_template=chat_template_of(args))
+            served_model_names=names, chat_template=chat_template_of(args),
+            generation_config=check_generation_config(args.generation_config) or args.generation_config)
     except ValueError as e:
         raise SystemExit(str(e))
 

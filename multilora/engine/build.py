@@ -136,6 +136,37 @@ def generation_eos(model_dir: str) -> set[int]:
     return set(eos) if isinstance(eos, list) else {int(eos)}
 
 
+# generation_config.json's sampling keys a request's unset fields default to (vLLM's
+# --generation-config auto): the name here, its valid range
+_GENERATION_KEYS = {"temperature": (0.0, float("inf")), "top_p": (0.0, 1.0), "top_k": (-1, float("inf")),
+                    "repetition_penalty": (0.0, float("inf"))}
+
+
+def generation_sampling_defaults(model_dir: str) -> dict:
+    """The sampling defaults a model's generation_config.json sets (temperature, top_p, top_k,
+    repetition_penalty: those it names), as vLLM takes them by default (its `do_sample` aside);
+    top_k 0 (transformers' "off") as -1. A value of the wrong kind or out of range is left out,
+    with a warning naming it."""
+    p = Path(model_dir) / "generation_config.json"
+    try:
+        cfg = json.loads(p.read_text()) if p.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+    out = {}
+    for key, (lo, hi) in _GENERATION_KEYS.items():
+        value = cfg.get(key) if isinstance(cfg, dict) else None
+        if value is None:
+            continue
+        ok = (type(value) is int if key == "top_k" else type(value) in (int, float)) and lo <= value <= hi
+        if key in ("top_p", "repetition_penalty") and ok:
+            ok = value > 0
+        if not ok:
+            log.warning("generation_config.json: %s=%r is not a valid default; left out", key, value)
+            continue
+        out[key] = -1 if key == "top_k" and value == 0 else value
+    return out
+
+
 def prepare_process(compilation_cache_dir: Optional[str], distributed: Optional[dict] = None) -> None:
     """What an engine's process sets up before anything else: JAX's persistent compilation cache,
     and the CPU kernels' build started on a thread (multilora.kernels.start_build; a first build

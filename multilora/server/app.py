@@ -92,14 +92,16 @@ def build_app(async_engine: AsyncEngine, api_key: Optional[str] = None, lora_roo
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allow_any_lora_path: bool = False,
               drain_timeout: float = 30.0, tool_call_parser: str = "auto",
               reasoning_parser: Optional[str] = None,
-              served_model_names: Optional[Sequence[str]] = None, chat_template: Optional[str] = None) -> FastAPI:
+              served_model_names: Optional[Sequence[str]] = None, chat_template: Optional[str] = None,
+              generation_config: str = "auto") -> FastAPI:
     """The FastAPI app. Its lifespan starts the engine thread and, at shutdown, lets running
     requests finish (up to drain_timeout seconds) before stopping it. tool_call_parser and
     reasoning_parser: --tool-call-parser and --reasoning-parser (docs/server.md); served_model_names:
     --served-model-name (the base model's names; default: its folder's name and path); chat_template:
-    --chat-template's text (in place of the model's own; an adapter's own still wins for its requests)."""
+    --chat-template's text (in place of the model's own; an adapter's own still wins for its requests);
+    generation_config: --generation-config (the defaults of a request's unset sampling fields)."""
     srv = Server(async_engine, lora_root, allow_any_lora_path, tool_call_parser, reasoning_parser,
-                 served_model_names, chat_template)
+                 served_model_names, chat_template, generation_config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence
 
 from fastapi import Request
 
+from multilora.engine.build import generation_sampling_defaults
 from multilora.engine.request import SamplingParams
 from multilora.engine.structured import StructuredOutput
 from multilora.engine.tokenizer import read_chat_template
@@ -88,12 +89,31 @@ def check_served_names(served_model_names: Sequence[str], adapter_names: Sequenc
     return names
 
 
+def sampling_defaults(generation_config: str, model_path) -> dict:
+    """--generation-config (vLLM's): "auto", the model's generation_config.json sampling values as
+    the defaults of a request's unset fields; "vllm", none (OpenAI's defaults); else a folder whose
+    generation_config.json gives them. ValueError for a folder without one."""
+    if generation_config == "vllm":
+        return {}
+    folder = model_path if generation_config == "auto" else generation_config
+    if generation_config != "auto" and not (Path(folder) / "generation_config.json").is_file():
+        raise ValueError(f"--generation-config {generation_config!r}: expected auto, vllm or a folder "
+                         "holding generation_config.json")
+    out = generation_sampling_defaults(str(folder))
+    if out:
+        log.info("default sampling from %s/generation_config.json: %s (a request's own values win; "
+                 "--generation-config vllm: OpenAI's defaults)", folder,
+                 ", ".join(f"{k}={v}" for k, v in out.items()))
+    return out
+
+
 class Server:
     """The routes' shared state: the engine, its names and the adapter path policy."""
 
     def __init__(self, aengine: AsyncEngine, lora_root: Optional[str], allow_any_lora_path: bool,
                  tool_call_parser: str = "auto", reasoning_parser: Optional[str] = None,
-                 served_model_names: Optional[Sequence[str]] = None, chat_template: Optional[str] = None):
+                 served_model_names: Optional[Sequence[str]] = None, chat_template: Optional[str] = None,
+                 generation_config: str = "auto"):
         if tool_call_parser not in TOOL_PARSER_CHOICES:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSER_CHOICES)}, "
                              f"got {tool_call_parser!r}")
@@ -107,6 +127,7 @@ class Server:
         self.engine = eng
         self.base_name, self.base_names = base_model_names(eng, served_model_names)
         self.chat_template_override = chat_template   # --chat-template
+        self.sampling_defaults = sampling_defaults(generation_config, eng.model_path)
         aengine.metrics.base_name = self.base_name   # the base model's `model` label
         self.lora_root = Path(lora_root).resolve() if lora_root else None
         self.allow_any_lora_path = allow_any_lora_path
@@ -280,10 +301,12 @@ class Server:
                            "context_length_exceeded")
         return requested
 
-    @staticmethod
-    def sampling(req: P._SamplingFields, max_tokens: int, logprobs: Optional[int],
+    def sampling(self, req: P._SamplingFields, max_tokens: int, logprobs: Optional[int],
                  structured: Optional[StructuredOutput] = None,
                  prompt_logprobs: Optional[int] = None) -> SamplingParams:
+        """The request's sampling; a field it leaves unset takes the model's generation_config.json
+        value (sampling_defaults), else OpenAI's default."""
+        d = self.sampling_defaults
         bias = []
         for key, value in (req.logit_bias or {}).items():
             try:
@@ -294,13 +317,14 @@ class Server:
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=-1 if req.top_k is None else req.top_k,
+                temperature=d.get("temperature", 1.0) if req.temperature is None else req.temperature,
+                top_p=d.get("top_p", 1.0) if req.top_p is None else req.top_p,
+                top_k=d.get("top_k", -1) if req.top_k is None else req.top_k,
                 seed=req.seed, stop=req.stop or (), stop_token_ids=req.stop_token_ids or (),
                 ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                repetition_penalty=(d.get("repetition_penalty", 1.0) if req.repetition_penalty is None
+                                    else req.repetition_penalty),
                 logit_bias=bias, min_tokens=req.min_tokens or 0, structured=structured,
                 prompt_logprobs=prompt_logprobs)
         except ValueError as e:

@@ -46,6 +46,7 @@ class RayServeConfig:
     reasoning_parser: Optional[str] = None  # --reasoning-parser
     served_model_names: Optional[list[str]] = None  # --served-model-name (None: the folder's name and path)
     chat_template: Optional[str] = None    # --chat-template's text (None: the model's own)
+    generation_config: str = "auto"        # --generation-config
 
     def __post_init__(self):
         check_config(self)

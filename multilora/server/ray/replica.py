@@ -119,7 +119,7 @@ class EngineReplica:
                              max_body_bytes=cfg.max_body_bytes, allow_any_lora_path=cfg.allow_any_lora_path,
                              drain_timeout=cfg.drain_timeout, tool_call_parser=cfg.tool_call_parser,
                              reasoning_parser=cfg.reasoning_parser, served_model_names=cfg.served_model_names,
-                             chat_template=cfg.chat_template)
+                             chat_template=cfg.chat_template, generation_config=cfg.generation_config)
         freeze_startup_heap()  # full collections then skip the start-up heap (multilora.server.heap)
         self.server = self.app.state.server
         # adapters registered here from the directory, name -> path (--lora-modules at start)
