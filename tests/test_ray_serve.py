@@ -156,6 +156,24 @@ class _RaiseOnce:
         raise self.exc
 
 
+def test_serve_ray_flags_reach_the_config(tmp_path):
+    """serve-ray's flags that the replicas' servers take (vLLM's --served-model-name,
+    --chat-template, --generation-config) reach RayServeConfig, checked before any replica starts."""
+    import argparse
+
+    from multilora.cli.serve_ray import add_ray_serve_args, config_from_args
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "generation_config.json").write_text("{}")
+    parse = add_ray_serve_args(argparse.ArgumentParser()).parse_args
+    cfg = config_from_args(parse(["--model", str(model), "--served-model-name", "x", "y", "--chat-template",
+                                  "{{ messages[0]['content'] }}", "--generation-config", str(model)]))
+    assert (cfg.served_model_names, cfg.chat_template, cfg.generation_config) == (
+        ["x", "y"], "{{ messages[0]['content'] }}", str(model))
+    with pytest.raises(SystemExit, match="expected auto, vllm or a folder"):
+        config_from_args(parse(["--model", str(model), "--generation-config", str(tmp_path / "none")]))
+
+
 def test_importing_multilora_and_its_cli_does_not_import_ray():
     code = ("import sys, multilora, multilora.cli, multilora.server.ray_serve; "
             "assert 'ray' not in sys.modules, 'ray was imported'")
