@@ -274,6 +274,10 @@ def test_streaming_equals_non_streaming(served):
         lines = [ln for ln in r.iter_lines() if ln]
     assert all(ln.startswith("data: ") for ln in lines)
     assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    with served.http() as c, c.stream("POST", "/v1/chat/completions", json=dict(
+            model="a", messages=CHAT, max_tokens=3, temperature=0, stream=True)) as r:
+        deltas = [json.loads(ln[6:])["choices"][0]["delta"] for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
+    assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:]), deltas
 
 
 def test_logprobs(served):

@@ -344,7 +344,8 @@ class DeltaMessage(_Response):
     content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
     reasoning_content: Optional[str] = None
-    _ser = _drop_none(("tool_calls", "reasoning_content"))
+    # the role in a choice's first delta only, absent after (as OpenAI sends it; not null)
+    _ser = _drop_none(("role", "tool_calls", "reasoning_content"))
 
 
 class ChatStreamChoice(_Response):
