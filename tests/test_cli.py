@@ -58,14 +58,14 @@ def test_a_served_name_an_adapter_has_is_refused_before_the_model_loads(tmp_path
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
-def test_a_launch_mistake_is_one_line_not_a_traceback(command, tmp_path):
+def test_a_launch_mistake_is_one_line_not_a_traceback(command, tmp_path, tiny_models):
     """A missing model or adapter folder ends the command with the reason (`error: ...`), before
     any server starts (tests/test_tensor_parallel.py: more devices than the host has)."""
     extra = ["--prompt", "hi"] if command == "generate" else []
     with pytest.raises(SystemExit, match=r"^error: no config.json in model folder .*no-model"):
         main([command, "--model", str(tmp_path / "no-model"), *extra])
     with pytest.raises(SystemExit, match=r"^error: LoRA adapter 'x': adapter folder .* does not exist"):
-        main([command, "--lora-modules", f"x={tmp_path / 'none'}", *extra])
+        main([command, "--model", str(tiny_models["llama"]), "--lora-modules", f"x={tmp_path / 'none'}", *extra])
 
 
 def test_generate_prints_the_engines_tokens(tiny_models, tiny_adapters, tmp_path, capsys):
