@@ -27,6 +27,7 @@ def config_from_args(args) -> RayServeConfig:
     from multilora.cli.serve import chat_template_of, check_generation_config, served_model_names
     from multilora.server.service import check_served_names
     names = served_model_names(args)
+    check_generation_config(args.generation_config)
     if names is not None:
         try:
             check_served_names(names, list(kw["lora_modules"]))
@@ -47,7 +48,7 @@ def config_from_args(args) -> RayServeConfig:
             max_queue=args.max_queue, drain_timeout=args.drain_timeout, app_name=args.app_name,
             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
             served_model_names=names, chat_template=chat_template_of(args),
-            generation_config=check_generation_config(args.generation_config) or args.generation_config)
+            generation_config=args.generation_config)
     except ValueError as e:
         raise SystemExit(str(e))
 
