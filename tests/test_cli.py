@@ -141,7 +141,7 @@ def test_generation_config_defaults_are_read_and_checked(tmp_path, caplog):
     out with a warning; --generation-config takes auto, vllm or a folder holding one."""
     import json
 
-    from multilora.cli.serve import check_generation_config
+    from multilora.server.service import check_generation_config
     from multilora.engine.build import generation_sampling_defaults
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "repetition_penalty": "x", "do_sample": True, "eos_token_id": 2}))
@@ -150,5 +150,7 @@ def test_generation_config_defaults_are_read_and_checked(tmp_path, caplog):
     assert generation_sampling_defaults(str(tmp_path / "none")) == {}
     for ok in ("auto", "vllm", str(tmp_path)):
         check_generation_config(ok)
-    with pytest.raises(SystemExit, match="expected auto, vllm or a folder"):
+    with pytest.raises(ValueError, match="expected auto, vllm or a folder"):
         check_generation_config(str(tmp_path / "none"))
+    with pytest.raises(SystemExit, match="^error: --generation-config .*expected auto, vllm or a folder"):
+        main(["serve", "--model", str(tmp_path / "no-model"), "--generation-config", str(tmp_path / "none")])

@@ -14,7 +14,7 @@ from pathlib import Path
 from multilora.cli.args import add_distributed_args, add_engine_args, build_engine, parse_lora_modules
 from multilora.server.app import DEFAULT_MAX_BODY_BYTES, build_app, serve
 from multilora.server.reasoning import REASONING_PARSERS
-from multilora.server.service import TOOL_PARSER_CHOICES, check_served_names
+from multilora.server.service import TOOL_PARSER_CHOICES, check_generation_config, check_served_names
 from multilora.server.async_engine import AsyncEngine
 from multilora.server.heap import freeze_startup_heap
 
@@ -133,13 +133,6 @@ def chat_template_of(args) -> "str | None":
     return text
 
 
-def check_generation_config(value: str) -> None:
-    """--generation-config: auto, vllm, or a folder holding generation_config.json (else SystemExit)."""
-    if value not in ("auto", "vllm") and not (Path(value) / "generation_config.json").is_file():
-        raise SystemExit(f"error: --generation-config {value!r}: expected auto, vllm or a folder holding "
-                         "generation_config.json")
-
-
 def run_serve(args) -> int:
     # force: `multilora serve` configured logging before parsing reached here; --log-level rules
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -151,12 +144,12 @@ def run_serve(args) -> int:
         raise SystemExit("--max-queue must be >= 0")
     api_key = args.api_key or os.environ.get("MULTILORA_API_KEY") or None
     names, template = served_model_names(args), chat_template_of(args)
-    check_generation_config(args.generation_config)
-    if names is not None:   # before the engine: a bad name costs no model load
-        try:
+    try:   # before the engine: a bad option costs no model load
+        if names is not None:
             check_served_names(names, list(parse_lora_modules(args.lora_modules)))
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
+        check_generation_config(args.generation_config)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     engine = engine_from_args(args)
     if not engine.is_leader:
         return follow(engine)

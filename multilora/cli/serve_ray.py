@@ -24,15 +24,9 @@ def config_from_args(args) -> RayServeConfig:
     if kw.pop("distributed", None):
         raise SystemExit("serve-ray runs one engine per replica: --coordinator-address/--num-processes "
                          "do not apply")
-    from multilora.cli.serve import chat_template_of, check_generation_config, served_model_names
-    from multilora.server.service import check_served_names
-    names = served_model_names(args)
-    check_generation_config(args.generation_config)
-    if names is not None:
-        try:
-            check_served_names(names, list(kw["lora_modules"]))
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
+    # served names and the generation config: checked by RayServeConfig (a SystemExit below)
+    from multilora.cli.serve import chat_template_of, served_model_names
+    names, template = served_model_names(args), chat_template_of(args)
     if kw["model"] is None:  # fetched and converted once, here, not by R replicas at once
         from multilora.default_model import default_model_dir
         kw["model"] = str(default_model_dir())
@@ -47,7 +41,7 @@ def config_from_args(args) -> RayServeConfig:
             allow_any_lora_path=args.allow_any_lora_path, max_body_bytes=args.max_body_bytes,
             max_queue=args.max_queue, drain_timeout=args.drain_timeout, app_name=args.app_name,
             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-            served_model_names=names, chat_template=chat_template_of(args),
+            served_model_names=names, chat_template=template,
             generation_config=args.generation_config)
     except ValueError as e:
         raise SystemExit(str(e))

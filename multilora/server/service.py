@@ -89,16 +89,21 @@ def check_served_names(served_model_names: Sequence[str], adapter_names: Sequenc
     return names
 
 
+def check_generation_config(generation_config: str) -> None:
+    """ValueError unless --generation-config is auto, vllm or a folder holding generation_config.json."""
+    if generation_config not in ("auto", "vllm") and not (Path(generation_config) / "generation_config.json").is_file():
+        raise ValueError(f"--generation-config {generation_config!r}: expected auto, vllm or a folder "
+                         "holding generation_config.json")
+
+
 def sampling_defaults(generation_config: str, model_path) -> dict:
     """--generation-config (vLLM's): "auto", the model's generation_config.json sampling values as
     the defaults of a request's unset fields; "vllm", none (OpenAI's defaults); else a folder whose
-    generation_config.json gives them. ValueError for a folder without one."""
+    generation_config.json gives them (check_generation_config's ValueError otherwise)."""
+    check_generation_config(generation_config)
     if generation_config == "vllm":
         return {}
     folder = model_path if generation_config == "auto" else generation_config
-    if generation_config != "auto" and not (Path(folder) / "generation_config.json").is_file():
-        raise ValueError(f"--generation-config {generation_config!r}: expected auto, vllm or a folder "
-                         "holding generation_config.json")
     out = generation_sampling_defaults(str(folder))
     if out:
         log.info("default sampling from %s/generation_config.json: %s (a request's own values win; "

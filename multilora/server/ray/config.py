@@ -78,9 +78,11 @@ def check_config(cfg: RayServeConfig) -> None:
     if cfg.reasoning_parser is not None and cfg.reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                          f"got {cfg.reasoning_parser!r}")
-    if cfg.served_model_names is not None:   # here, not in R replicas' starts
-        from multilora.server.service import check_served_names
+    # the server options here, not in R replicas' starts
+    from multilora.server.service import check_generation_config, check_served_names
+    if cfg.served_model_names is not None:
         check_served_names(cfg.served_model_names, list(cfg.engine_kwargs.get("lora_modules") or {}))
+    check_generation_config(cfg.generation_config)
 
 
 # ---- small pure helpers --------------------------------------------------------------------------
