@@ -407,6 +407,8 @@ def check_target_itl_ms(value) -> None:
                          f"alone) or None (derived from measured step costs), got {value!r}")
 
 
+# EngineConfig.dtype's names (multilora.model.precision says what each runs; the CLI lists these)
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # EngineConfig.lora_backend's names (multilora.lora.backend holds each one's class; the CLI lists these)
 LORA_BACKEND_CHOICES = ("auto", "bgmv", "sgmv", "dense", "native", "pallas", "reference")
 
@@ -425,7 +427,7 @@ class EngineConfig:
     lora_host_memory_gb: float = 4.0      # host copies kept (LRU) within this many GB
     lora_backend: str = "auto"
     # model and memory
-    dtype: str = "float32"
+    dtype: str = "auto"                   # activations, projections, adapter pool; auto: the platform's fastest (multilora.model.precision)
     projection_dtype: str = "auto"         # the projection matrices' dtype (multilora.model.projections)
     quantization: Optional[str] = None     # "int8": a weight-only int8 base (multilora.model.projections)
     lora_dtype: str = "auto"               # the adapter pool's dtype; auto: bf16 beside packed bf16 projections, else dtype (projections.lora_pool_dtype)
@@ -467,6 +469,8 @@ class EngineConfig:
             val = getattr(self, name)
             if val is not None and not (isinstance(val, (int, float)) and not isinstance(val, bool) and val > 0):
                 raise ValueError(f"{name} must be a number of GB > 0, got {val!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.projection_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"projection_dtype must be auto, float32 or bfloat16, got {self.projection_dtype!r}")
         if self.quantization not in (None, "int8"):

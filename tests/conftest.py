@@ -70,7 +70,7 @@ TIERS = {
              "test_sampler", "test_scheduler", "test_adapter_errors", "test_warmup", "test_tool_parsers", "test_tpu_probes"],
     "model": ["test_model_parity", "test_model_variants", "test_engine", "test_async_scheduling", "test_speculative", "test_prefix_cache", "test_structured",
               "test_demo_adapters", "test_gguf_default", "test_quantization", "test_adapter_tensors", "test_budgeted_steps",
-              "test_moe", "test_moe_per_expert"],
+              "test_moe", "test_moe_per_expert", "test_precision", "test_engine_lifecycle"],
     "server": ["test_server", "test_server_tools", "test_ray_serve"],
     "e2e": ["test_serve_processes", "test_tensor_parallel"],
 }

@@ -199,7 +199,7 @@ def test_bf16_activations_on_a_cpu_keep_a_float32_cache(model_dir, spec_dirs, pe
     argmax given the same prefix or within bfloat16's tolerance of it, as the bf16 projections'."""
     import jax.numpy as jnp
 
-    from multilora.engine.build import kv_cache_dtype
+    from multilora.model.precision import kv_cache_dtype
     from tests.test_model_parity import BF16_RTOL
     assert kv_cache_dtype(jnp.bfloat16, "cpu") == np.float32 and kv_cache_dtype(jnp.float16, "cpu") == np.float32
     assert kv_cache_dtype(jnp.bfloat16, "tpu") == jnp.bfloat16 and kv_cache_dtype(jnp.float32, "cpu") == np.float32

@@ -143,9 +143,17 @@ def test_resolve(monkeypatch):
     auto_bf16 = kernels.bf16_gemm_isa() in projections.AUTO_BF16_ISAS
     assert projections.resolve("auto", jnp.float32, like) == ("bfloat16-packed" if auto_bf16 else "float32")
     assert projections.resolve("auto", jnp.bfloat16, like) == ("bfloat16-packed" if PACKED else "bfloat16")
+    # an explicit dtype is what projection_dtype auto means, whatever the CPU
+    assert projections.resolve("auto", jnp.float32, like, implied="float32") == "float32"
+    assert projections.resolve("auto", jnp.bfloat16, like, implied="bfloat16") == (
+        "bfloat16-packed" if PACKED else "bfloat16")
+    assert projections.resolve("auto", jnp.float16, like, implied="float16") == "float16"
+    assert projections.resolve("bfloat16", jnp.float32, like, implied="float32") != "float32"  # the expert's knob
     monkeypatch.setenv(projections.AUTO_ENV, "float32")
     assert projections.resolve("auto", jnp.float32, like) == "float32"
     assert projections.resolve("bfloat16", jnp.float32, like) != "float32"  # the env var sets auto only
+    monkeypatch.setenv(projections.AUTO_ENV, "bfloat16")
+    assert projections.resolve("auto", jnp.float32, like, implied="float32") == "float32"  # and not an explicit dtype
     monkeypatch.setenv(projections.AUTO_ENV, "int8")
     with pytest.raises(ValueError, match="MULTILORA_PROJECTION_DTYPE='int8': choose one of float32, bfloat16"):
         projections.resolve("auto", jnp.float32, like)
@@ -203,12 +211,15 @@ def test_resolve_on_the_avx2_path(monkeypatch):
 
 def test_describe_warns_about_half_precision_dtypes_on_the_cpu():
     """The engine's log line about its arithmetic: a warning that names the faster setting where
-    the model's dtype is bfloat16 or float16 on a CPU, plain information otherwise."""
+    the activations are bfloat16 or float16 on a CPU, plain information otherwise."""
     import logging
+
+    from multilora.model.precision import Precision
     on_cpu = jnp.zeros((4, 4), jnp.float32)
-    for dtype in (jnp.bfloat16, jnp.float16):
-        level, msg = projections.describe("bfloat16", jnp.bfloat16, dtype, on_cpu)
+    for dtype in ("bfloat16", "float16"):
+        level, msg = projections.describe(Precision(dtype, dtype, "bfloat16", "float32", dtype), on_cpu)
         assert level == logging.WARNING
-        assert jnp.dtype(dtype).name in msg and "dtype float32" in msg and "projection_dtype auto" in msg
-    level, msg = projections.describe("bfloat16-packed", jnp.bfloat16, jnp.float32, on_cpu)
-    assert level == logging.INFO and msg == "projections: bfloat16-packed; adapter pool: bfloat16"
+        assert f"{dtype} activations" in msg and "use dtype auto" in msg
+    level, msg = projections.describe(Precision("auto", "float32", "bfloat16-packed", "float32", "bfloat16"), on_cpu)
+    assert level == logging.INFO and msg == ("dtype auto: activations float32, projections bfloat16-packed, "
+                                             "KV cache float32, adapter pool bfloat16")

@@ -344,6 +344,9 @@ def test_health_reports_the_warmup(served):
     assert body["status"] == "ok"
     w = body["warmup"]
     assert w["done"] is True and w["compiled"] == w["total"] > 0 and w["seconds"] >= 0
+    # what runs, by name: the engine's dtype as asked and each part's (multilora.model.precision)
+    assert body["precision"] == served.engine.precision.as_dict()
+    assert set(body["precision"]) == {"dtype", "activations", "projections", "kv_cache", "adapter_pool"}
 
 
 def test_unknown_model_is_404(served):

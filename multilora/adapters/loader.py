@@ -85,6 +85,7 @@ class _Queues:
         # per worker, a heap of (priority, order, future, name, path)
         self.heaps: dict[int, list] = {AdapterLoader.URGENT: [], AdapterLoader.BACKGROUND: []}
         self.hold = False          # background reads wait while the engine has work
+        self.closed = False        # the loader is closed: its workers leave
         self.gate = StepGate()     # closed by the engine during a step: the idle worker's reads pause
 
     def next(self, worker: int, timeout: float):
@@ -94,7 +95,7 @@ class _Queues:
         with self.cv:
             while True:
                 while not heap or (heap[0][0] == AdapterLoader.BACKGROUND and self.hold):
-                    if not self.cv.wait(timeout):
+                    if self.closed or not self.cv.wait(timeout):
                         return None
                 _, _, fut, name, path = heapq.heappop(heap)
                 # queued twice (moved ahead) and taken already, or cancelled: skip
@@ -124,7 +125,7 @@ def _work(queues: _Queues, ref: "weakref.ref[AdapterLoader]", worker: int) -> No
     background = worker == AdapterLoader.BACKGROUND
     if background:
         _lower_priority()
-    while ref() is not None:
+    while ref() is not None and not queues.closed:
         job = queues.next(worker, timeout=1.0)
         if job is not None:
             fut = job[0]
@@ -155,9 +156,23 @@ class AdapterLoader:
             threading.Thread(target=_work, args=(self._q, weakref.ref(self), worker),
                              name=f"multilora-lora-load-{kind}", daemon=True).start()
 
+    def close(self) -> None:
+        """Let the workers leave now (a read under way finishes first; queued reads are dropped,
+        their futures cancelled). The engine's shutdown calls this."""
+        with self._cv:
+            self._q.closed = True
+            for heap in self._q.heaps.values():
+                for _, _, fut, _, _ in heap:
+                    fut.cancel()
+                heap.clear()
+            self._inflight.clear()
+            self._cv.notify_all()
+
     def _enqueue(self, fut: Future, name: str, path: str, priority: int) -> None:
         worker = self.URGENT if priority == self.URGENT else self.BACKGROUND
         with self._cv:
+            if self._q.closed:
+                raise RuntimeError("the adapter loader is closed (its engine was shut down)")
             heapq.heappush(self._q.heaps[worker], (priority, next(self._order), fut, name, path))
             self._cv.notify_all()
 

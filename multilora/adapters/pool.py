@@ -257,6 +257,10 @@ class LoRASlots:
         self.ranks_S = np.zeros((S,), np.int32)
         self.rows_SR = np.tile(empty_table_row(R), (S, 1))
 
+    def release(self) -> None:
+        """Let go of the pools and their compiled writers (the engine's shutdown)."""
+        self.weights = self._write = None
+
     @property
     def num_slots(self) -> int:
         return self.lora_cfg.num_slots

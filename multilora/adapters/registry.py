@@ -113,6 +113,15 @@ class AdapterRegistry:
         self.stats = TierStats()
 
     # ---- lifecycle -------------------------------------------------------------------------
+    def release_host_copies(self) -> None:
+        """Drop every host copy (the engine's shutdown): the names stay registered, nothing is
+        served any more."""
+        self._host.clear()
+        self._host_nbytes.clear()
+        self.host_bytes = 0
+        for e in self.entries.values():
+            e.held = None
+
     def register(self, name: str, path: str, pinned: bool = False,
                  adapter: Optional[LoRAAdapter] = None, probe: Optional[AdapterProbe] = None,
                  held: bool = False, version: int = 1) -> AdapterEntry:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from multilora.config import LORA_BACKEND_CHOICES, EngineConfig
+from multilora.config import DTYPE_CHOICES, LORA_BACKEND_CHOICES, EngineConfig
 
 
 def parse_lora_modules(items) -> dict[str, str]:
@@ -47,11 +47,13 @@ _HELP = {
     "max_loaded_loras": "host copies of adapters kept in memory, LRU (default: bounded by --lora-host-memory-gb only)",
     "lora_host_memory_gb": "host memory for adapter copies, LRU (an evicted adapter is read again from its folder)",
     "lora_backend": "LoRA kernel: auto picks by step shape",
-    "dtype": "weights, activations and KV cache dtype",
-    "projection_dtype": "dtype of the base model's projection matrices (activations stay --dtype): "
-                        "bfloat16 products summed in float32 are 2-4x faster where the CPU has AMX-BF16 "
-                        "or AVX512-BF16; "
-                        "auto: bfloat16 there, else --dtype; float32: the exact path",
+    "dtype": "activations, weights and adapter pool: float32 (exact: PEFT's numbers), bfloat16, float16, "
+             "or auto: the platform's fastest (a CPU: float32 activations with bfloat16 projections "
+             "through multilora's kernel where it runs; an accelerator: bfloat16). The start-up log "
+             "and /health say what runs",
+    "projection_dtype": "dtype of the base model's projection matrices alone, over --dtype's choice "
+                        "(activations stay --dtype): bfloat16 products summed in float32 are 2-4x faster "
+                        "where the CPU has AMX-BF16 or AVX512-BF16; auto: what --dtype implies",
     "quantization": "int8: a weight-only int8 base, the projection matrices as int8 with one scale per "
                     "output column computed at load (half the bytes of bfloat16); adapters and activations "
                     "keep their dtype",
@@ -85,7 +87,7 @@ _HELP = {
                              "else under the user cache)",
 }
 _CHOICES = {"lora_backend": list(LORA_BACKEND_CHOICES),
-            "dtype": ["float32", "bfloat16", "float16"], "projection_dtype": ["auto", "float32", "bfloat16"],
+            "dtype": list(DTYPE_CHOICES), "projection_dtype": ["auto", "float32", "bfloat16"],
             "lora_dtype": ["auto", "float32", "bfloat16"], "quantization": ["int8"]}
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from multilora.engine import lifecycle
 from multilora.engine.commands import AddMix, LoadAdapter, UnloadAdapter
 from multilora.model.loader import Progress
 from multilora.adapters.adapter import LoRAAdapter, adapter_from_tensors, probe_adapter
@@ -63,6 +64,7 @@ class AdapterAPI:
         never stall a step nor take the cores from the running streams."""
         if self.slots is None:
             raise ValueError("LoRA is disabled (max_loras_per_batch=0)")
+        lifecycle.check_open(self, "read_adapter_async")
         return self.loader.submit(name, str(path))
 
     def load_lora_adapter(self, name: str, path: Optional[str] = None, pinned: bool = False,

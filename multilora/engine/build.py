@@ -1,5 +1,5 @@
 """Start-up sizing: what an Engine is built with, worked out from its EngineConfig, the model and
-the machine: the KV cache's pages, the adapter slots and the pool of rank rows, the default
+the machine: the KV cache's pages (its dtype: multilora.model.precision), the adapter slots and the pool of rank rows, the default
 max_lora_rank, the model's extra EOS tokens, JAX's persistent compilation cache and the CPU
 kernels' first build. Functions of their inputs; the Engine (multilora.engine.engine) calls them
 once, in its constructor."""
@@ -18,20 +18,6 @@ import numpy as np
 from multilora.config import EngineConfig, LoRAConfig, ModelConfig, lora_pool_size, round_to_pages
 
 log = logging.getLogger("multilora.engine")
-
-
-def kv_cache_dtype(dtype, platform: str) -> np.dtype:
-    """The KV cache's element type for activations of `dtype`: the same, except on a CPU, where a
-    16-bit float cache is kept in float32. XLA's CPU backend takes no scatter (nor update slice)
-    of 16-bit floats: it converted the whole cache to float32 and back around each layer's K/V
-    write, so a SmolLM2 decode step of 2 rows over the default 2 GB of bfloat16 cache (5,825 pages)
-    took 20 s, 0.17 s with the float32 cache (benchmarks/log/50). The K/V a bfloat16 model writes
-    are bfloat16 values, held exactly in float32: a page takes twice the bytes (the budget holds
-    half the pages), nothing else changes; the decode attention then takes the CPU kernel."""
-    dtype = np.dtype(dtype)
-    if platform == "cpu" and dtype.itemsize == 2 and dtype.kind in "fV":
-        return np.dtype(np.float32)
-    return dtype
 
 
 def kv_layout(cfg: ModelConfig, c: EngineConfig, platform: str) -> tuple[bool, int]:

@@ -48,10 +48,10 @@ class DraftModel:
         import jax
 
         from multilora.config import ModelConfig
-        from multilora.engine.build import kv_cache_dtype
         from multilora.model import projections
         from multilora.model.llama import make_kv_cache
-        from multilora.model.loader import load_weights, resolve_dtype
+        from multilora.model.loader import load_weights
+        from multilora.model.precision import activation_dtype, resolve_precision
         from multilora.model.sharding import KV_AXES, make_mesh, rules_for, sharding
 
         if jax.process_count() > 1:
@@ -62,10 +62,12 @@ class DraftModel:
             raise ValueError(f"speculative_config: the draft model {path} has a vocabulary of {cfg.vocab_size} "
                              f"tokens, the target {target_cfg.vocab_size}: a draft must share the target's tokenizer")
         mesh = make_mesh(1, num_kv_heads=cfg.num_kv_heads)
-        _, weights = load_weights(path, cfg, dtype, mesh)
-        mode = projections.resolve(projection_dtype, resolve_dtype(dtype), weights.embed_VD)
+        # the target's dtype as asked, resolved as the target's is (a draft has no adapters)
+        _, weights = load_weights(path, cfg, activation_dtype(dtype, jax.devices()[0].platform), mesh)
+        precision = resolve_precision(dtype, projection_dtype, "auto", None, "auto", weights.embed_VD)
+        mode = precision.projections
         weights = projections.convert(weights, mode)
-        kv_dtype = kv_cache_dtype(resolve_dtype(dtype), jax.devices()[0].platform)
+        kv_dtype = precision.kv_cache
         kv = make_kv_cache(cfg, num_pages, page_size, kv_dtype, sharding(mesh, rules_for(cfg, mesh), KV_AXES),
                            heads_major=False)
         log.info("draft model %s: %d layers, projections %s (%s)", path, cfg.num_layers, mode,

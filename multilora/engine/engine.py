@@ -36,21 +36,22 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 
 from multilora.config import EngineConfig, ModelConfig
+from multilora.engine import lifecycle
 from multilora.engine.adapter_api import AdapterAPI, version_tag
 from multilora.engine.batching import SeqChunk
-from multilora.engine.build import default_max_rank, generation_eos, kv_cache_dtype, kv_cache_pages, kv_layout, lora_sizing, prepare_process
+from multilora.engine.build import default_max_rank, generation_eos, kv_cache_pages, kv_layout, lora_sizing, prepare_process
 from multilora.engine.commands import AbortRequest, AddRequest, Command, StopFollowers
 from multilora.engine.kv_pages import PagePool
 from multilora.engine.outputs import (Logprob, PromptTooLongError, RequestOutput, StreamDelta,  # noqa: F401
                                       keep_prompt_logprobs, logprob_of, prompt_next_tokens)
 from multilora.engine.residency import AdapterResidency
-from multilora.engine.request import Request, SamplingParams
+from multilora.engine.request import Request, SamplingParams, stop_after_token
 from multilora.engine.runner import Buckets, Launched, ModelRunner, ProcessRow, SampleRow, StepResult
 from multilora.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from multilora.engine.speculative import make_speculator
 from multilora.engine.step_budget import StepClock, StepCosts, step_budget
 from multilora.engine.structured import Grammars
-from multilora.engine.tokenizer import Detokenizer, load_tokenizer
+from multilora.engine.tokenizer import Detokenizer, load_tokenizer, prompt_token_ids
 from multilora.model.loader import Progress
 from multilora.adapters.adapter import load_adapter
 from multilora.adapters.mix import MIX_PREFIX, read_mix
@@ -75,6 +76,7 @@ class Engine(AdapterAPI):
         from multilora.model import projections
         from multilora.model.llama import make_kv_cache
         from multilora.model.loader import load_weights, resolve_dtype
+        from multilora.model.precision import activation_dtype, resolve_precision
         from multilora.model.sharding import KV_AXES, make_mesh, rules_for, sharding
 
         config = (config or EngineConfig()).replace(**options)
@@ -85,6 +87,7 @@ class Engine(AdapterAPI):
         page_size = c.page_size
         prepare_process(c.compilation_cache_dir, distributed)  # the compilation cache, the kernels' build
         self._sync = None  # set at the end when several processes run
+        self._shut_down = False
         if distributed:  # before anything touches a device
             from multilora.engine.distributed import initialize
             initialize(**distributed)
@@ -94,18 +97,21 @@ class Engine(AdapterAPI):
         self.model_path = str(model)
         self.model_name = Path(model).name
         self.cfg = ModelConfig.from_dir(model)
-        self.dtype = resolve_dtype(c.dtype)
         self.mesh = make_mesh(c.tensor_parallel_size, num_kv_heads=self.cfg.num_kv_heads)
         self.rules = rules_for(self.cfg, self.mesh)  # fails early if the heads do not divide
         # Read the adapters given at start before anything big: a bad one fails fast, and the
         # default max_lora_rank follows their ranks.
         max_lora_rank = c.max_lora_rank or default_max_rank(lora_modules, experts=bool(self.cfg.moe_layers))
-        _, weights = load_weights(model, self.cfg, c.dtype, self.mesh, progress=progress)
-        self.projection_mode = c.quantization or projections.resolve(c.projection_dtype, self.dtype, weights.embed_VD)
+        platform = jax.devices()[0].platform
+        self.dtype = resolve_dtype(activation_dtype(c.dtype, platform))
+        _, weights = load_weights(model, self.cfg, self.dtype, self.mesh, progress=progress)
+        # what runs, by name (logged; /health reports it): dtype as asked, each part's dtype
+        self.precision = resolve_precision(c.dtype, c.projection_dtype, c.lora_dtype, c.quantization,
+                                           c.lora_backend, weights.embed_VD)
+        self.projection_mode = self.precision.projections
         weights = projections.convert(weights, self.projection_mode)
-        self.lora_dtype = projections.lora_pool_dtype(c.lora_dtype, self.dtype, self.projection_mode,
-                                                       c.lora_backend)
-        log.log(*projections.describe(self.projection_mode, self.lora_dtype, self.dtype, weights.embed_VD))
+        self.lora_dtype = np.dtype(resolve_dtype(self.precision.adapter_pool))
+        log.log(*projections.describe(self.precision, weights.embed_VD))
         self.tokenizer = load_tokenizer(model)
         self.eos_token_ids = set(self.cfg.eos_token_ids) | generation_eos(model)
 
@@ -116,8 +122,8 @@ class Engine(AdapterAPI):
         max_num_seqs = c.max_num_seqs
         max_num_batched_tokens = max(c.max_num_batched_tokens, 16)
         max_prefill_seqs = min(c.max_prefill_seqs, max_num_seqs)
-        kv_heads_major, lane_pack = kv_layout(self.cfg, c, jax.devices()[0].platform)
-        kv_dtype = kv_cache_dtype(self.dtype, jax.devices()[0].platform)
+        kv_heads_major, lane_pack = kv_layout(self.cfg, c, platform)
+        kv_dtype = np.dtype(resolve_dtype(self.precision.kv_cache))
         num_pages = kv_cache_pages(self.cfg, c, self.max_model_len, kv_dtype, kv_heads_major, lane_pack)
         self.pages = PagePool(num_pages, page_size, enable_prefix_caching=c.enable_prefix_caching)
         # Split by KV heads (replicated when tp does not divide them), created in place.
@@ -198,18 +204,23 @@ class Engine(AdapterAPI):
             from multilora.engine.distributed import StepSync
             self._sync = StepSync()
             self.async_scheduling = False  # the processes step in lockstep, each step read before the next
+        lifecycle.watch(self)
+
+    # ---- its end (multilora.engine.lifecycle) ---------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the engine's threads and give back its device arrays and executables; it takes
+        no more work after this (EngineShutDownError). A second call does nothing."""
+        lifecycle.shutdown(self)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"model folder {self.model_path!r} has no tokenizer.json: "
-                                 "pass prompts as lists of token ids")
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if any(not isinstance(t, (int, np.integer)) or not (0 <= t < self.cfg.vocab_size) for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.cfg.vocab_size})")
-        return [int(t) for t in ids]
+        return prompt_token_ids(prompt, self.tokenizer, self.cfg.vocab_size, self.model_path)
 
     def _checked_prompt_ids(self, prompt: Prompt) -> list[int]:
         ids = self.tokenize(prompt)
@@ -309,6 +320,7 @@ class Engine(AdapterAPI):
         """One mixed step; returns what it added to each touched request (and finished ones).
         With async scheduling the step's tokens are read in the next call, after that call has
         planned and dispatched its own step: each call returns the previous step's deltas."""
+        lifecycle.check_open(self, "step")
         if self._sync is not None and not self._sync.exchange(self):
             return []  # several processes, and the leader has stopped
         if self._sync is None:
@@ -435,26 +447,9 @@ class Engine(AdapterAPI):
         return self._sync is not None or self.registry.ready(name)
 
     def _check_stop(self, req: Request) -> None:
-        p = req.params
-        token = req.output_token_ids[-1]
-        if req.detok is not None:
-            req.text = req.detok.decode(req.output_token_ids)
-        if len(req.output_token_ids) < p.min_tokens:  # min_tokens: only the length may end it
-            return self._finish(req, "length", None) if len(req.output_token_ids) >= req.max_tokens else None
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return self._finish(req, "stop", None)
-        if token in p.stop_token_ids:
-            return self._finish(req, "stop", token)
-        if req.matcher is not None and req.matcher.is_stopped():  # the grammar is complete
-            return self._finish(req, "stop", None)
-        if p.stop and req.detok is not None:
-            for s in p.stop:
-                k = req.text.find(s, max(0, req.sent_text - len(s)))
-                if k >= 0:
-                    req.text = req.text[:k]
-                    return self._finish(req, "stop", s)
-        if len(req.output_token_ids) >= req.max_tokens:
-            return self._finish(req, "length")
+        end = stop_after_token(req, self.eos_token_ids)
+        if end is not None:
+            self._finish(req, *end)
 
     def _collect(self, touched: list[str]) -> list[StreamDelta]:
         deltas = []
@@ -554,6 +549,7 @@ class Engine(AdapterAPI):
     def _guard(self, what: str) -> None:
         """Before a state change: on a multi-process engine only the leader (or a follower
         replaying the leader's command) may make one."""
+        lifecycle.check_open(self, what)
         if self._sync is not None:
             self._sync.guard(what)
 

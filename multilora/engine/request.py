@@ -162,3 +162,29 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+
+def stop_after_token(req: Request, eos_token_ids) -> Optional[tuple[str, Any]]:
+    """After a token is appended: (finish_reason, stop_reason) if the request ends here, else
+    None. The text is decoded first and cut before a stop string that it now holds."""
+    p = req.params
+    token = req.output_token_ids[-1]
+    if req.detok is not None:
+        req.text = req.detok.decode(req.output_token_ids)
+    if len(req.output_token_ids) < p.min_tokens:  # min_tokens: only the length may end it
+        return ("length", None) if len(req.output_token_ids) >= req.max_tokens else None
+    if not p.ignore_eos and token in eos_token_ids:
+        return "stop", None
+    if token in p.stop_token_ids:
+        return "stop", token
+    if req.matcher is not None and req.matcher.is_stopped():  # the grammar is complete
+        return "stop", None
+    if p.stop and req.detok is not None:
+        for s in p.stop:
+            k = req.text.find(s, max(0, req.sent_text - len(s)))
+            if k >= 0:
+                req.text = req.text[:k]
+                return "stop", s
+    if len(req.output_token_ids) >= req.max_tokens:
+        return "length", None
+    return None

@@ -211,17 +211,17 @@ class ModelRunner:
         # pools' is rows-major (multilora.adapters.pool.POOL_LAYOUT), so the step reads them in place.
         # The step's batch arrives as one int32 buffer (multilora.model.packing): one host -> device
         # copy a step, not one per array (~18 with LoRA), each of which a TPU step waits for.
-        self._fwd = jax.jit(forward_packed, static_argnames=("spec", "cfg", "backend", "hidden", "native_attention",
+        self._fwd = jax.jit(owned(forward_packed), static_argnames=("spec", "cfg", "backend", "hidden", "native_attention",
                                                              "kv_heads_major", "pallas_attention", "kv_write"),
                             donate_argnames=("kv",),
                             out_shardings=(self.replicated, kv_shardings, self.replicated))
-        self._score = jax.jit(token_logprobs, static_argnames=("cfg", "k"), out_shardings=self.replicated)
+        self._score = jax.jit(owned(token_logprobs), static_argnames=("cfg", "k"), out_shardings=self.replicated)
         # tokens padded to max_num_seqs: what the next step can take on the device (launch's feed)
         self._sample = jax.jit(functools.partial(sample, width=buckets.max_num_seqs),
                                static_argnames=("mode", "logprobs"), out_shardings=self.replicated)
         self._unfed = jax.device_put(np.zeros(buckets.max_num_seqs, np.int32), self.replicated)
-        self._process = jax.jit(process_logits, out_shardings=self.replicated)
-        self._mask = jax.jit(apply_token_bitmask, out_shardings=self.replicated)
+        self._process = jax.jit(owned(process_logits), out_shardings=self.replicated)
+        self._mask = jax.jit(owned(apply_token_bitmask), out_shardings=self.replicated)
         # structured output: fills the rows' token masks, (matcher, row) pairs -> bitmask_QW
         # (multilora.engine.structured.Grammars.fill); set by the engine
         self.fill_masks: Optional[Callable[[list, np.ndarray], None]] = None
@@ -438,6 +438,16 @@ class ModelRunner:
         """A background warm-up's threads stop after their current compile (at shutdown)."""
         self.compiler.stop()
 
+    def release(self) -> None:
+        """Give back the device arrays and executables (Engine.shutdown): the warm-up stopped
+        and waited for, the compiled shapes and jitted functions dropped, the weights, KV cache
+        and adapter pools let go. The runner runs nothing after this."""
+        self.stop_warmup()
+        self.compiler.tables.clear()
+        self._step_specs.clear()
+        self._fwd = self._score = self._sample = self._process = self._mask = None
+        self.weights = self.kv = self.lora = self._unfed = None
+
     # ---- a step ------------------------------------------------------------------------------
     def bucket_for(self, chunks: Sequence[SeqChunk]) -> tuple[int, int]:
         tokens = sum(len(c.token_ids) for c in chunks)
@@ -549,12 +559,25 @@ def jit_slot_writer(write_rows, buffers, buffer_formats, rows_shardings, replica
     name the zero row); the rows come in the pools' dtype (host copies are read in it:
     multilora.adapters.adapter.load_adapter)."""
     from multilora.adapters.pool import blocks_of
-    fn = jax.jit(write_rows, donate_argnums=0, in_shardings=(buffer_formats, replicated, rows_shardings),
+    fn = jax.jit(owned(write_rows), donate_argnums=0, in_shardings=(buffer_formats, replicated, rows_shardings),
                  out_shardings=buffer_formats)
     rows_abstract = type(buffers)(**{
         k: jax.ShapeDtypeStruct((b.shape[0], blocks_of(k) * max_rank, b.shape[2]), b.dtype)
         for k, b in vars(buffers).items()})
     return fn.lower(buffers, jax.ShapeDtypeStruct((max_rank,), np.int32), rows_abstract).compile()
+
+
+def owned(fn: Callable) -> Callable:
+    """A new function object that calls fn, for jax.jit. JAX's caches key a jitted function's
+    traces, lowerings and executables weakly on the function: those of a module-level function
+    live as long as the process (a model served before, its executables still mapped: each XLA CPU
+    executable holds memory mappings of its code, and a process that builds engines of several
+    models one after another ran past the kernel's limit on mappings). Jitting a runner's own
+    wrapper gives its executables the runner's lifetime."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return call
 
 
 def _replicated_like(s: jax.sharding.Sharding) -> jax.sharding.Sharding:

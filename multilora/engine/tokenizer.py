@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 
 def read_chat_template(folder) -> Optional[str]:
     """The chat template a folder ships: tokenizer_config.json's `chat_template` (a string, or
@@ -155,3 +157,16 @@ class Detokenizer:
                 self.text += full[len(seen):]
                 self._prefix, self._read = self._read, len(ids)
         return self.text
+
+
+def prompt_token_ids(prompt, tokenizer, vocab_size: int, model_path: str) -> list[int]:
+    """A prompt's token ids: a text encoded by the model's tokenizer (ValueError where the model
+    has none), or ids given, checked to be integers in the vocabulary."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"model folder {model_path!r} has no tokenizer.json: pass prompts as lists of token ids")
+        return tokenizer.encode(prompt)
+    ids = list(prompt)
+    if any(not isinstance(t, (int, np.integer)) or not (0 <= t < vocab_size) for t in ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    return [int(t) for t in ids]

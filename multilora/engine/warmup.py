@@ -206,9 +206,13 @@ class ShapeCompiler:
             t.join(None if deadline is None else max(0.0, deadline - time.time()))
         return self.warm
 
+    def request_stop(self) -> None:
+        """Let the background threads stop after their current compile (not waiting for them)."""
+        self._stop.set()
+
     def stop(self) -> None:
         """Let the background threads stop after their current compile, and wait for them."""
-        self._stop.set()
+        self.request_stop()
         for t in list(self._threads):
             t.join()
 

@@ -10,11 +10,13 @@ head), apart from the activations' and the KV cache's.
         AMX, AVX512-BF16 and XLA round the activations to bfloat16 at each product; the AVX2
         path keeps them float32 and widens the weights in registers (half the bytes of float32
         weights, a float32 product on bf16-rounded weights).
-    projection_dtype="auto" (the default): bfloat16 where the packed kernel runs on AMX,
-        AVX512-BF16 or AVX2 + FMA (AUTO_BF16_ISAS: on each it is faster than float32,
+    projection_dtype="auto" (the default): the dtype the user named for the engine; under the
+        engine's dtype "auto" (multilora.model.precision), bfloat16 where the packed kernel runs
+        on AMX, AVX512-BF16 or AVX2 + FMA (AUTO_BF16_ISAS: on each it is faster than float32,
         benchmarks/log/14-2026-12-04-bf16-projections-avx512bf16.md and, on an AVX2-only AMD
-        EPYC, benchmarks/log/36-2026-12-06-avx2-host.md), else the engine's dtype. The
-        environment variable MULTILORA_PROJECTION_DTYPE, when set, says what auto means.
+        EPYC, benchmarks/log/36-2026-12-06-avx2-host.md), else the activations' dtype. The
+        environment variable MULTILORA_PROJECTION_DTYPE, when set, says what auto means under
+        dtype auto (an explicit dtype is obeyed whatever it says).
 
     mode "int8" (EngineConfig.quantization="int8"): a weight-only int8 base. Each projection
         matrix is stored as int8 with one float32 scale per output column (symmetric:
@@ -124,11 +126,18 @@ def auto_dtype(isa: str, dtype) -> str:
     return "bfloat16" if isa in AUTO_BF16_ISAS else jnp.dtype(dtype).name
 
 
-def resolve(projection_dtype: str, dtype, like: jax.Array) -> str:
+def resolve(projection_dtype: str, dtype, like: jax.Array, implied=None) -> str:
     """What the engine runs: "float32", "bfloat16" (XLA's layout) or "bfloat16-packed",
-    for arrays placed like `like`. Raises ValueError on an unknown projection_dtype."""
+    for arrays placed like `like`, activations of `dtype`. implied: the dtype the user named for
+    the engine (None where it was "auto"), which is what projection_dtype auto means then: an
+    explicit float32 runs float32 projections (multilora.model.precision). Raises ValueError on
+    an unknown projection_dtype."""
     if projection_dtype not in PROJECTION_DTYPES:
         raise ValueError(f"unknown projection_dtype {projection_dtype!r}; choose one of {', '.join(PROJECTION_DTYPES)}")
+    if projection_dtype == "auto" and implied is not None:
+        projection_dtype = jnp.dtype(implied).name
+        if projection_dtype not in PROJECTION_DTYPES[1:]:  # float16 keeps its dtype
+            return projection_dtype
     if projection_dtype == "auto":
         env = os.environ.get(AUTO_ENV, "").strip().lower()
         if env:
@@ -144,18 +153,18 @@ def resolve(projection_dtype: str, dtype, like: jax.Array) -> str:
     return projection_dtype
 
 
-def describe(projection_mode: str, lora_dtype, dtype, like: jax.Array) -> tuple[int, str]:
-    """(logging level, message) that the engine logs about its arithmetic: a warning where a
-    model's dtype is bfloat16 or float16 on one CPU device. XLA runs those dtypes' arithmetic
-    there far slower than float32 (a 16-row decode step of the embedded model: 382 ms against
-    78 ms, benchmarks/log/35), while dtype float32 with projection_dtype auto or bfloat16 reads
-    bfloat16 weights through multilora's own GEMM kernel."""
-    msg = f"projections: {projection_mode}; adapter pool: {jnp.dtype(lora_dtype).name}"
-    if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and _one_cpu_device(like):
-        return logging.WARNING, (f"{msg}. dtype {jnp.dtype(dtype).name} on a CPU runs XLA's "
-                                 f"{jnp.dtype(dtype).name} arithmetic, several times slower than float32 "
-                                 "here: for bfloat16 weights at speed use dtype float32 with "
-                                 "projection_dtype auto (or bfloat16)")
+def describe(precision, like: jax.Array) -> tuple[int, str]:
+    """(logging level, message) that the engine logs about its arithmetic (a
+    multilora.model.precision.Precision): a warning where the activations are bfloat16 or float16
+    on one CPU device. XLA runs those dtypes' arithmetic there far slower than float32 (a 16-row
+    decode step of the embedded model: 382 ms against 78 ms, benchmarks/log/35), while dtype auto
+    reads bfloat16 weights through multilora's own GEMM kernel with float32 activations."""
+    msg = precision.describe()
+    if precision.activations in ("bfloat16", "float16") and _one_cpu_device(like):
+        return logging.WARNING, (f"{msg}. {precision.activations} activations on a CPU run XLA's "
+                                 f"{precision.activations} arithmetic, several times slower than float32 "
+                                 "here: for bfloat16 weights at speed use dtype auto (float32 activations, "
+                                 "bfloat16 projections through multilora's kernel)")
     return logging.INFO, msg
 
 

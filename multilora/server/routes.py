@@ -248,7 +248,9 @@ async def health(request: Request):
         return error_response(503, "the engine is not running", code="unavailable")
     # 200 as soon as requests are served; "warmup" says how many of the step shapes are compiled
     # yet (a server compiles most of them in the background after its first shapes)
-    return JSONResponse({"status": "ok", "warmup": async_engine.engine.runner.warmup_status()})
+    engine = async_engine.engine  # precision: what runs (dtype as asked, each part's dtype)
+    return JSONResponse({"status": "ok", "warmup": engine.runner.warmup_status(),
+                         "precision": engine.precision.as_dict()})
 
 
 @operations.get("/metrics")
