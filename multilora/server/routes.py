@@ -45,7 +45,8 @@ async def completions(request: Request):
         raise APIError(400, "the prompt is empty", "prompt")
     prompts = await asyncio.to_thread(lambda: [srv.tokenize(p) for p in raw])  # long prompts: off the loop
     echo = bool(req.echo)
-    # echo with max_tokens 0: score the prompt only (lm-eval's loglikelihood); one token is
+    # echo with max_tokens 0: score the prompt only (older lm-eval's loglikelihood; its
+    # local-completions sends max_tokens 1 and drops that token itself); one token is
     # generated (the prefill samples it anyway) and dropped
     score_only = echo and req.max_tokens == 0
     for ids in prompts:
