@@ -2,7 +2,8 @@
 shrink and expand (lora_kernels.cc, the `native` LoRA backend) and decode attention over the
 paged KV cache (attention_kernels.cc, decode and prefill), the base model's projections in
 bfloat16 (gemm_kernels.cc: Intel AMX, AVX512-BF16 dot products, or AVX2 + FMA on weights widened
-in registers, the best the CPU has: select_isa), and
+in registers, the best the CPU has: select_isa) and with 8-bit weights in groups of 32 (quant_kernels.cc:
+GGUF's Q8_0 arithmetic, AVX2 + FMA), and
 in-place row writes into the LoRA pools (pool_kernels.cc).
 
 The C++ source ships with the package and is compiled once per machine into the user cache
@@ -39,13 +40,14 @@ log = logging.getLogger("multilora.kernels")
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "lora_kernels.cc", HERE / "attention_kernels.cc", HERE / "gemm_kernels.cc",
-           HERE / "pool_kernels.cc")
+           HERE / "pool_kernels.cc", HERE / "quant_kernels.cc")
 HEADERS = (HERE / "parallel.h",)
 DISABLE_ENV = "MULTILORA_NATIVE"
 TARGETS = {"multilora_lora_shrink": "MultiloraLoraShrink", "multilora_lora_expand": "MultiloraLoraExpand",
            "multilora_lora_apply": "MultiloraLoraApply",
            "multilora_decode_attention": "MultiloraDecodeAttention", "multilora_gemm_bf16": "MultiloraGemmBf16",
-           "multilora_prefill_attention": "MultiloraPrefillAttention", "multilora_pool_write": "MultiloraPoolWrite"}
+           "multilora_prefill_attention": "MultiloraPrefillAttention", "multilora_pool_write": "MultiloraPoolWrite",
+           "multilora_gemm_q8": "MultiloraGemmQ8"}
 
 _lock = threading.Lock()
 _build_lock = threading.Lock()
@@ -379,3 +381,56 @@ def gemm_bf16(x_TK: jax.Array, w_LJIRC: jax.Array, layer: jax.Array, n: int, isa
     return jax.ffi.ffi_call("multilora_gemm_bf16", jax.ShapeDtypeStruct((x_TK.shape[0], n), jnp.float32))(
         x_TK.astype(jnp.float32), w_LJIRC, jnp.asarray(layer, jnp.int32), jnp.asarray(rows, jnp.int32),
         isa=np.int64(BF16_GEMM_ISAS.index(isa)))
+
+
+Q8_GROUP = 32  # rows of K that share a scale in gemm_q8's weights (GGUF's Q8_0 block)
+
+
+def q8_gemm_available() -> bool:
+    """Whether gemm_q8 runs here (the kernels built with AVX2 + FMA)."""
+    return available() and bool(_state["lib"].MultiloraGemmQ8Available())
+
+
+def quantize_q8(w_LKN) -> tuple[jax.Array, jax.Array]:
+    """(q_LKN int8, s_LGN float32) of stacked (L, K, N) weights, K padded with zero rows to whole
+    groups of Q8_GROUP: per group of 32 rows of a column, s = max |w| / 127 (1 where all are
+    zero) and q = round(w / s), so every |w - q s| <= s / 2 (GGUF's Q8_0, its scale in float32)."""
+    w = jnp.asarray(w_LKN, jnp.float32)
+    l, k, n = w.shape
+    kp = -(-k // Q8_GROUP) * Q8_GROUP
+    w = jnp.pad(w, ((0, 0), (0, kp - k), (0, 0))).reshape(l, kp // Q8_GROUP, Q8_GROUP, n)
+    amax = jnp.max(jnp.abs(w), axis=2)
+    s = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(w / s[:, :, None, :]), -127, 127).astype(jnp.int8)
+    return q.reshape(l, kp, n), s
+
+
+def dequantize_q8(q_LKN, s_LGN) -> jax.Array:
+    """The float32 weights (L, Kp, N) that quantize_q8's (q, s) stand for: q * s, as gemm_q8
+    multiplies them."""
+    l, kp, n = q_LKN.shape
+    w = q_LKN.reshape(l, kp // Q8_GROUP, Q8_GROUP, n).astype(jnp.float32) * s_LGN[:, :, None, :]
+    return w.reshape(l, kp, n)
+
+
+def pack_q8(q_LKN, s_LGN) -> tuple[jax.Array, jax.Array]:
+    """quantize_q8's (q, s) in gemm_q8's layout: q (L, J, Kp, 16) int8 and s (L, J, G, 16)
+    float32, a column block of 16 a stream (J = ceil(N / 16); zero columns past N, scale 1)."""
+    l, kp, n = q_LKN.shape
+    np_ = -(-n // 16) * 16
+    q = jnp.pad(q_LKN, ((0, 0), (0, 0), (0, np_ - n))).reshape(l, kp, np_ // 16, 16).transpose(0, 2, 1, 3)
+    s = jnp.pad(s_LGN, ((0, 0), (0, 0), (0, np_ - n)), constant_values=1.0)
+    return q, s.reshape(l, kp // Q8_GROUP, np_ // 16, 16).transpose(0, 2, 1, 3)
+
+
+def gemm_q8(x_TK: jax.Array, q_LJKC: jax.Array, s_LJGC: jax.Array, layer: jax.Array, n: int,
+            rows: "jax.Array | int | None" = None) -> jax.Array:
+    """y_TN (float32) = x times layer `layer` of pack_q8's weights (q * s, widened and scaled in
+    registers, summed in float32), read in place; rows as gemm_bf16's (padding rows from there
+    on: not multiplied, zeros)."""
+    if not q8_gemm_available():
+        raise RuntimeError(f"gemm_q8 needs multilora's CPU kernels built with AVX2 + FMA "
+                           f"({unavailable_reason() or 'this CPU or build has no AVX2 + FMA'})")
+    rows = x_TK.shape[0] if rows is None else rows
+    return jax.ffi.ffi_call("multilora_gemm_q8", jax.ShapeDtypeStruct((x_TK.shape[0], n), jnp.float32))(
+        x_TK.astype(jnp.float32), q_LJKC, s_LJGC, jnp.asarray(layer, jnp.int32), jnp.asarray(rows, jnp.int32))

@@ -53,7 +53,7 @@ def kv_cache_dtype(dtype, platform: str) -> np.dtype:
 @dataclasses.dataclass(frozen=True)
 class Precision:
     """What runs, by name: `dtype` as asked, then the dtype of each part (projections: a mode
-    of multilora.model.projections, e.g. "bfloat16-packed" or "int8")."""
+    of multilora.model.projections, e.g. "bfloat16-packed" or "int8-packed")."""
 
     dtype: str
     activations: str
@@ -76,8 +76,8 @@ def resolve_precision(dtype: str, projection_dtype: str, lora_dtype: str, quanti
     from multilora.model import projections
     platform = next(iter(like.sharding.device_set)).platform
     activations = activation_dtype(dtype, platform)
-    mode = quantization or projections.resolve(projection_dtype, activations, like,
-                                               implied=None if dtype == "auto" else activations)
+    mode = (projections.quantized_mode(quantization, like) if quantization else
+            projections.resolve(projection_dtype, activations, like, implied=None if dtype == "auto" else activations))
     pool = projections.lora_pool_dtype(lora_dtype, activations, mode, lora_backend)
     return Precision(dtype=dtype, activations=activations, projections=mode,
                      kv_cache=kv_cache_dtype(activations, platform).name, adapter_pool=jnp.dtype(pool).name)

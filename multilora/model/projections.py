@@ -18,7 +18,12 @@ head), apart from the activations' and the KV cache's.
         environment variable MULTILORA_PROJECTION_DTYPE, when set, says what auto means under
         dtype auto (an explicit dtype is obeyed whatever it says).
 
-    mode "int8" (EngineConfig.quantization="int8"): a weight-only int8 base. Each projection
+    mode "int8-packed" (EngineConfig.quantization="int8" on one CPU device with multilora's
+        kernels): a weight-only 8-bit base in GGUF's Q8_0 arithmetic. Each projection matrix and
+        the LM head stored as int8 with one float32 scale per group of 32 rows of a column
+        (kernels.quantize_q8), packed for gemm_q8 (PackedQ8) and read in place in the layer scan,
+        widened and scaled in registers (a quarter of float32's bytes, half of bfloat16's).
+    mode "int8" (EngineConfig.quantization="int8" elsewhere): a weight-only int8 base. Each projection
         matrix is stored as int8 with one float32 scale per output column (symmetric:
         scale = max |w| / 127 over the column), computed at load from the float checkpoint;
         the product runs over the int8 values widened to the activations' dtype, and the
@@ -93,6 +98,41 @@ class QuantInt8:
         values widened to x's dtype inside the product, the sums in float32, then scaled."""
         y = jnp.einsum("tk,kn->tn", x_TK, self.q_LKN.astype(x_TK.dtype), preferred_element_type=jnp.float32)
         return (y * self.scale_LN).astype(x_TK.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PackedQ8:
+    """A stack of (L, K, N) matrices as int8 values with one float32 scale per group of 32 rows
+    of a column (GGUF's Q8_0 arithmetic: kernels.quantize_q8), in gemm_q8's column-block layout
+    (kernels.pack_q8); read in place at a layer index, as PackedBf16 is."""
+
+    q_LJKC: jax.Array
+    s_LJGC: jax.Array
+    n: int = dataclasses.field(metadata=dict(static=True))
+
+    def matmul(self, x_TK, layer, rows=None) -> jax.Array:
+        """x_TK @ (q * s)[layer] (float32 sums of the dequantized weights' products), in x's
+        dtype; rows: x's rows from there on are padding (zeros in the product)."""
+        return kernels.gemm_q8(x_TK, self.q_LJKC, self.s_LJGC, layer, self.n, rows).astype(x_TK.dtype)
+
+
+def pack_q8(w_LKN: jax.Array) -> PackedQ8:
+    """Group-wise int8 of a stack, packed: a layer at a time (the float32 temporaries are one
+    layer's, not the model's)."""
+    parts = [kernels.pack_q8(*kernels.quantize_q8(w_LKN[i:i + 1])) for i in range(w_LKN.shape[0])]
+    q, s = (parts[0] if len(parts) == 1 else
+            (jnp.concatenate([p[0] for p in parts]), jnp.concatenate([p[1] for p in parts])))
+    return PackedQ8(q, s, int(w_LKN.shape[-1]))
+
+
+def quantized_mode(quantization: str, like: jax.Array) -> str:
+    """What quantization="int8" runs for arrays placed like `like`: "int8-packed" (group-wise,
+    through multilora's gemm_q8) on one CPU device whose kernels run it, else "int8" (one scale
+    per output column, XLA's product: an accelerator's path)."""
+    if quantization != "int8":
+        raise ValueError(f"unknown quantization {quantization!r}; choose int8")
+    return "int8-packed" if _one_cpu_device(like) and kernels.q8_gemm_available() else "int8"
 
 
 def quantize_int8(w_LKN: jax.Array) -> QuantInt8:
@@ -202,6 +242,11 @@ def convert(weights, mode: str):
     if mode == "int8":  # a layer at a time: the float32 temporaries are one layer's, not the model's
         change = {n: _quantize_layers(getattr(layers, n)) for n in _present(layers, PROJECTIONS)}
         return dataclasses.replace(weights, layers=dataclasses.replace(layers, **change))
+    if mode == "int8-packed":  # the LM head too (a tied embedding keeps its table for the lookup)
+        change = {n: pack_q8(getattr(layers, n)) for n in _present(layers, PROJECTIONS)}
+        head_DV = weights.lm_head_DV if weights.lm_head_DV is not None else weights.embed_VD.T
+        return dataclasses.replace(weights, layers=dataclasses.replace(layers, **change),
+                                   lm_head_DV=pack_q8(head_DV[None]))
     if mode != "bfloat16-packed":
         raise ValueError(f"unknown projection mode {mode!r}")
     change = {n: pack(getattr(layers, n)) for n in _present(layers, PROJECTIONS)}
