@@ -429,7 +429,7 @@ class EngineConfig:
     # model and memory
     dtype: str = "auto"                   # activations, projections, adapter pool; auto: the platform's fastest (multilora.model.precision)
     projection_dtype: str = "auto"         # the projection matrices' dtype (multilora.model.projections)
-    quantization: Optional[str] = None     # "int8": a weight-only int8 base (multilora.model.projections)
+    quantization: Optional[str] = None     # "int8" / "int4": a weight-only 8- / 4-bit base (multilora.model.projections)
     lora_dtype: str = "auto"               # the adapter pool's dtype; auto: bf16 beside packed bf16 projections, else dtype (projections.lora_pool_dtype)
     max_model_len: Optional[int] = None   # None: the model's max_position_embeddings
     page_size: int = 16
@@ -473,8 +473,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.projection_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"projection_dtype must be auto, float32 or bfloat16, got {self.projection_dtype!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
         if self.quantization is not None and self.projection_dtype != "auto":
             raise ValueError(f"quantization={self.quantization!r} sets the projections' form: "
                              f"leave projection_dtype auto (got {self.projection_dtype!r})")

@@ -54,9 +54,10 @@ _HELP = {
     "projection_dtype": "dtype of the base model's projection matrices alone, over --dtype's choice "
                         "(activations stay --dtype): bfloat16 products summed in float32 are 2-4x faster "
                         "where the CPU has AMX-BF16 or AVX512-BF16; auto: what --dtype implies",
-    "quantization": "int8: a weight-only int8 base, the projection matrices as int8 with one scale per "
-                    "output column computed at load (half the bytes of bfloat16); adapters and activations "
-                    "keep their dtype",
+    "quantization": "a weight-only base at fewer bits, computed at load (adapters and activations keep "
+                    "their dtype): int8 (on a CPU with multilora's kernels GGUF's Q8_0 arithmetic, a scale a "
+                    "group of 32; elsewhere a scale an output column) or int4 (GGUF's Q4_0, the CPU kernels "
+                    "only; the LM head at 8 bits)",
     "lora_dtype": "dtype of the adapter pool on the device (activations and sums stay float32): "
                   "bfloat16 halves the bytes a step reads per adapter and doubles the adapters a "
                   "--lora-memory-gb holds; auto: bfloat16 beside packed bfloat16 projections (multilora's "
@@ -88,7 +89,7 @@ _HELP = {
 }
 _CHOICES = {"lora_backend": list(LORA_BACKEND_CHOICES),
             "dtype": list(DTYPE_CHOICES), "projection_dtype": ["auto", "float32", "bfloat16"],
-            "lora_dtype": ["auto", "float32", "bfloat16"], "quantization": ["int8"]}
+            "lora_dtype": ["auto", "float32", "bfloat16"], "quantization": ["int8", "int4"]}
 
 
 # vLLM's names for the same flags, so that a vLLM command line runs as it is

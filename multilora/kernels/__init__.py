@@ -2,8 +2,8 @@
 shrink and expand (lora_kernels.cc, the `native` LoRA backend) and decode attention over the
 paged KV cache (attention_kernels.cc, decode and prefill), the base model's projections in
 bfloat16 (gemm_kernels.cc: Intel AMX, AVX512-BF16 dot products, or AVX2 + FMA on weights widened
-in registers, the best the CPU has: select_isa) and with 8-bit weights in groups of 32 (quant_kernels.cc:
-GGUF's Q8_0 arithmetic, AVX2 + FMA), and
+in registers, the best the CPU has: select_isa) and with 8- or 4-bit weights in groups of 32
+(quant_kernels.cc: GGUF's Q8_0 and Q4_0 arithmetic, AVX2 + FMA), and
 in-place row writes into the LoRA pools (pool_kernels.cc).
 
 The C++ source ships with the package and is compiled once per machine into the user cache
@@ -47,7 +47,7 @@ TARGETS = {"multilora_lora_shrink": "MultiloraLoraShrink", "multilora_lora_expan
            "multilora_lora_apply": "MultiloraLoraApply",
            "multilora_decode_attention": "MultiloraDecodeAttention", "multilora_gemm_bf16": "MultiloraGemmBf16",
            "multilora_prefill_attention": "MultiloraPrefillAttention", "multilora_pool_write": "MultiloraPoolWrite",
-           "multilora_gemm_q8": "MultiloraGemmQ8"}
+           "multilora_gemm_quant": "MultiloraGemmQuant"}
 
 _lock = threading.Lock()
 _build_lock = threading.Lock()
@@ -383,26 +383,44 @@ def gemm_bf16(x_TK: jax.Array, w_LJIRC: jax.Array, layer: jax.Array, n: int, isa
         isa=np.int64(BF16_GEMM_ISAS.index(isa)))
 
 
-Q8_GROUP = 32  # rows of K that share a scale in gemm_q8's weights (GGUF's Q8_0 block)
+Q8_GROUP = 32  # rows of K that share a scale in gemm_quant's weights (GGUF's blocks of 32)
 
 
-def q8_gemm_available() -> bool:
-    """Whether gemm_q8 runs here (the kernels built with AVX2 + FMA)."""
-    return available() and bool(_state["lib"].MultiloraGemmQ8Available())
+def quant_gemm_available() -> bool:
+    """Whether gemm_q8 and gemm_q4 run here (the kernels built with AVX2 + FMA)."""
+    return available() and bool(_state["lib"].MultiloraGemmQuantAvailable())
+
+
+def _groups(w_LKN) -> jax.Array:
+    """(L, K, N) float32 weights as (L, G, 32, N), K padded with zero rows to whole groups."""
+    w = jnp.asarray(w_LKN, jnp.float32)
+    l, k, n = w.shape
+    kp = -(-k // Q8_GROUP) * Q8_GROUP
+    return jnp.pad(w, ((0, 0), (0, kp - k), (0, 0))).reshape(l, kp // Q8_GROUP, Q8_GROUP, n)
 
 
 def quantize_q8(w_LKN) -> tuple[jax.Array, jax.Array]:
     """(q_LKN int8, s_LGN float32) of stacked (L, K, N) weights, K padded with zero rows to whole
     groups of Q8_GROUP: per group of 32 rows of a column, s = max |w| / 127 (1 where all are
     zero) and q = round(w / s), so every |w - q s| <= s / 2 (GGUF's Q8_0, its scale in float32)."""
-    w = jnp.asarray(w_LKN, jnp.float32)
-    l, k, n = w.shape
-    kp = -(-k // Q8_GROUP) * Q8_GROUP
-    w = jnp.pad(w, ((0, 0), (0, kp - k), (0, 0))).reshape(l, kp // Q8_GROUP, Q8_GROUP, n)
+    w = _groups(w_LKN)
     amax = jnp.max(jnp.abs(w), axis=2)
     s = jnp.where(amax > 0, amax / 127.0, 1.0)
     q = jnp.clip(jnp.round(w / s[:, :, None, :]), -127, 127).astype(jnp.int8)
-    return q.reshape(l, kp, n), s
+    return q.reshape(q.shape[0], -1, q.shape[-1]), s
+
+
+def quantize_q4(w_LKN) -> tuple[jax.Array, jax.Array]:
+    """(v_LKN uint8 in 0-15, s_LGN float32), GGUF's Q4_0 per group of 32 rows of a column: m the
+    group's value of largest magnitude (the first, with its sign), s = m / -8, v = min(15,
+    floor(w / s + 8.5)) (8 where s is 0), standing for (v - 8) s; |w - (v - 8) s| <= |s| / 2 but
+    at m's end of the range."""
+    w = _groups(w_LKN)
+    at = jnp.argmax(jnp.abs(w), axis=2)[:, :, None, :]
+    s = jnp.take_along_axis(w, at, axis=2)[:, :, 0, :] / -8.0
+    inv = jnp.where(s != 0, 1.0 / jnp.where(s != 0, s, 1.0), 0.0)
+    v = jnp.minimum(15.0, jnp.floor(w * inv[:, :, None, :] + 8.5)).astype(jnp.uint8)
+    return v.reshape(v.shape[0], -1, v.shape[-1]), s
 
 
 def dequantize_q8(q_LKN, s_LGN) -> jax.Array:
@@ -413,14 +431,41 @@ def dequantize_q8(q_LKN, s_LGN) -> jax.Array:
     return w.reshape(l, kp, n)
 
 
+def dequantize_q4(v_LKN, s_LGN) -> jax.Array:
+    """The float32 weights (L, Kp, N) that quantize_q4's (v, s) stand for: (v - 8) s."""
+    return dequantize_q8(v_LKN.astype(jnp.int8) - 8, s_LGN)
+
+
+def _blocks(a_LKN, fill) -> jax.Array:
+    """(L, Kp, N) -> (L, J, Kp, 16): column blocks of 16, padded past N with `fill`."""
+    l, kp, n = a_LKN.shape
+    np_ = -(-n // 16) * 16
+    a = jnp.pad(a_LKN, ((0, 0), (0, 0), (0, np_ - n)), constant_values=fill)
+    return a.reshape(l, kp, np_ // 16, 16).transpose(0, 2, 1, 3)
+
+
 def pack_q8(q_LKN, s_LGN) -> tuple[jax.Array, jax.Array]:
     """quantize_q8's (q, s) in gemm_q8's layout: q (L, J, Kp, 16) int8 and s (L, J, G, 16)
     float32, a column block of 16 a stream (J = ceil(N / 16); zero columns past N, scale 1)."""
-    l, kp, n = q_LKN.shape
-    np_ = -(-n // 16) * 16
-    q = jnp.pad(q_LKN, ((0, 0), (0, 0), (0, np_ - n))).reshape(l, kp, np_ // 16, 16).transpose(0, 2, 1, 3)
-    s = jnp.pad(s_LGN, ((0, 0), (0, 0), (0, np_ - n)), constant_values=1.0)
-    return q, s.reshape(l, kp // Q8_GROUP, np_ // 16, 16).transpose(0, 2, 1, 3)
+    return _blocks(q_LKN, 0), _blocks(s_LGN, 1.0)
+
+
+def pack_q4(v_LKN, s_LGN) -> tuple[jax.Array, jax.Array]:
+    """quantize_q4's (v, s) in gemm_q4's layout: v (L, J, Kp, 8) uint8, byte c of a block's row
+    holding column c (low nibble) and c + 8 (high), and s (L, J, G, 16) float32 (columns past N:
+    v 8, scale 0, zeros)."""
+    v = _blocks(v_LKN, 8)
+    return v[..., :8] | (v[..., 8:] << 4), _blocks(s_LGN, 0.0)
+
+
+def _gemm_quant(x_TK, q, s, layer, n: int, rows, bits: int) -> jax.Array:
+    if not quant_gemm_available():
+        raise RuntimeError(f"gemm_q{bits} needs multilora's CPU kernels built with AVX2 + FMA "
+                           f"({unavailable_reason() or 'this CPU or build has no AVX2 + FMA'})")
+    rows = x_TK.shape[0] if rows is None else rows
+    return jax.ffi.ffi_call("multilora_gemm_quant", jax.ShapeDtypeStruct((x_TK.shape[0], n), jnp.float32))(
+        x_TK.astype(jnp.float32), q, s, jnp.asarray(layer, jnp.int32), jnp.asarray(rows, jnp.int32),
+        bits=np.int64(bits))
 
 
 def gemm_q8(x_TK: jax.Array, q_LJKC: jax.Array, s_LJGC: jax.Array, layer: jax.Array, n: int,
@@ -428,9 +473,10 @@ def gemm_q8(x_TK: jax.Array, q_LJKC: jax.Array, s_LJGC: jax.Array, layer: jax.Ar
     """y_TN (float32) = x times layer `layer` of pack_q8's weights (q * s, widened and scaled in
     registers, summed in float32), read in place; rows as gemm_bf16's (padding rows from there
     on: not multiplied, zeros)."""
-    if not q8_gemm_available():
-        raise RuntimeError(f"gemm_q8 needs multilora's CPU kernels built with AVX2 + FMA "
-                           f"({unavailable_reason() or 'this CPU or build has no AVX2 + FMA'})")
-    rows = x_TK.shape[0] if rows is None else rows
-    return jax.ffi.ffi_call("multilora_gemm_q8", jax.ShapeDtypeStruct((x_TK.shape[0], n), jnp.float32))(
-        x_TK.astype(jnp.float32), q_LJKC, s_LJGC, jnp.asarray(layer, jnp.int32), jnp.asarray(rows, jnp.int32))
+    return _gemm_quant(x_TK, q_LJKC, s_LJGC, layer, n, rows, 8)
+
+
+def gemm_q4(x_TK: jax.Array, v_LJKB: jax.Array, s_LJGC: jax.Array, layer: jax.Array, n: int,
+            rows: "jax.Array | int | None" = None) -> jax.Array:
+    """y_TN (float32) = x times layer `layer` of pack_q4's weights ((v - 8) s), as gemm_q8."""
+    return _gemm_quant(x_TK, v_LJKB, s_LJGC, layer, n, rows, 4)

@@ -38,7 +38,7 @@ from multilora.model.layers import (apply_rope, geglu_tanh, rms_norm, rope_atten
                                     rope_inv_freq, swiglu)
 from multilora.model.moe import ExpertLoRA, grouped_experts, select_experts
 from multilora.model.packing import PackSpec, unpack
-from multilora.model.projections import PackedBf16, PackedQ8, QuantInt8
+from multilora.model.projections import PackedBf16, PackedQuant, QuantInt8
 
 
 def _has_qkv_bias(cfg: ModelConfig) -> bool:
@@ -334,9 +334,9 @@ def make_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, shard
 def _proj(x, w, b=None, layer=None, rows=None):
     """x @ w: the product in w's dtype, accumulated in float32, returned in x's dtype (so bfloat16
     weights under float32 activations run XLA's bfloat16 GEMM; all float32 is a plain f32 dot).
-    A PackedBf16 (PackedQ8) w is the whole stack, read in place at `layer` by multilora's bf16
-    (int8) GEMM, which leaves x's rows from `rows` on (the bucket's padding) out of the product."""
-    if isinstance(w, (PackedBf16, PackedQ8)):
+    A PackedBf16 (PackedQuant) w is the whole stack, read in place at `layer` by multilora's bf16
+    (8- or 4-bit) GEMM, which leaves x's rows from `rows` on (the bucket's padding) out of the product."""
+    if isinstance(w, (PackedBf16, PackedQuant)):
         y = w.matmul(x, layer, rows)
     elif isinstance(w, QuantInt8):  # one layer's slice, as the scan hands it
         y = w.matmul(x)
@@ -438,7 +438,7 @@ def forward(weights: Weights, lora: Optional[LoRAWeights], kv: KVCache, batch: B
     stacked = weights.layers
     packed = {} if isinstance(stacked, tuple) else {
         f.name: getattr(stacked, f.name) for f in dataclasses.fields(stacked)
-        if isinstance(getattr(stacked, f.name), (PackedBf16, PackedQ8))}
+        if isinstance(getattr(stacked, f.name), (PackedBf16, PackedQuant))}
 
     def layer(carry, xs, spec):
         # spec: this layer's (sliding window, sparse MLP), static (cfg.layer_windows, None:

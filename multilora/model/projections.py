@@ -21,8 +21,11 @@ head), apart from the activations' and the KV cache's.
     mode "int8-packed" (EngineConfig.quantization="int8" on one CPU device with multilora's
         kernels): a weight-only 8-bit base in GGUF's Q8_0 arithmetic. Each projection matrix and
         the LM head stored as int8 with one float32 scale per group of 32 rows of a column
-        (kernels.quantize_q8), packed for gemm_q8 (PackedQ8) and read in place in the layer scan,
-        widened and scaled in registers (a quarter of float32's bytes, half of bfloat16's).
+        (kernels.quantize_q8), packed for gemm_q8 (PackedQuant) and read in place in the layer
+        scan, widened and scaled in registers (a quarter of float32's bytes, half of bfloat16's).
+    mode "int4-packed" (quantization="int4", the CPU kernels only): the projections in GGUF's
+        Q4_0 arithmetic (kernels.quantize_q4: 4-bit values, a float32 scale per group of 32),
+        the LM head at 8 bits (as llama.cpp keeps its output matrix at more bits than Q4_0).
     mode "int8" (EngineConfig.quantization="int8" elsewhere): a weight-only int8 base. Each projection
         matrix is stored as int8 with one float32 scale per output column (symmetric:
         scale = max |w| / 127 over the column), computed at load from the float checkpoint;
@@ -102,37 +105,51 @@ class QuantInt8:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class PackedQ8:
-    """A stack of (L, K, N) matrices as int8 values with one float32 scale per group of 32 rows
-    of a column (GGUF's Q8_0 arithmetic: kernels.quantize_q8), in gemm_q8's column-block layout
-    (kernels.pack_q8); read in place at a layer index, as PackedBf16 is."""
+class PackedQuant:
+    """A stack of (L, K, N) matrices at `bits` (8: int8 values, GGUF's Q8_0 arithmetic; 4: 4-bit
+    values, its Q4_0) with one float32 scale per group of 32 rows of a column
+    (kernels.quantize_q8 / quantize_q4), in gemm_q8's / gemm_q4's column-block layout; read in
+    place at a layer index, as PackedBf16 is."""
 
-    q_LJKC: jax.Array
+    q_LJKB: jax.Array
     s_LJGC: jax.Array
     n: int = dataclasses.field(metadata=dict(static=True))
+    bits: int = dataclasses.field(default=8, metadata=dict(static=True))
 
     def matmul(self, x_TK, layer, rows=None) -> jax.Array:
-        """x_TK @ (q * s)[layer] (float32 sums of the dequantized weights' products), in x's
-        dtype; rows: x's rows from there on are padding (zeros in the product)."""
-        return kernels.gemm_q8(x_TK, self.q_LJKC, self.s_LJGC, layer, self.n, rows).astype(x_TK.dtype)
+        """x_TK @ W[layer] (float32 sums of the dequantized weights' products), in x's dtype;
+        rows: x's rows from there on are padding (zeros in the product)."""
+        gemm = kernels.gemm_q8 if self.bits == 8 else kernels.gemm_q4
+        return gemm(x_TK, self.q_LJKB, self.s_LJGC, layer, self.n, rows).astype(x_TK.dtype)
 
 
-def pack_q8(w_LKN: jax.Array) -> PackedQ8:
-    """Group-wise int8 of a stack, packed: a layer at a time (the float32 temporaries are one
-    layer's, not the model's)."""
-    parts = [kernels.pack_q8(*kernels.quantize_q8(w_LKN[i:i + 1])) for i in range(w_LKN.shape[0])]
+QUANTIZED_BITS = {"int8": 8, "int4": 4}
+
+
+def pack_quant(w_LKN: jax.Array, bits: int) -> PackedQuant:
+    """Group-wise quantized and packed at `bits`, a layer at a time (the float32 temporaries are
+    one layer's, not the model's)."""
+    quantize, pack = (kernels.quantize_q8, kernels.pack_q8) if bits == 8 else (kernels.quantize_q4, kernels.pack_q4)
+    parts = [pack(*quantize(w_LKN[i:i + 1])) for i in range(w_LKN.shape[0])]
     q, s = (parts[0] if len(parts) == 1 else
             (jnp.concatenate([p[0] for p in parts]), jnp.concatenate([p[1] for p in parts])))
-    return PackedQ8(q, s, int(w_LKN.shape[-1]))
+    return PackedQuant(q, s, int(w_LKN.shape[-1]), bits)
 
 
 def quantized_mode(quantization: str, like: jax.Array) -> str:
-    """What quantization="int8" runs for arrays placed like `like`: "int8-packed" (group-wise,
-    through multilora's gemm_q8) on one CPU device whose kernels run it, else "int8" (one scale
-    per output column, XLA's product: an accelerator's path)."""
-    if quantization != "int8":
-        raise ValueError(f"unknown quantization {quantization!r}; choose int8")
-    return "int8-packed" if _one_cpu_device(like) and kernels.q8_gemm_available() else "int8"
+    """What a quantization runs for arrays placed like `like`: "int8-packed" / "int4-packed"
+    (group-wise, through multilora's gemm_q8 / gemm_q4) on one CPU device whose kernels run
+    them; elsewhere "int8" (one scale per output column, XLA's product: an accelerator's path).
+    int4 has no path but the CPU kernels' (ValueError saying so)."""
+    if quantization not in QUANTIZED_BITS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZED_BITS)}")
+    if _one_cpu_device(like) and kernels.quant_gemm_available():
+        return f"{quantization}-packed"
+    if quantization == "int8":
+        return "int8"
+    raise ValueError("quantization int4 runs through multilora's CPU kernels (one CPU device, AVX2 + FMA), "
+                     f"not here ({kernels.unavailable_reason() or 'the model is not on one CPU device'}); "
+                     "use int8")
 
 
 def quantize_int8(w_LKN: jax.Array) -> QuantInt8:
@@ -242,11 +259,12 @@ def convert(weights, mode: str):
     if mode == "int8":  # a layer at a time: the float32 temporaries are one layer's, not the model's
         change = {n: _quantize_layers(getattr(layers, n)) for n in _present(layers, PROJECTIONS)}
         return dataclasses.replace(weights, layers=dataclasses.replace(layers, **change))
-    if mode == "int8-packed":  # the LM head too (a tied embedding keeps its table for the lookup)
-        change = {n: pack_q8(getattr(layers, n)) for n in _present(layers, PROJECTIONS)}
+    if mode in ("int8-packed", "int4-packed"):  # the LM head at 8 bits (a tied embedding keeps its table)
+        bits = QUANTIZED_BITS[mode.split("-")[0]]
+        change = {n: pack_quant(getattr(layers, n), bits) for n in _present(layers, PROJECTIONS)}
         head_DV = weights.lm_head_DV if weights.lm_head_DV is not None else weights.embed_VD.T
         return dataclasses.replace(weights, layers=dataclasses.replace(layers, **change),
-                                   lm_head_DV=pack_q8(head_DV[None]))
+                                   lm_head_DV=pack_quant(head_DV[None], 8))
     if mode != "bfloat16-packed":
         raise ValueError(f"unknown projection mode {mode!r}")
     change = {n: pack(getattr(layers, n)) for n in _present(layers, PROJECTIONS)}
