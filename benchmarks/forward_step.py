@@ -45,7 +45,7 @@ from benchmarks.common import SHAPES, machine_info, save_json  # noqa: E402
 from benchmarks.serving import measure_peak_flops, step_flops  # noqa: E402
 from multilora.config import ModelConfig  # noqa: E402
 from multilora.engine.batching import SeqChunk, build_batch, pages_needed  # noqa: E402
-from multilora.engine.build import kv_cache_dtype  # noqa: E402
+from multilora.model.precision import kv_cache_dtype  # noqa: E402
 from multilora.adapters.pool import (blocks_of, lora_feature_dims, rows_major, slot_major_pool,  # noqa: E402
                                  slot_major_rows)
 from multilora.model.llama import (KV_WRITES, KVCache, LayerWeights, LoRAWeights, Weights, forward_packed,  # noqa: E402
@@ -217,14 +217,16 @@ def main(argv=None):
     ap.add_argument("--lora-dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
                     help="the adapter pool's dtype (auto: as the engine's lora_dtype=auto, the case's dtype); "
                          "several: side by side")
-    ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "bf16-weights", "bf16-packed", "bf16-amx", "int8"],
+    ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "bf16-weights", "bf16-packed", "bf16-amx", "int8",
+                             "int8-packed", "int4-packed"],
                     help="the base weights', adapters' and KV cache's dtype (bfloat16: XLA's attention); "
                          "bf16-weights: the projection matrices in bfloat16 (XLA's dot), all else float32; "
                          "bf16-packed: the same through multilora's bf16 GEMM (AMX, AVX512-BF16 or AVX2 + FMA, "
                          "the best here unless $MULTILORA_KERNEL_ISA caps it), with the "
                          "LM head (projection_dtype=bfloat16 there); bf16-amx: its "
                          "earlier name; int8: the projections int8 with per-column scales (quantization=int8), "
-                         "activations, adapters and cache bfloat16")
+                         "activations, adapters and cache bfloat16; int8-packed / int4-packed: quantization int8 / "
+                         "int4 on a CPU (GGUF Q8_0 / Q4_0 arithmetic through multilora's gemm_q8 / gemm_q4)")
     ap.add_argument("--cache-pages", type=int, default=None,
                     help="pages in the KV cache (default: as many as the case's sequences hold; an engine's "
                          "cache, sized by memory, holds many more)")
@@ -248,9 +250,10 @@ def main(argv=None):
     from multilora.lora.backend import SWITCH, choose_backend, get_backend, grouped_cap, native_usable
     from multilora.model import projections
     cfg = ModelConfig.from_hf_dict(SHAPES[args.model])
-    stacked = random_weights(cfg) if set(args.dtypes) - {"int8"} else None
+    stacked = random_weights(cfg) if set(args.dtypes) - {"int8"} else None  # int8-packed / int4-packed: from these
     layouts = {}
-    short = {"float32": "f32", "bfloat16": "bf16", "bf16-weights": "bf16w", "bf16-packed": "packed", "int8": "int8"}
+    short = {"float32": "f32", "bfloat16": "bf16", "bf16-weights": "bf16w", "bf16-packed": "packed", "int8": "int8",
+             "int8-packed": "q8", "int4-packed": "q4"}
     from multilora import kernels
     for asked in dict.fromkeys("bf16-packed" if d == "bf16-amx" else d for d in args.dtypes):
         if asked == "bf16-packed":
@@ -263,6 +266,10 @@ def main(argv=None):
             w = dataclasses.replace(stacked, layers=dataclasses.replace(lw, **{
                 f.name: getattr(lw, f.name).astype(jnp.bfloat16) for f in dataclasses.fields(lw)
                 if f.name.startswith("w")}))
+        elif asked in ("int8-packed", "int4-packed"):  # quantization int8 / int4 on a CPU: multilora's gemm_quant
+            if not projections.packed_usable(stacked.embed_VD) or not kernels.quant_gemm_available():
+                raise SystemExit(f"--dtypes {asked}: multilora's quantized GEMM does not run on this machine")
+            w, dt = projections.convert(stacked, asked), "float32"
         elif asked == "int8":  # quantization='int8' under bfloat16 activations, adapters and cache
             w, dt = random_weights(cfg, dtype=jnp.bfloat16, int8=True), "bfloat16"
         else:
