@@ -71,7 +71,7 @@ TIERS = {
     "model": ["test_model_parity", "test_model_variants", "test_engine", "test_async_scheduling", "test_speculative", "test_prefix_cache", "test_structured",
               "test_demo_adapters", "test_gguf_default", "test_quantization", "test_adapter_tensors", "test_budgeted_steps",
               "test_moe", "test_moe_per_expert"],
-    "server": ["test_server", "test_server_tools", "test_ray_serve"],
+    "server": ["test_server", "test_server_tools", "test_ray_serve", "test_faults"],
     "e2e": ["test_serve_processes", "test_tensor_parallel"],
 }
 TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}

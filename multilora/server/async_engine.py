@@ -14,6 +14,10 @@ shared). Deltas reach each stream's event loop with call_soon_threadsafe. A stre
 early (client gone) aborts its request, which frees its KV pages at once. The queue is bounded:
 when `max_queue` requests already wait for a place in the batch, submit raises QueueFullError.
 
+When the engine thread dies (an exception outside a step), every request in flight ends with
+the reason, and every later request, call and /health answer says why the engine is not running;
+a command posted after the thread's end is answered at once, never left waiting.
+
 An engine that spans several processes (multilora.engine.distributed) cannot skip a step or lose
 a process: a failed step, or a process whose heartbeat stops, ends the engine thread (every
 request in flight gets the error) and calls `on_death(message)`, with which `multilora serve`
@@ -173,6 +177,7 @@ class AsyncEngine:
         self.on_death: Optional[Callable[[str], None]] = None   # called once the engine thread died
         self._multiprocess = getattr(engine, "num_processes", 1) > 1
         self._fatal: Optional[str] = None                       # a lost process (engine thread)
+        self._closed = False                                    # under _lock: the thread has ended
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
@@ -240,14 +245,39 @@ class AsyncEngine:
     # ---- the asyncio side ------------------------------------------------------------------
     def _post(self, cmd: _Post) -> None:
         with self._lock:
-            self._commands.append(cmd)
+            closed = self._closed
+            if not closed:
+                self._commands.append(cmd)
+        if closed:   # the thread has ended (after the caller's check): nobody will apply it
+            self._refuse(cmd)
+            return
         self._wake.set()
 
+    @property
+    def not_running_reason(self) -> str:
+        """What a request, a call or /health is told while the engine does not run."""
+        return f"the engine is not running: {self._dead}" if self._dead is not None else "the engine is not running"
+
+    def _stopped(self) -> EngineStoppedError:
+        return EngineStoppedError(self.not_running_reason)
+
+    def _refuse(self, cmd: _Post) -> None:
+        """Answer a command that will never be applied (any thread)."""
+        if isinstance(cmd, _Submit):
+            with self._lock:
+                self._pending_adds -= 1
+                self._inflight -= 1
+            self._to_loop(cmd.stream.loop, _set_future, cmd.future, None, self._stopped())
+        elif isinstance(cmd, _Call):
+            self._to_loop(cmd.future.get_loop(), _set_future, cmd.future, None, self._stopped())
+
     def _check_running(self) -> None:
+        if self._dead is not None:   # before the shutdown check: a dead thread also stops accepting
+            raise self._stopped()
         if not self._accepting or self._stop:
             raise EngineStoppedError("the server is shutting down and takes no new requests")
         if not self.is_alive:
-            raise EngineStoppedError(f"the engine is not running{': ' + self._dead if self._dead else ''}")
+            raise self._stopped()
 
     async def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                      lora: Optional[str] = None, request_id: Optional[str] = None,
@@ -289,7 +319,7 @@ class AsyncEngine:
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run fn(engine) on the engine thread between two steps; its result or its exception."""
         if not self.is_alive:
-            raise EngineStoppedError("the engine is not running")
+            raise self._stopped()
         fut = asyncio.get_running_loop().create_future()
         self._post(_Call(fn, fut))
         return await fut
@@ -298,7 +328,7 @@ class AsyncEngine:
         """Read and validate on the engine's low-priority loader thread (the disk never stalls a
         step, the read never takes the cores from it), then register the copy between two steps."""
         if not self.is_alive:
-            raise EngineStoppedError("the engine is not running")
+            raise self._stopped()
         adapter = await asyncio.wrap_future(self.engine.read_adapter_async(name, path))
         await self.call(lambda e: e.load_lora_adapter(name, path, pinned=pinned, adapter=adapter,
                                                       load_inplace=load_inplace))
@@ -323,18 +353,11 @@ class AsyncEngine:
             self._fail_all(f"the engine thread died: {self._dead}")
         finally:
             self._accepting = False
-            with self._lock:
+            with self._lock:   # from now on _post answers what comes itself
+                self._closed = True
                 cmds, self._commands = self._commands, []
             for cmd in cmds:  # nobody will run these now: answer their callers
-                if isinstance(cmd, _Submit):
-                    with self._lock:
-                        self._pending_adds -= 1
-                        self._inflight -= 1
-                    self._to_loop(cmd.stream.loop, _set_future, cmd.future, None,
-                                  EngineStoppedError("the engine has stopped"))
-                elif isinstance(cmd, _Call):
-                    self._to_loop(cmd.future.get_loop(), _set_future, cmd.future, None,
-                                  EngineStoppedError("the engine has stopped"))
+                self._refuse(cmd)
             self._fail_all("the engine has stopped")
             if self._multiprocess and self._dead is None:
                 try:  # the followers' follow() returns after this last exchange
