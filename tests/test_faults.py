@@ -1,5 +1,6 @@
 """Faults on the CPU, against a real uvicorn server in this process over a tiny random Llama: an
-engine thread that dies. Each test builds its own engine, since it ends it.
+engine thread that dies, or whose steps keep failing. Each test builds its own engine, since it
+ends it.
 """
 
 from __future__ import annotations
@@ -117,3 +118,28 @@ def test_an_engine_thread_that_dies_says_why_to_every_request_and_to_health(fres
     assert fresh.aengine.num_inflight == 0
     print(f"engine thread died: its stream ended {stream_ended * 1000:.0f} ms after, the request in flight "
           f"answered (500) within {answered * 1000:.0f} ms; later requests and /health 503, with the reason")
+
+
+def test_steps_that_keep_failing_turn_health_unhealthy(fresh, monkeypatch):
+    """One failed step fails its requests (500, with the reason) and the engine goes on; when
+    every step fails, the third in a row ends the engine thread: from then on /health and every
+    request answer 503 with the reason (a supervisor or Ray Serve's health check replaces it)."""
+    from multilora.server.async_engine import MAX_STEP_FAILURES
+
+    def broken():
+        raise RuntimeError("injected: the device is gone")
+
+    monkeypatch.setattr(fresh.engine, "step", broken)
+    body = dict(model="a", prompt=SHORT[0], max_tokens=2)
+    with fresh.http() as c:
+        for i in range(MAX_STEP_FAILURES):
+            assert c.get("/health").status_code == 200, i
+            assert "injected: the device is gone" in _error(c.post("/v1/completions", json=body), 500)
+        deadline = time.monotonic() + TIMEOUT
+        while fresh.aengine.is_alive:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for r in (c.get("/health"), c.post("/v1/completions", json=body)):
+            msg = _error(r, 503)
+            assert f"{MAX_STEP_FAILURES} engine steps in a row failed" in msg and "the device is gone" in msg
+    assert fresh.engine.pages.num_used == 0

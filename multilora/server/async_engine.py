@@ -14,9 +14,10 @@ shared). Deltas reach each stream's event loop with call_soon_threadsafe. A stre
 early (client gone) aborts its request, which frees its KV pages at once. The queue is bounded:
 when `max_queue` requests already wait for a place in the batch, submit raises QueueFullError.
 
-When the engine thread dies (an exception outside a step), every request in flight ends with
-the reason, and every later request, call and /health answer says why the engine is not running;
-a command posted after the thread's end is answered at once, never left waiting.
+When the engine thread dies (an exception outside a step, or MAX_STEP_FAILURES failed steps in a
+row), every request in flight ends with the reason, and every later request, call and /health
+answer says why the engine is not running; a command posted after the thread's end is answered
+at once, never left waiting.
 
 An engine that spans several processes (multilora.engine.distributed) cannot skip a step or lose
 a process: a failed step, or a process whose heartbeat stops, ends the engine thread (every
@@ -44,6 +45,12 @@ log = logging.getLogger("multilora.server")
 
 Prompt = Union[str, Sequence[int]]
 
+# A failed step fails the requests in flight and the engine goes on with the next ones; this many
+# failed steps in a row (no step succeeded between them) mean the engine itself is broken: the
+# thread stops, so that /health and every request say so (and a supervisor, or Ray Serve's health
+# check, can replace it) instead of failing each request with a 500 behind a healthy /health.
+MAX_STEP_FAILURES = 3
+
 
 class QueueFullError(RuntimeError):
     """Too many requests wait already: try again later (HTTP 503)."""
@@ -55,6 +62,10 @@ class EngineStoppedError(RuntimeError):
 
 class PeerLostError(RuntimeError):
     """Another process of a multi-process engine is gone: the engine cannot go on."""
+
+
+class EngineBrokenError(RuntimeError):
+    """MAX_STEP_FAILURES steps in a row failed: the engine thread stops."""
 
 
 class RequestStream:
@@ -178,6 +189,7 @@ class AsyncEngine:
         self._multiprocess = getattr(engine, "num_processes", 1) > 1
         self._fatal: Optional[str] = None                       # a lost process (engine thread)
         self._closed = False                                    # under _lock: the thread has ended
+        self._step_failures = 0                                 # failed steps in a row (engine thread)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
@@ -344,7 +356,7 @@ class AsyncEngine:
         try:
             while not self._loop_once():
                 pass
-        except PeerLostError as e:
+        except (PeerLostError, EngineBrokenError) as e:
             self._dead = str(e)
             self._fail_all(self._dead)
         except BaseException as e:  # noqa: BLE001 - the thread must not die silently
@@ -392,7 +404,12 @@ class AsyncEngine:
                                     "the processes can no longer agree, so the engine stops") from e
             log.exception("engine step failed")
             self._fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
+            self._step_failures += 1
+            if self._step_failures >= MAX_STEP_FAILURES:  # ... unless every step fails: stop
+                raise EngineBrokenError(f"{self._step_failures} engine steps in a row failed, the last with "
+                                        f"{type(e).__name__}: {e}") from e
             return False
+        self._step_failures = 0
         self._dispatch(deltas)
         self._publish()
         if not deltas and eng.num_running == 0:
