@@ -174,6 +174,27 @@ def test_serve_ray_flags_reach_the_config(tmp_path):
         config_from_args(parse(["--model", str(model), "--generation-config", str(tmp_path / "none")]))
 
 
+def test_a_replica_whose_engine_thread_died_fails_its_health_check():
+    """Serve replaces a replica whose check_health raises: one whose engine thread has died would
+    otherwise answer every request routed to it with a 503."""
+    from multilora.server.async_engine import AsyncEngine
+
+    class _Engine:   # what AsyncEngine reads before its thread starts
+        model_name, num_processes = "m", 1
+
+    replica = object.__new__(RS.EngineReplica)
+    replica.replica_id, replica.aengine = "r1", AsyncEngine(_Engine())
+    with pytest.raises(RuntimeError, match="replica r1: the engine is not running"):
+        replica.check_health()            # never started
+    replica.aengine._thread = threading.Thread(target=lambda: None)
+    replica.aengine._thread.is_alive = lambda: True
+    replica.check_health()                # running: healthy
+    replica.aengine._dead = "EngineBrokenError: 3 engine steps in a row failed"
+    with pytest.raises(RuntimeError, match="replica r1: the engine is not running: EngineBrokenError"):
+        replica.check_health()
+    replica.aengine = None   # nothing to stop at __del__: its thread never ran
+
+
 def test_importing_multilora_and_its_cli_does_not_import_ray():
     code = ("import sys, multilora, multilora.cli, multilora.server.ray_serve; "
             "assert 'ray' not in sys.modules, 'ray was imported'")
