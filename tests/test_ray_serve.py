@@ -174,6 +174,48 @@ def test_serve_ray_flags_reach_the_config(tmp_path):
         config_from_args(parse(["--model", str(model), "--generation-config", str(tmp_path / "none")]))
 
 
+class _FakeServe:
+    """ray.serve for start_serve: start() raises what it is given, status() reports the proxies'
+    states in turn (the last one repeated)."""
+
+    def __init__(self, start_error, states):
+        self.start_error, self.states, self.started_with = start_error, list(states), None
+
+    def start(self, http_options, controller_options):
+        self.started_with = controller_options
+        if self.start_error is not None:
+            raise self.start_error
+
+    def status(self):
+        states = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        return type("Status", (), {"proxies": states})()
+
+
+def test_serve_start_waits_for_a_proxy_killed_before_it_was_ready(monkeypatch):
+    """On a busy host Serve's controller kills a proxy that misses its 5 s readiness check, and
+    serve.start(), waiting on that proxy, raises ActorDiedError although a replacement is on
+    its way: start_serve waits for every proxy to be HEALTHY instead (up to its timeout), with
+    generous proxy timeouts given to the controller unless the environment sets them."""
+    ray_exceptions = pytest.importorskip("ray.exceptions")
+    now = [0.0]
+    clock, sleep = (lambda: now[0]), (lambda s: now.__setitem__(0, now[0] + s))
+    killed = ray_exceptions.ActorDiedError()
+    fake = _FakeServe(killed, [{}, {"n1": "STARTING"}, {"n1": "UNHEALTHY"}, {"n1": "STARTING"}, {"n1": "HEALTHY"}])
+    monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", raising=False)
+    monkeypatch.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "45")
+    RS.start_serve({"host": "127.0.0.1", "port": 1}, timeout_s=60, serve=fake, clock=clock, sleep=sleep)
+    assert fake.started_with == {"runtime_env": {"env_vars": {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+                                                              "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "45"}}}
+    assert 0 < now[0] < 60
+    # a proxy never ready: a TimeoutError naming the address and the states, after the timeout
+    fake = _FakeServe(killed, [{"n1": "STARTING", "n2": "HEALTHY"}])
+    with pytest.raises(TimeoutError, match=r"127.0.0.1:8123 is not ready after 30 s .*'n1': 'STARTING'"):
+        RS.start_serve({"host": "127.0.0.1", "port": 8123}, timeout_s=30, serve=fake, clock=clock, sleep=sleep)
+    # an error that is not the proxy's start is not waited out
+    with pytest.raises(ValueError):
+        RS.start_serve({}, serve=_FakeServe(ValueError("bad http_options"), [{}]), clock=clock, sleep=sleep)
+
+
 def test_a_replica_whose_engine_thread_died_fails_its_health_check():
     """Serve replaces a replica whose check_health raises: one whose engine thread has died would
     otherwise answer every request routed to it with a 503."""
@@ -249,11 +291,12 @@ def cluster(tmp_path_factory):
     base = engine.model_name
     del engine
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu",
-                                       "OMP_WAIT_POLICY": "PASSIVE"}})
+    # as serve-ray starts Ray and Serve: workers at niceness 0, a slow proxy waited out
+    RS.init_ray(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu",
+                                          "OMP_WAIT_POLICY": "PASSIVE"}})
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    RS.start_serve({"host": "127.0.0.1", "port": port})
     cfg = RS.RayServeConfig(
         engine_kwargs=dict(model=str(model_dir), lora_modules=modules, warmup=False, **ENGINE_KW),
         num_replicas=2, max_adapters_per_replica=MAX_ADAPTERS_PER_REPLICA, replica_cpus=1,
@@ -320,6 +363,16 @@ def test_tokens_through_ray_equal_offline_greedy_tokens(cluster):
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == cluster.refs[(PROMPTS[2], "b")]
     assert {m.id for m in client.models.list().data} >= {cluster.base, "a", "b"}
+
+
+def test_replicas_run_at_niceness_0(cluster):
+    """init_ray's local cluster: the replicas (Ray workers) at niceness 0, not Ray's 15, at which
+    any busy neighbour process takes nearly all the CPU from them."""
+    for info in replicas_seen(cluster).values():
+        stat = Path(f"/proc/{info['pid']}/stat")
+        if not stat.exists():
+            pytest.skip("no /proc")
+        assert int(stat.read_text().rsplit(")", 1)[1].split()[16]) == 0, info
 
 
 def test_bad_input_gives_openai_error_json_through_the_ingress(cluster):
