@@ -78,7 +78,7 @@ TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules
 # The slowest files first (CI's --durations): CI's two workers take whole files in collection order
 # (--dist loadfile), and the longest one taken late leaves one worker running alone at the end.
 SLOWEST_FIRST = ("test_model_parity", "test_engine", "test_serve_processes", "test_ray_serve",
-                 "test_tensor_parallel", "test_backends", "test_server", "test_lora_pallas",
+                 "test_tensor_parallel", "test_backends", "test_server", "test_faults", "test_lora_pallas",
                  "test_model_variants", "test_attention_pallas", "test_server_tools")
 
 

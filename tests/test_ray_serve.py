@@ -520,7 +520,56 @@ def _stream_until_end(cluster, model, prompt, max_tokens, started: threading.Eve
                     events.append(line.removeprefix("data: "))
                     started.set()
             out["events"] = events
+    out["ended_at"] = time.monotonic()
     started.set()
+
+
+def wait_for_two_running_replicas(cluster, timeout=180.0) -> float:
+    """Seconds until Serve reports two RUNNING replicas and nothing else (a replacement is up)."""
+    t0 = time.monotonic()
+    while True:
+        dep = cluster.serve.status().applications[APP].deployments["EngineReplica"]
+        if dep.replica_states.get("RUNNING", 0) == 2 and len(dep.replica_states) == 1:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout, dep
+        time.sleep(0.5)
+
+
+def test_a_replica_killed_mid_stream_ends_its_stream_and_the_other_keeps_serving(cluster):
+    """ray.kill of the replica that streams a's long completion: the stream ends at once with an
+    SSE error event (replica_died, no [DONE]; the client's timeout never fires), and the other
+    replica serves new requests, with the right tokens, before Serve's replacement is up."""
+    infos = replicas_seen(cluster)
+    out, started = dict(), threading.Event()
+    stream = threading.Thread(target=_stream_until_end, args=(cluster, "a", PROMPTS[0], 400, started, out))
+    stream.start()
+    assert started.wait(60)
+    victim = out["replica"]            # the replica streaming it (its response header)
+    killed_at = time.monotonic()
+    cluster.ray.kill(cluster.ray.get_actor(infos[victim]["actor_name"], namespace="serve"), no_restart=True)
+    stream.join(60)
+    assert not stream.is_alive(), "the stream hangs after its replica was killed"
+    assert out["status"] == 200
+    assert out["events"] and out["events"][-1] != "[DONE]"
+    err = json.loads(out["events"][-1])["error"]
+    assert err["code"] == "replica_died" and victim in err["message"]
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in out["events"][:-1])
+    assert cluster.refs["long_a"].startswith(text) and len(text) < len(cluster.refs["long_a"])
+    ended_in = out["ended_at"] - killed_at
+    # the other replica serves meanwhile (base-model requests: no affinity, any live replica)
+    served_at = []
+    with cluster.http() as c:
+        for prompt in PROMPTS:
+            r = cluster.complete(cluster.base, prompt, 10, client=c)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == cluster.refs[(prompt, None)], r.text
+            assert r.headers[RS.REPLICA_HEADER] != victim
+            served_at.append(time.monotonic() - killed_at)
+    wait_for_two_running_replicas(cluster)
+    replaced_in = time.monotonic() - killed_at
+    print(f"ray.kill mid-stream: error event {ended_in:.2f} s after the kill ({len(out['events']) - 1} chunks "
+          f"before it); the other replica answered {len(PROMPTS)} requests by {served_at[-1]:.2f} s; "
+          f"two replicas RUNNING again after {replaced_in:.1f} s")
+    assert ended_in < 30
 
 
 def test_killing_a_replica_loses_no_request_that_had_not_started_on_it(cluster):
@@ -588,13 +637,7 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_on_it(cluster):
           "was frozen:", [o["attempts"] for o in later])
 
     # Serve replaces it; the new replica serves too.
-    deadline = time.time() + 120
-    while True:
-        dep = cluster.serve.status().applications[APP].deployments["EngineReplica"]
-        if dep.replica_states.get("RUNNING", 0) == 2 and len(dep.replica_states) == 1:
-            break
-        assert time.time() < deadline, dep
-        time.sleep(0.5)
+    wait_for_two_running_replicas(cluster, timeout=120)
     infos = replicas_seen(cluster)
     assert victim not in infos and len(infos) == 2
     with cluster.http() as c:
