@@ -71,14 +71,14 @@ TIERS = {
     "model": ["test_model_parity", "test_model_variants", "test_engine", "test_async_scheduling", "test_speculative", "test_prefix_cache", "test_structured",
               "test_demo_adapters", "test_gguf_default", "test_quantization", "test_adapter_tensors", "test_budgeted_steps",
               "test_moe", "test_moe_per_expert", "test_precision", "test_engine_lifecycle"],
-    "server": ["test_server", "test_server_tools", "test_ray_serve", "test_lm_eval_client"],
+    "server": ["test_server", "test_server_tools", "test_ray_serve", "test_lm_eval_client", "test_faults"],
     "e2e": ["test_serve_processes", "test_tensor_parallel"],
 }
 TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
 # The slowest files first (CI's --durations): CI's two workers take whole files in collection order
 # (--dist loadfile), and the longest one taken late leaves one worker running alone at the end.
 SLOWEST_FIRST = ("test_model_parity", "test_engine", "test_serve_processes", "test_ray_serve",
-                 "test_tensor_parallel", "test_backends", "test_server", "test_lora_pallas",
+                 "test_tensor_parallel", "test_backends", "test_server", "test_faults", "test_lora_pallas",
                  "test_model_variants", "test_attention_pallas", "test_server_tools")
 
 

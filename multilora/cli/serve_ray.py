@@ -80,11 +80,13 @@ def run_serve_ray(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     cfg = config_from_args(args)
-    ray.init(address=args.address, include_dashboard=False, ignore_reinit_error=True,
+    from multilora.server.ray.start import init_ray, start_serve
+    # a local cluster's workers at niceness 0, not Ray's 15 (docs/ray.md, "On a busy host")
+    init_ray(address=args.address, include_dashboard=False, ignore_reinit_error=True,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
                  p for p in [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                              os.environ.get("PYTHONPATH", "")] if p)}})
-    serve.start(http_options={"host": args.host, "port": args.port})
+    start_serve({"host": args.host, "port": args.port})  # waits out a proxy too slow to start
     serve.run(build_application(cfg), name=cfg.app_name, route_prefix="/")
     print(f"multilora: {cfg.num_replicas} replicas serving on http://{args.host}:{args.port}/v1", flush=True)
     stop = threading.Event()

@@ -14,6 +14,11 @@ shared). Deltas reach each stream's event loop with call_soon_threadsafe. A stre
 early (client gone) aborts its request, which frees its KV pages at once. The queue is bounded:
 when `max_queue` requests already wait for a place in the batch, submit raises QueueFullError.
 
+When the engine thread dies (an exception outside a step, or MAX_STEP_FAILURES failed steps in a
+row), every request in flight ends with the reason, and every later request, call and /health
+answer says why the engine is not running; a command posted after the thread's end is answered
+at once, never left waiting.
+
 An engine that spans several processes (multilora.engine.distributed) cannot skip a step or lose
 a process: a failed step, or a process whose heartbeat stops, ends the engine thread (every
 request in flight gets the error) and calls `on_death(message)`, with which `multilora serve`
@@ -40,6 +45,12 @@ log = logging.getLogger("multilora.server")
 
 Prompt = Union[str, Sequence[int]]
 
+# A failed step fails the requests in flight and the engine goes on with the next ones; this many
+# failed steps in a row (no step succeeded between them) mean the engine itself is broken: the
+# thread stops, so that /health and every request say so (and a supervisor, or Ray Serve's health
+# check, can replace it) instead of failing each request with a 500 behind a healthy /health.
+MAX_STEP_FAILURES = 3
+
 
 class QueueFullError(RuntimeError):
     """Too many requests wait already: try again later (HTTP 503)."""
@@ -51,6 +62,10 @@ class EngineStoppedError(RuntimeError):
 
 class PeerLostError(RuntimeError):
     """Another process of a multi-process engine is gone: the engine cannot go on."""
+
+
+class EngineBrokenError(RuntimeError):
+    """MAX_STEP_FAILURES steps in a row failed: the engine thread stops."""
 
 
 class RequestStream:
@@ -173,6 +188,8 @@ class AsyncEngine:
         self.on_death: Optional[Callable[[str], None]] = None   # called once the engine thread died
         self._multiprocess = getattr(engine, "num_processes", 1) > 1
         self._fatal: Optional[str] = None                       # a lost process (engine thread)
+        self._closed = False                                    # under _lock: the thread has ended
+        self._step_failures = 0                                 # failed steps in a row (engine thread)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
@@ -240,14 +257,39 @@ class AsyncEngine:
     # ---- the asyncio side ------------------------------------------------------------------
     def _post(self, cmd: _Post) -> None:
         with self._lock:
-            self._commands.append(cmd)
+            closed = self._closed
+            if not closed:
+                self._commands.append(cmd)
+        if closed:   # the thread has ended (after the caller's check): nobody will apply it
+            self._refuse(cmd)
+            return
         self._wake.set()
 
+    @property
+    def not_running_reason(self) -> str:
+        """What a request, a call or /health is told while the engine does not run."""
+        return f"the engine is not running: {self._dead}" if self._dead is not None else "the engine is not running"
+
+    def _stopped(self) -> EngineStoppedError:
+        return EngineStoppedError(self.not_running_reason)
+
+    def _refuse(self, cmd: _Post) -> None:
+        """Answer a command that will never be applied (any thread)."""
+        if isinstance(cmd, _Submit):
+            with self._lock:
+                self._pending_adds -= 1
+                self._inflight -= 1
+            self._to_loop(cmd.stream.loop, _set_future, cmd.future, None, self._stopped())
+        elif isinstance(cmd, _Call):
+            self._to_loop(cmd.future.get_loop(), _set_future, cmd.future, None, self._stopped())
+
     def _check_running(self) -> None:
+        if self._dead is not None:   # before the shutdown check: a dead thread also stops accepting
+            raise self._stopped()
         if not self._accepting or self._stop:
             raise EngineStoppedError("the server is shutting down and takes no new requests")
         if not self.is_alive:
-            raise EngineStoppedError(f"the engine is not running{': ' + self._dead if self._dead else ''}")
+            raise self._stopped()
 
     async def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                      lora: Optional[str] = None, request_id: Optional[str] = None,
@@ -289,7 +331,7 @@ class AsyncEngine:
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run fn(engine) on the engine thread between two steps; its result or its exception."""
         if not self.is_alive:
-            raise EngineStoppedError("the engine is not running")
+            raise self._stopped()
         fut = asyncio.get_running_loop().create_future()
         self._post(_Call(fn, fut))
         return await fut
@@ -298,7 +340,7 @@ class AsyncEngine:
         """Read and validate on the engine's low-priority loader thread (the disk never stalls a
         step, the read never takes the cores from it), then register the copy between two steps."""
         if not self.is_alive:
-            raise EngineStoppedError("the engine is not running")
+            raise self._stopped()
         adapter = await asyncio.wrap_future(self.engine.read_adapter_async(name, path))
         await self.call(lambda e: e.load_lora_adapter(name, path, pinned=pinned, adapter=adapter,
                                                       load_inplace=load_inplace))
@@ -314,7 +356,7 @@ class AsyncEngine:
         try:
             while not self._loop_once():
                 pass
-        except PeerLostError as e:
+        except (PeerLostError, EngineBrokenError) as e:
             self._dead = str(e)
             self._fail_all(self._dead)
         except BaseException as e:  # noqa: BLE001 - the thread must not die silently
@@ -323,18 +365,11 @@ class AsyncEngine:
             self._fail_all(f"the engine thread died: {self._dead}")
         finally:
             self._accepting = False
-            with self._lock:
+            with self._lock:   # from now on _post answers what comes itself
+                self._closed = True
                 cmds, self._commands = self._commands, []
             for cmd in cmds:  # nobody will run these now: answer their callers
-                if isinstance(cmd, _Submit):
-                    with self._lock:
-                        self._pending_adds -= 1
-                        self._inflight -= 1
-                    self._to_loop(cmd.stream.loop, _set_future, cmd.future, None,
-                                  EngineStoppedError("the engine has stopped"))
-                elif isinstance(cmd, _Call):
-                    self._to_loop(cmd.future.get_loop(), _set_future, cmd.future, None,
-                                  EngineStoppedError("the engine has stopped"))
+                self._refuse(cmd)
             self._fail_all("the engine has stopped")
             if self._multiprocess and self._dead is None:
                 try:  # the followers' follow() returns after this last exchange
@@ -369,7 +404,12 @@ class AsyncEngine:
                                     "the processes can no longer agree, so the engine stops") from e
             log.exception("engine step failed")
             self._fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
+            self._step_failures += 1
+            if self._step_failures >= MAX_STEP_FAILURES:  # ... unless every step fails: stop
+                raise EngineBrokenError(f"{self._step_failures} engine steps in a row failed, the last with "
+                                        f"{type(e).__name__}: {e}") from e
             return False
+        self._step_failures = 0
         self._dispatch(deltas)
         self._publish()
         if not deltas and eng.num_running == 0:

@@ -4,7 +4,8 @@ multilora.cli.serve_ray:build ...`). See docs/ray.md.
 
 The code is in multilora.server.ray: config (RayServeConfig, the headers, pure helpers),
 directory (the adapter directory actor), replica (EngineReplica), ingress (Ingress, the
-retries, build_application); this module gathers their public names.
+retries, build_application), start (init_ray, start_serve: Ray and Serve started without
+failing on a busy host); this module gathers their public names.
 
 Three pieces, one Serve application:
 
@@ -53,5 +54,6 @@ from multilora.server.ray.directory import AdapterDirectory, create_directory, g
 from multilora.server.ray.ingress import (Ingress, NoReplicaError, build_application, died_message,
                                           open_on_replica, relay_stream)
 from multilora.server.ray.replica import EngineReplica, run_asgi
+from multilora.server.ray.start import START_TIMEOUT_S, controller_env, init_ray, start_serve, wait_for_proxies
 
-__all__ = ["ATTEMPTS_HEADER", "AdapterDirectory", "DIRECTORY_NAMESPACE", "EngineReplica", "HELD_HEADER", "Ingress", "NoReplicaError", "REPLICA_HEADER", "RayServeConfig", "WARM_HEADER", "bearer_ok", "build_application", "check_config", "create_directory", "decode_names", "died_message", "encode_names", "error_json", "get_directory", "is_event_stream", "mix_parts", "multiplexed_id", "open_on_replica", "relay_stream", "relayed_headers", "replica_gone", "request_model", "run_asgi", "sse_error", "stale_adapters"]
+__all__ = ["ATTEMPTS_HEADER", "AdapterDirectory", "DIRECTORY_NAMESPACE", "EngineReplica", "HELD_HEADER", "Ingress", "NoReplicaError", "REPLICA_HEADER", "RayServeConfig", "START_TIMEOUT_S", "WARM_HEADER", "bearer_ok", "build_application", "check_config", "controller_env", "create_directory", "decode_names", "died_message", "encode_names", "error_json", "get_directory", "init_ray", "is_event_stream", "mix_parts", "multiplexed_id", "open_on_replica", "relay_stream", "relayed_headers", "replica_gone", "request_model", "run_asgi", "sse_error", "stale_adapters", "start_serve", "wait_for_proxies"]

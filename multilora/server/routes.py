@@ -246,7 +246,7 @@ operations = APIRouter()
 async def health(request: Request):
     async_engine = _state(request)[1]
     if not async_engine.is_alive:
-        return error_response(503, "the engine is not running", code="unavailable")
+        return error_response(503, async_engine.not_running_reason, code="unavailable")
     # 200 as soon as requests are served; "warmup" says how many of the step shapes are compiled
     # yet (a server compiles most of them in the background after its first shapes)
     engine = async_engine.engine  # precision: what runs (dtype as asked, each part's dtype)

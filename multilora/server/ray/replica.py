@@ -149,6 +149,13 @@ class EngineReplica:
     def held(self) -> list[str]:
         return list(self._held)
 
+    def check_health(self) -> None:
+        """Serve's health check (every health_check_period_s): a replica whose engine thread has
+        died (docs/server.md, "Errors") would answer every request with a 503, so it reports
+        itself unhealthy and Serve replaces it."""
+        if not self.aengine.is_alive:
+            raise RuntimeError(f"replica {self.replica_id}: {self.aengine.not_running_reason}")
+
     async def forward(self, req: dict, op: str = "http") -> AsyncIterator[dict]:
         """One HTTP request through this replica's app (op "http"), or /v1/load_lora_adapter
         validated here and then recorded in the directory (op "load")."""
