@@ -55,7 +55,9 @@ def test_an_explicit_dtype_is_obeyed_whatever_the_cpu_and_the_environment(monkey
     p = resolve_precision("float32", "bfloat16", "auto", None, "auto", ON_CPU)  # the expert's mix
     assert p.activations == "float32" and p.projections == ("bfloat16-packed" if packed else "bfloat16")
     assert resolve_precision("float32", "auto", "bfloat16", None, "auto", ON_CPU).adapter_pool == "bfloat16"
-    assert resolve_precision("float32", "auto", "auto", "int8", "auto", ON_CPU).projections == "int8"
+    # a quantization names the projections' form itself (int8-packed where the CPU kernels run)
+    assert resolve_precision("float32", "auto", "auto", "int8", "auto", ON_CPU).projections == (
+        projections.quantized_mode("int8", ON_CPU))
     # auto: the fastest on this CPU (bf16 projections where the packed kernel runs)
     p = resolve_precision("auto", "auto", "auto", None, "auto", ON_CPU)
     auto_bf16 = kernels.bf16_gemm_isa() in projections.AUTO_BF16_ISAS
