@@ -133,6 +133,15 @@ def make_tiny_model(folder: Path, kind: str | dict, seed: int = 0) -> Path:
     return folder
 
 
+def make_tokenized_tiny_model(folder: Path, kind: str | dict = "llama") -> Path:
+    """make_tiny_model in a new folder that also holds the byte-level tokenizer (what a server
+    test needs: texts in, texts out)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tiny_tokenizer(folder)
+    make_tiny_model(folder, kind)
+    return folder
+
+
 def make_adapter(model_dir: Path, folder: Path, seed: int, **lora_kwargs) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

@@ -64,10 +64,7 @@ def long_prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
-    model = root / "model"
-    model.mkdir()
-    reference.make_tiny_tokenizer(model)
-    reference.make_tiny_model(model, "llama")
+    model = reference.make_tokenized_tiny_model(root / "model")
     adapter = reference.make_adapter(model, root / "a", seed=3, **reference.ADAPTER_SPECS["a_all_r8"])
     return model, adapter
 

@@ -73,10 +73,7 @@ def served(tmp_path_factory):
     from multilora.server.async_engine import AsyncEngine
 
     root = tmp_path_factory.mktemp("lm_eval")
-    model_dir = root / "model"
-    model_dir.mkdir()
-    reference.make_tiny_tokenizer(model_dir)
-    reference.make_tiny_model(model_dir, "llama")
+    model_dir = reference.make_tokenized_tiny_model(root / "model")
     end_often(model_dir)
     folders = {name: reference.make_adapter(model_dir, root / name, seed=31 + i, **reference.ADAPTER_SPECS[spec])
                for i, (name, spec) in enumerate(ADAPTERS.items())}

@@ -36,10 +36,7 @@ def setup(tmp_path_factory):
     from multilora.engine.engine import Engine
     from multilora.engine.request import SamplingParams
     root = tmp_path_factory.mktemp("serve_mp")
-    model_dir = root / "model"
-    model_dir.mkdir()
-    reference.make_tiny_tokenizer(model_dir)
-    reference.make_tiny_model(model_dir, "llama")
+    model_dir = reference.make_tokenized_tiny_model(root / "model")
     paths = {name: str(reference.make_adapter(model_dir, root / "adapters" / spec, seed=21 + i,
                                               **reference.ADAPTER_SPECS[spec]))
              for i, (name, spec) in enumerate(ADAPTERS.items())}

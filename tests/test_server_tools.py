@@ -75,10 +75,7 @@ def served(tmp_path_factory):
     from multilora.server.async_engine import AsyncEngine
 
     root = tmp_path_factory.mktemp("server_tools")
-    model_dir = root / "model"
-    model_dir.mkdir()
-    reference.make_tiny_tokenizer(model_dir)
-    reference.make_tiny_model(model_dir, "llama")
+    model_dir = reference.make_tokenized_tiny_model(root / "model")
     folders = {name: reference.make_adapter(model_dir, root / name, seed=21 + i,
                                             **reference.ADAPTER_SPECS[spec])
                for i, (name, spec) in enumerate({"a": "a_all_r8", "q": "b_attn_r4_rslora"}.items())}
